@@ -1,0 +1,195 @@
+"""Typed run configuration, validated at start-up.
+
+A run is described by one YAML file; ``--set section.key=value`` overrides any entry. Unknown keys and bad values
+are errors that name the field (``learner.actor_lr: Input should be greater than 0``), raised as
+:class:`ConfigError` before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = ["ConfigError", "RunConfig", "load_config"]
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names every bad field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunSection(_Section):
+    dir: Path = Field(Path("runs/default"), description="Run directory: metrics, weight store, final model.")
+    seed: int = 0
+    steps: int = Field(20, gt=0, description="PPO updates to run (one per prompt batch).")
+    run_id: str = Field("run", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="Prefix of every batch_id.")
+
+
+class ModelSection(_Section):
+    actor: str = Field(description="Local transformers folder, or 'builtin:<name>' for a model built locally.")
+    reference: Optional[str] = Field(None, description="Frozen reference model; default: the actor's initial weights.")
+    critic: Optional[str] = Field(None, description="Critic backbone; default: the actor's. A scalar head is added.")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+    cache_dir: Path = Field(Path.home() / ".cache" / "streamppo", description="Where builtin models are built.")
+
+
+class DataSection(_Section):
+    prompts: Path = Field(description="JSONL file, one object per line with a 'prompt' string.")
+    batch_size: int = Field(8, gt=0, description="Prompts per step.")
+    shuffle: bool = True
+    max_prompt_tokens: int = Field(64, gt=0, description="Longer prompts are truncated from the left.")
+
+
+class GenerationSection(_Section):
+    backend: Literal["transformers"] = "transformers"
+    n: int = Field(4, gt=0, description="Responses sampled per prompt.")
+    max_new_tokens: int = Field(32, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+
+
+class RewardSection(_Section):
+    function: Optional[str] = Field(None, description="'module:function' taking (prompts, responses) -> scores.")
+    model: Optional[str] = Field(None, description="Sequence-classification reward model folder (one label).")
+    batch_size: int = Field(16, gt=0)
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self):
+        if (self.function is None) == (self.model is None):
+            raise ValueError("set exactly one of reward.function and reward.model")
+        return self
+
+
+class AdaptiveKL(_Section):
+    target: float = Field(6.0, gt=0, description="Target KL per sequence (sum over tokens).")
+    horizon: int = Field(10000, gt=0, description="Sequences over which β moves by at most 20%.")
+
+
+class AlgorithmSection(_Section):
+    advantage_estimator: Literal["gae"] = "gae"
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_coef: float = Field(0.05, ge=0, description="β of the KL penalty in the token rewards (initial β if adaptive).")
+    adaptive_kl: Optional[AdaptiveKL] = None
+    whiten_advantages: bool = True
+    score_clip: Optional[float] = Field(None, gt=0)
+    missing_eos_penalty: Optional[float] = Field(None, description="Subtracted from the score of truncated responses.")
+
+
+class LearnerSection(_Section):
+    ppo_epochs: int = Field(2, gt=0)
+    mini_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step.")
+    micro_batch_size: Optional[int] = Field(None, gt=0, description="Sequences per forward pass; default: the mini-batch.")
+    actor_lr: float = Field(1e-5, gt=0)
+    critic_lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    clip_low: float = Field(0.2, gt=0, lt=1, description="ε_low of the ratio clip.")
+    clip_high: float = Field(0.2, gt=0, description="ε_high of the ratio clip.")
+    dual_clip: Optional[float] = Field(None, gt=1)
+    value_clip: Optional[float] = Field(0.2, gt=0)
+    value_coef: float = Field(1.0, gt=0, description="Scale of the critic's loss (it has its own optimizer).")
+    entropy_coef: float = Field(0.0, ge=0)
+    max_grad_norm: Optional[float] = Field(1.0, gt=0)
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    off_policy_correction: bool = Field(True, description="Truncated importance weight on stale experience.")
+    importance_cap: float = Field(2.0, ge=1)
+
+
+class PipelineSection(_Section):
+    max_staleness: int = Field(0, ge=0, description="0: strictly on-policy; k: generation may run k versions ahead.")
+    keep_snapshots: int = Field(3, gt=0, description="Weight snapshots kept per model in the weight store.")
+    weight_store: Optional[Path] = Field(None, description="Shared weight directory; default: <run.dir>/weights.")
+
+
+class RunConfig(_Section):
+    run: RunSection = RunSection()
+    model: ModelSection
+    data: DataSection
+    generation: GenerationSection = GenerationSection()
+    reward: RewardSection
+    algorithm: AlgorithmSection = AlgorithmSection()
+    learner: LearnerSection = LearnerSection()
+    pipeline: PipelineSection = PipelineSection()
+
+    @model_validator(mode="after")
+    def _batch_sizes_fit(self):
+        rollouts = self.data.batch_size * self.generation.n
+        if self.learner.mini_batch_size > rollouts:
+            raise ValueError(
+                f"learner.mini_batch_size ({self.learner.mini_batch_size}) exceeds the responses per step "
+                f"(data.batch_size × generation.n = {rollouts})"
+            )
+        micro = self.learner.micro_batch_size
+        if micro is not None and self.learner.mini_batch_size % micro:
+            raise ValueError("learner.mini_batch_size must be a multiple of learner.micro_batch_size")
+        return self
+
+    @property
+    def weight_store(self) -> Path:
+        return self.pipeline.weight_store or self.run.dir / "weights"
+
+
+def _apply_override(tree: dict, assignment: str) -> None:
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {assignment!r} is not of the form section.key=value")
+    *parents, leaf = key.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {assignment!r}: {part} is not a section")
+    node[leaf] = yaml.safe_load(raw)
+
+
+def _format_errors(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        lines.append(f"  {where}: {item['msg']}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML config, apply ``section.key=value`` overrides, validate.
+
+    Relative paths in the file (prompts, models, run dir) are taken relative to the file's folder when they
+    exist there, else relative to the working directory.
+    """
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+        tree = loaded
+        _resolve_relative(tree, path.parent)
+    for assignment in overrides or []:
+        _apply_override(tree, assignment)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc)) from None
+
+
+def _resolve_relative(tree: dict, base: Path) -> None:
+    for section, key in (("data", "prompts"), ("model", "actor"), ("model", "reference"), ("model", "critic"), ("reward", "model")):
+        value = tree.get(section, {}).get(key) if isinstance(tree.get(section), dict) else None
+        if isinstance(value, str) and not value.startswith("builtin:") and not Path(value).is_absolute():
+            candidate = base / value
+            if candidate.exists():
+                tree[section][key] = str(candidate)

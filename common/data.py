@@ -1,0 +1,59 @@
+"""Prompt datasets: a JSONL file read once, and a deterministic order of batches over epochs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["DatasetError", "PromptSchedule", "load_prompts"]
+
+
+class DatasetError(ValueError):
+    """The prompt file is missing or a line is not an object with a non-empty 'prompt' string."""
+
+
+def load_prompts(path: Path) -> list[str]:
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise DatasetError(f"cannot read prompt file {path}: {exc}") from None
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}:{number}: not JSON: {exc}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise DatasetError(f"{path}:{number}: expected an object with a non-empty string 'prompt'")
+        prompts.append(row["prompt"])
+    if not prompts:
+        raise DatasetError(f"{path} holds no prompts")
+    return prompts
+
+
+class PromptSchedule:
+    """Which dataset rows make up batch ``step``: epochs of a seeded permutation, batches that may span epochs.
+
+    A pure function of ``step``, so a restarted feeder reproduces exactly the batches (and batch ids) it made
+    before, and nothing is skipped or repeated at an epoch boundary.
+    """
+
+    def __init__(self, num_prompts: int, batch_size: int, shuffle: bool, seed: int):
+        self.num_prompts, self.batch_size, self.shuffle, self.seed = num_prompts, batch_size, shuffle, seed
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_prompts)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_prompts)
+
+    def indices(self, step: int) -> np.ndarray:
+        start = step * self.batch_size
+        positions = np.arange(start, start + self.batch_size)
+        epochs, offsets = np.divmod(positions, self.num_prompts)
+        orders = {int(e): self._epoch_order(int(e)) for e in np.unique(epochs)}
+        return np.array([orders[int(e)][o] for e, o in zip(epochs, offsets)], dtype=np.int64)

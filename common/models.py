@@ -1,0 +1,179 @@
+"""Loading the four models, and the builtin models that need no hub.
+
+The actor and reference are causal LMs; the critic is the same kind of backbone with a one-output token
+classification head (``V(s_t)`` at every position), the reward model a one-label sequence classifier. All come
+from transformers' Auto classes: no model code is written here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import string
+from pathlib import Path
+
+import torch
+
+# transformers logs a load report and progress bars for every model; the services log what matters themselves.
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+import transformers  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+transformers.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "ModelLoadError",
+    "load_actor",
+    "load_critic",
+    "load_reward_model",
+    "load_tokenizer",
+    "resolve_model",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer could not be found or loaded; the message names the path and the role."""
+
+
+# --------------------------------------------------------------------------------------------- builtin models
+
+TINY_CHARS = string.ascii_lowercase + " .,!?'-0123456789"
+
+
+def build_tiny_char_llama(directory: Path, seed: int = 0) -> None:
+    """A randomly initialised 2-layer Llama (~0.1M parameters) with a character-level tokenizer.
+
+    Built locally and deterministically from ``seed``; saved as an ordinary transformers folder, so everything
+    that loads a model folder (the services, vLLM) loads it the same way.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {token: i for i, token in enumerate(specials + list(TINY_CHARS))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=vocab["<pad>"],
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    tmp = directory.with_name(directory.name + ".partial")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(directory)  # a half-built folder never looks finished
+
+
+BUILTIN_MODELS = {"tiny-char-llama": build_tiny_char_llama}
+
+
+def resolve_model(spec: str, cache_dir: Path) -> Path:
+    """Turn a model spec into a local folder: ``builtin:<name>`` is built into ``cache_dir`` once."""
+    if spec.startswith("builtin:"):
+        name = spec.removeprefix("builtin:")
+        if name not in BUILTIN_MODELS:
+            raise ModelLoadError(f"unknown builtin model {name!r}; known: {sorted(BUILTIN_MODELS)}")
+        directory = Path(cache_dir) / "models" / name
+        if not directory.is_dir():
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            log.info("building builtin model %s in %s", name, directory)
+            BUILTIN_MODELS[name](directory)
+        return directory
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model folder {path} not found or has no config.json (hub downloads are not used)")
+    return path
+
+
+# --------------------------------------------------------------------------------------------- loaders
+
+
+def _load(auto_class, path: Path, role: str, dtype: str, trust_remote_code: bool, **kwargs):
+    try:
+        model = auto_class.from_pretrained(
+            path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, local_files_only=True, **kwargs
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load the {role} from {path}: {exc}") from exc
+    # Dropout would make π_old and π_new differ on identical weights; RLHF trains with it off.
+    model.eval()
+    return model
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_actor(path: Path, dtype: str = "float32", trust_remote_code: bool = False, role: str = "actor"):
+    """A causal LM (actor or reference)."""
+    return _load(AutoModelForCausalLM, path, role, dtype, trust_remote_code)
+
+
+def load_critic(path: Path, dtype: str = "float32", trust_remote_code: bool = False):
+    """The critic: the backbone at ``path`` with a scalar head at every position.
+
+    A folder saved as a critic keeps its head; a causal-LM folder gets a new head initialised to zero, so the
+    first values are 0 rather than noise.
+    """
+    config = _config(path, trust_remote_code)
+    is_critic = any(arch.endswith("ForTokenClassification") for arch in (config.architectures or []))
+    config.num_labels = 1
+    config.classifier_dropout = 0.0  # read by the token-classification head of every family that has dropout there
+    model = _load(AutoModelForTokenClassification, path, "critic", dtype, trust_remote_code, config=config)
+    if not is_critic:
+        head = getattr(model, "score", None) or getattr(model, "classifier")  # the head's name varies by family
+        with torch.no_grad():
+            head.weight.zero_()
+            if getattr(head, "bias", None) is not None:
+                head.bias.zero_()
+    return model
+
+
+def load_reward_model(path: Path, dtype: str = "float32", trust_remote_code: bool = False):
+    """A one-label sequence classifier; frozen."""
+    model = _load(AutoModelForSequenceClassification, path, "reward model", dtype, trust_remote_code, num_labels=1)
+    model.requires_grad_(False)
+    return model
+
+
+def _config(path: Path, trust_remote_code: bool):
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read the model config in {path}: {exc}") from exc

@@ -1,0 +1,455 @@
+"""The PPO math of RLHF: pure functions over ``(batch, response_len)`` tensors.
+
+Nothing here does I/O or knows about services or transport. Conventions, as in verl's ``core_algos.py``:
+
+- ``B`` is the number of sequences, ``T`` the padded response length, ``V`` the vocabulary size.
+- ``mask`` is ``(B, T)``, 1.0 for real response tokens and 0.0 for padding. Padding is usually on the right,
+  but every function here treats the mask position by position, so gaps are handled too.
+- ``logp[b, t]`` is the log-probability of response token ``t`` given the prompt and tokens ``< t``.
+- ``values[b, t]`` is the critic's ``V(s_t)``: the value of the state *before* token ``t`` is chosen.
+
+The equations follow ``shared/DESIGN.md`` ("The math") and Schulman et al. 2017 (PPO), Schulman et al. 2016
+(GAE), Ziegler et al. 2019 (KL-shaped rewards, adaptive KL controller).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "agg_loss",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae",
+    "kl_estimate",
+    "last_token_index",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "missing_eos_penalty",
+    "policy_loss",
+    "register_advantage_estimator",
+    "token_rewards",
+    "truncated_importance_weights",
+    "value_loss",
+]
+
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+
+
+# --------------------------------------------------------------------------------------------- masked statistics
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over positions where ``mask`` is 1.
+
+    Args:
+        x: ``(B, T)`` (any shape broadcastable with ``mask``).
+        mask: ``(B, T)``, 0/1.
+        dim: reduce over this dimension only; ``None`` reduces over all.
+    Returns:
+        a scalar, or ``x`` reduced over ``dim``. An all-zero mask gives 0, not NaN.
+    """
+    mask = mask.to(x.dtype)
+    total = (x * mask).sum(dim=dim) if dim is not None else (x * mask).sum()
+    count = mask.sum(dim=dim) if dim is not None else mask.sum()
+    return total / count.clamp(min=1.0)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``x`` over the masked positions (``(B, T)`` in, scalar out), Bessel-corrected by default."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        if count > 1:
+            var = var * count / (count - 1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise ``x`` to zero mean and unit variance over the masked positions of the whole batch.
+
+    Args:
+        x: ``(B, T)``.
+        mask: ``(B, T)``.
+        shift_mean: if False, only scale (keeps the sign of the mean, as some implementations do).
+    Returns:
+        ``(B, T)``, zero at padding.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask.to(x.dtype)
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last real token of each row.
+
+    Args:
+        mask: ``(B, T)``.
+    Returns:
+        ``(B,)`` long; -1 for a row with no real token.
+    """
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    index = torch.where(mask.bool(), positions, torch.full_like(positions, -1))
+    return index.max(dim=-1).values
+
+
+# --------------------------------------------------------------------------------------------- log-probs, KL
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each chosen token.
+
+    Args:
+        logits: ``(B, T, V)``; ``logits[b, t]`` is the distribution that produced ``tokens[b, t]`` (the caller has
+            already shifted by one: the logits at sequence position ``p - 1`` predict the token at ``p``).
+        tokens: ``(B, T)`` long.
+    Returns:
+        ``(B, T)`` float32: ``log_softmax(logits)[tokens]``.
+    """
+    logits = logits.float()
+    chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    # logsumexp instead of a full log_softmax: one (B, T) result instead of another (B, T, V) tensor.
+    return chosen - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution at each position: ``(B, T, V)`` -> ``(B, T)``."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def _kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return logp - ref_logp
+
+
+def _kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+def _kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    # Schulman's unbiased, always non-negative estimator; the clamp keeps exp() finite on wild inputs.
+    log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": _kl_k1,
+    "k2": _kl_k2,
+    "k3": _kl_k3,
+}
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(actor || reference) from the log-probs of the sampled tokens.
+
+    Args:
+        logp: ``(B, T)`` actor (behaviour) log-probs.
+        ref_logp: ``(B, T)`` reference log-probs of the same tokens.
+        kind: ``k1`` = logp − ref; ``k2`` = ½(logp − ref)²; ``k3`` = exp(ref − logp) − (ref − logp) − 1.
+    Returns:
+        ``(B, T)``. Padding positions are not masked here; multiply by the mask where it matters.
+    """
+    try:
+        estimator = KL_ESTIMATORS[kind]
+    except KeyError:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {sorted(KL_ESTIMATORS)}") from None
+    return estimator(logp, ref_logp)
+
+
+# --------------------------------------------------------------------------------------------- rewards
+
+
+def missing_eos_penalty(scores: torch.Tensor, finished: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Subtract ``penalty`` from the score of every response that ended without EOS (was truncated).
+
+    Args:
+        scores: ``(B,)`` reward-model scores.
+        finished: ``(B,)`` bool, True where the response ended with EOS.
+    Returns:
+        ``(B,)``.
+    """
+    return scores - penalty * (~finished.bool()).to(scores.dtype)
+
+
+def token_rewards(
+    scores: torch.Tensor,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float | torch.Tensor,
+    clip: float | None = None,
+) -> torch.Tensor:
+    """KL-shaped per-token rewards: ``r_t = −β·kl_t`` on every real token, plus the score on the last real token.
+
+    Args:
+        scores: ``(B,)`` sequence-level scores from the reward model.
+        kl: ``(B, T)`` per-token KL estimates (see :func:`kl_estimate`).
+        mask: ``(B, T)``.
+        kl_coef: β, a float or a ``(B,)`` tensor.
+        clip: if set, scores are clamped to ``[−clip, clip]`` first.
+    Returns:
+        ``(B, T)`` rewards, zero at padding.
+    """
+    mask = mask.to(kl.dtype)
+    if clip is not None:
+        scores = scores.clamp(-clip, clip)
+    beta = torch.as_tensor(kl_coef, dtype=kl.dtype, device=kl.device)
+    if beta.ndim == 1:
+        beta = beta.unsqueeze(-1)
+    rewards = -beta * kl * mask
+    last = last_token_index(mask)
+    rows = torch.nonzero(last >= 0, as_tuple=True)[0]
+    rewards[rows, last[rows]] += scores[rows].to(kl.dtype)
+    return rewards
+
+
+# --------------------------------------------------------------------------------------------- advantages
+
+AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Register ``fn(rewards, values, mask, gamma, lam) -> (advantages, returns)`` under ``name``."""
+
+    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return decorator
+
+
+@register_advantage_estimator("gae")
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation over the real tokens of each row.
+
+    ``δ_t = r_t + γ·V_{t+1} − V_t`` with ``V = 0`` after the last real token; ``A_t = δ_t + γλ·A_{t+1}``;
+    ``R_t = A_t + V_t``. Masked positions are skipped (neither their value nor their advantage is carried), so
+    right padding, and gaps, are handled. No whitening here: see :func:`masked_whiten`.
+
+    Args:
+        rewards: ``(B, T)`` token rewards (see :func:`token_rewards`).
+        values: ``(B, T)`` critic values ``V(s_t)`` recorded with the experience.
+        mask: ``(B, T)``.
+        gamma: discount γ (1.0 is the usual LLM default).
+        lam: GAE λ (0.95 is usual).
+    Returns:
+        ``(advantages, returns)``, each ``(B, T)``, zero at padding.
+    """
+    with torch.no_grad():
+        mask = mask.to(values.dtype)
+        next_value = torch.zeros_like(values[:, 0])
+        next_advantage = torch.zeros_like(values[:, 0])
+        advantages = torch.zeros_like(values)
+        for t in reversed(range(values.shape[1])):
+            delta = rewards[:, t] + gamma * next_value - values[:, t]
+            advantage = delta + gamma * lam * next_advantage
+            m = mask[:, t]
+            # At a padding position keep carrying what follows it, so the last real token sees V = 0, A = 0.
+            next_value = m * values[:, t] + (1.0 - m) * next_value
+            next_advantage = m * advantage + (1.0 - m) * next_advantage
+            advantages[:, t] = advantage
+        advantages = advantages * mask
+        returns = (advantages + values) * mask
+    return advantages, returns
+
+
+# --------------------------------------------------------------------------------------------- losses
+
+
+def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: LossAgg = "token-mean", num_tokens: float | None = None):
+    """Reduce a ``(B, T)`` per-token loss to a scalar.
+
+    Args:
+        loss: ``(B, T)``.
+        mask: ``(B, T)``.
+        mode: ``token-mean`` (every real token of the batch weighs the same), ``seq-mean-token-sum``, or
+            ``seq-mean-token-mean`` (every sequence weighs the same).
+        num_tokens: for ``token-mean`` under gradient accumulation, the number of real tokens of the *whole*
+            mini-batch, so that the micro-batch losses add up to the global token mean. Default: ``mask.sum()``.
+    """
+    mask = mask.to(loss.dtype)
+    if mode == "token-mean":
+        denominator = mask.sum().clamp(min=1.0) if num_tokens is None else max(float(num_tokens), 1.0)
+        return (loss * mask).sum() / denominator
+    if mode == "seq-mean-token-sum":
+        return (loss * mask).sum(dim=-1).mean()
+    if mode == "seq-mean-token-mean":
+        return masked_mean(loss, mask, dim=-1).mean()
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def truncated_importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Decoupled-PPO off-policy correction ``min(π_old / π_behaviour, C)`` per token, ``(B, T)``, no gradient."""
+    log_ratio = (old_logp - behaviour_logp).clamp(max=20.0)
+    return torch.exp(log_ratio).clamp(max=cap).detach()
+
+
+@dataclass(frozen=True)
+class PolicyLossStats:
+    clip_frac: torch.Tensor
+    """Share of real tokens where the clipped term was the one taken."""
+    approx_kl: torch.Tensor
+    """Masked mean of ``k3(π_new, π_old)``: how far this update moved the policy."""
+    dual_clip_frac: torch.Tensor
+    """Share of real tokens whose loss was bounded by the dual clip."""
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    importance_weights: torch.Tensor | None = None,
+    agg: LossAgg = "token-mean",
+    num_tokens: float | None = None,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """PPO clipped surrogate: ``−min(ratio·A, clip(ratio, 1−ε_low, 1+ε_high)·A)`` per token, aggregated.
+
+    Args:
+        logp: ``(B, T)`` log-probs under the policy being trained (with gradient).
+        old_logp: ``(B, T)`` log-probs under π_old, the policy at the start of this update.
+        advantages: ``(B, T)``.
+        mask: ``(B, T)``.
+        clip_low, clip_high: ε_low and ε_high (asymmetric clipping, "clip-higher").
+        dual_clip: c > 1: for ``A < 0`` the loss is bounded by ``−c·A`` (Ye et al. 2020).
+        importance_weights: ``(B, T)`` off-policy correction multiplied into the per-token loss.
+        agg, num_tokens: see :func:`agg_loss`.
+    Returns:
+        ``(loss, stats)``; ``loss`` is a scalar with gradient w.r.t. ``logp``.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    mask_f = mask.to(logp.dtype)
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    losses = torch.maximum(unclipped, clipped)
+    clip_frac = masked_mean((clipped > unclipped).to(logp.dtype), mask_f)
+    dual_clip_frac = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        bounded = torch.minimum(losses, bound)
+        negative = advantages < 0
+        dual_clip_frac = masked_mean(((losses > bound) & negative).to(logp.dtype), mask_f)
+        losses = torch.where(negative, bounded, losses)
+    if importance_weights is not None:
+        losses = losses * importance_weights
+    loss = agg_loss(losses, mask_f, agg, num_tokens)
+    with torch.no_grad():
+        approx_kl = masked_mean(torch.exp(-log_ratio) - 1.0 + log_ratio, mask_f)
+    return loss, PolicyLossStats(clip_frac.detach(), approx_kl, dual_clip_frac.detach())
+
+
+@dataclass(frozen=True)
+class ValueLossStats:
+    clip_frac: torch.Tensor
+    """Share of real tokens where the clipped value's error was the larger one."""
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None = 0.2,
+    agg: LossAgg = "token-mean",
+    num_tokens: float | None = None,
+) -> tuple[torch.Tensor, ValueLossStats]:
+    """Clipped value loss ``½·max((V − R)², (clip(V, V_old ± ε_v) − R)²)``, aggregated.
+
+    Args:
+        values: ``(B, T)`` critic values being trained (with gradient).
+        old_values: ``(B, T)`` values recorded with the experience.
+        returns: ``(B, T)`` GAE returns.
+        mask: ``(B, T)``.
+        clip: ε_v; ``None`` for the plain ½(V − R)².
+    Returns:
+        ``(loss, stats)``.
+    """
+    mask_f = mask.to(values.dtype)
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        losses = unclipped
+        clip_frac = torch.zeros((), dtype=values.dtype, device=values.device)
+    else:
+        values_clipped = old_values + (values - old_values).clamp(-clip, clip)
+        clipped = (values_clipped - returns) ** 2
+        losses = torch.maximum(unclipped, clipped)
+        clip_frac = masked_mean((clipped > unclipped).to(values.dtype), mask_f).detach()
+    return 0.5 * agg_loss(losses, mask_f, agg, num_tokens), ValueLossStats(clip_frac)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``1 − Var(R − V) / Var(R)`` over the real tokens: 1 is a perfect critic, ≤ 0 no better than a constant."""
+    var_returns = masked_var(returns, mask)
+    return 1.0 - masked_var(returns - values, mask) / var_returns.clamp(min=1e-8)
+
+
+# --------------------------------------------------------------------------------------------- KL controllers
+
+
+class FixedKLController:
+    """β stays where it was set."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Adaptive β of Ziegler et al. 2019: ``β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon)``.
+
+    ``current_kl`` is the KL of the sequences just trained on (sum over tokens, mean over sequences, as in the
+    paper), ``n_steps`` the number of sequences it was measured on.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        if target <= 0 or horizon <= 0:
+            raise ValueError("adaptive KL needs target > 0 and horizon > 0")
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])

@@ -1,0 +1,88 @@
+"""Where scores come from: a reward model, or a reward function named ``module:function``.
+
+A reward function takes ``(prompts: list[str], responses: list[str])`` and returns one float per response.
+The rule rewards below are the synthetic tasks the examples and tests train on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["RewardError", "RewardFunction", "RewardModelScorer", "load_reward_function", "vowel_fraction"]
+
+RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
+
+
+class RewardError(RuntimeError):
+    """The reward source could not be loaded, or returned something that is not one finite score per response."""
+
+
+def vowel_fraction(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
+    """Synthetic task: the share of a response's letters that are vowels (0 for a response with no letters)."""
+    scores = []
+    for response in responses:
+        letters = [c for c in response.lower() if c.isalpha()]
+        scores.append(sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0)
+    return scores
+
+
+def load_reward_function(spec: str) -> RewardFn:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise RewardError(f"reward function {spec!r} must be written module:function")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise RewardError(f"cannot import reward function {spec!r}: {exc}") from None
+    if not callable(fn):
+        raise RewardError(f"reward function {spec!r} is not callable")
+    return fn
+
+
+def _checked(scores, count: int, source: str) -> torch.Tensor:
+    try:
+        values = [float(s) for s in scores]
+    except (TypeError, ValueError) as exc:
+        raise RewardError(f"{source} returned non-numeric scores: {exc}") from None
+    if len(values) != count:
+        raise RewardError(f"{source} returned {len(values)} scores for {count} responses")
+    if not all(math.isfinite(v) for v in values):
+        raise RewardError(f"{source} returned a NaN or infinite score")
+    return torch.tensor(values, dtype=torch.float32)
+
+
+class RewardFunction:
+    def __init__(self, spec: str):
+        self.spec = spec
+        self.fn = load_reward_function(spec)
+
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+        return _checked(self.fn(list(prompts), list(responses)), len(responses), f"reward function {self.spec}")
+
+
+class RewardModelScorer:
+    """Scores text with a one-label sequence classifier and its own tokenizer.
+
+    The reward model need not share the actor's tokenizer, so it reads the decoded text, encoded as a
+    (prompt, response) pair.
+    """
+
+    def __init__(self, model, tokenizer, batch_size: int = 16, max_length: int = 512, name: str = "reward model"):
+        self.model, self.tokenizer = model, tokenizer
+        self.batch_size, self.max_length, self.name = batch_size, max_length, name
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+        scores = []
+        for start in range(0, len(responses), self.batch_size):
+            chunk = slice(start, start + self.batch_size)
+            enc = self.tokenizer(
+                list(prompts[chunk]), list(responses[chunk]), padding=True, truncation=True,
+                max_length=self.max_length, return_tensors="pt",
+            )
+            scores.append(self.model(**enc).logits[:, 0].float())
+        return _checked(torch.cat(scores).tolist() if scores else [], len(responses), self.name)

@@ -1,0 +1,437 @@
+"""The wire contract: one message type per topic, and the msgpack codec that carries them.
+
+Every message is a msgpack map. Arrays travel as ``{"dtype": str, "shape": [int, ...], "data": bytes}`` with
+little-endian data. Nothing is pickled. Each field's wire type is declared once, in the dataclass field's
+metadata, and that declaration drives encoding, validation on decode, and the published description in
+``protos/`` (kept equal to it by ``tests/test_schema.py``).
+
+Decoding untrusted bytes either returns a fully validated message or raises :class:`SchemaError`: declared sizes
+are checked against the bytes actually present before anything is allocated, and symbolic dimensions (``N``,
+``T``...) must agree across all arrays of a message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+import msgpack
+import numpy as np
+
+__all__ = [
+    "DeadLetter",
+    "ExperienceBatch",
+    "MESSAGE_TYPES",
+    "Message",
+    "PromptBatch",
+    "RolloutBatch",
+    "SchemaError",
+    "ScoredBatch",
+    "TOPIC_MESSAGE",
+    "WeightAnnouncement",
+    "decode",
+    "derive",
+    "describe",
+    "encode",
+    "message_key",
+    "new_header",
+]
+
+# Array dtypes allowed on the wire. Little-endian only: '<' is forced on encode and required on decode.
+WIRE_DTYPES = ("bool", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+# Bounds that keep a hostile message from costing more than its own size.
+MAX_LINEAGE_ENTRIES = 256
+
+
+class SchemaError(ValueError):
+    """A message that cannot be decoded or does not satisfy its schema. The text says which field and why."""
+
+
+# --------------------------------------------------------------------------------------------- wire types
+
+
+@dataclass(frozen=True)
+class Scalar:
+    kind: str  # "str" | "int" | "float" | "bool" | "bytes"
+    doc: str
+
+    def describe(self) -> dict:
+        return {"type": self.kind, "doc": self.doc}
+
+
+@dataclass(frozen=True)
+class Array:
+    dtype: str
+    dims: tuple[str, ...]  # symbolic dimension names, e.g. ("N", "T")
+    doc: str
+
+    def describe(self) -> dict:
+        return {"type": "array", "dtype": self.dtype, "shape": list(self.dims), "doc": self.doc}
+
+
+@dataclass(frozen=True)
+class StringList:
+    dim: str
+    doc: str
+
+    def describe(self) -> dict:
+        return {"type": "list[str]", "shape": [self.dim], "doc": self.doc}
+
+
+@dataclass(frozen=True)
+class Lineage:
+    doc: str
+
+    def describe(self) -> dict:
+        return {"type": "map[str, str|int|float|bool|null]", "doc": self.doc}
+
+
+WireType = Union[Scalar, Array, StringList, Lineage]
+
+
+def _wire(wire_type: WireType):
+    return field(metadata={"wire": wire_type})
+
+
+def scalar(kind: str, doc: str):
+    return _wire(Scalar(kind, doc))
+
+
+def array(dtype: str, *dims: str, doc: str):
+    assert dtype in WIRE_DTYPES, dtype
+    return _wire(Array(dtype, tuple(dims), doc))
+
+
+# --------------------------------------------------------------------------------------------- messages
+
+
+@dataclass
+class Message:
+    """The header every pipeline message carries (see DESIGN.md, "Wire contract")."""
+
+    SCHEMA: ClassVar[str] = ""
+    VERSION: ClassVar[int] = 1
+    DOC: ClassVar[str] = ""
+
+    batch_id: str = scalar("str", "Stable id of the prompt batch this message descends from; the idempotency key.")
+    producer: str = scalar("str", "Id of the service replica that produced this message.")
+    policy_version: int = scalar("int", "Actor policy version that sampled the rollouts (weights: the version announced).")
+    created_at: float = scalar("float", "Unix time at which this message was produced.")
+    lineage: dict = _wire(Lineage("Everything needed to re-train from this message: sampling parameters, model ids and versions, coefficients."))
+
+    @classmethod
+    def wire_fields(cls) -> list[tuple[str, WireType]]:
+        return [(f.name, f.metadata["wire"]) for f in dataclasses.fields(cls)]
+
+
+def new_header(batch_id: str, producer: str, policy_version: int, lineage: dict | None = None) -> dict:
+    """Header keyword arguments for a new message."""
+    return {
+        "batch_id": batch_id,
+        "producer": producer,
+        "policy_version": int(policy_version),
+        "created_at": time.time(),
+        "lineage": dict(lineage or {}),
+    }
+
+
+@dataclass
+class PromptBatch(Message):
+    SCHEMA: ClassVar[str] = "prompts"
+    DOC: ClassVar[str] = "A batch of B prompts from the feeder, tokenized with the actor's tokenizer, right-padded to P."
+
+    step: int = scalar("int", "Sequence number of this batch in the feeder's stream (0, 1, 2, ...); gates bounded staleness.")
+    prompt_index: np.ndarray = array("int64", "B", doc="Row of each prompt in the dataset file.")
+    prompt_text: list = _wire(StringList("B", "The prompts as text."))
+    prompt_tokens: np.ndarray = array("int64", "B", "P", doc="Prompt token ids, right-padded.")
+    prompt_lengths: np.ndarray = array("int64", "B", doc="Number of real tokens in each prompt row.")
+
+
+@dataclass
+class RolloutBatch(Message):
+    SCHEMA: ClassVar[str] = "rollouts"
+    DOC: ClassVar[str] = "N = B·n sampled responses (n per prompt) with the behaviour policy's per-token log-probs."
+
+    step: int = scalar("int", "Feeder sequence number of the prompt batch.")
+    group_index: np.ndarray = array("int64", "N", doc="Row of the prompt batch each response was sampled for.")
+    prompt_text: list = _wire(StringList("N", "Prompt of each response, as text."))
+    response_text: list = _wire(StringList("N", "Each response decoded to text (special tokens removed)."))
+    prompt_tokens: np.ndarray = array("int64", "N", "P", doc="Prompt token ids, right-padded.")
+    prompt_lengths: np.ndarray = array("int64", "N", doc="Real tokens in each prompt row.")
+    response_tokens: np.ndarray = array("int64", "N", "T", doc="Response token ids, right-padded; EOS included when sampled.")
+    response_lengths: np.ndarray = array("int64", "N", doc="Real tokens in each response row (the response mask).")
+    finished: np.ndarray = array("bool", "N", doc="True where the response ended with EOS, False where it was truncated.")
+    behaviour_logprobs: np.ndarray = array("float32", "N", "T", doc="log π_behaviour(token) at sampling temperature; 0 at padding.")
+
+
+@dataclass
+class ScoredBatch(RolloutBatch):
+    SCHEMA: ClassVar[str] = "scored"
+    DOC: ClassVar[str] = "Rollouts with the reward model's score and the frozen reference model's log-probs."
+
+    scores: np.ndarray = array("float32", "N", doc="Reward model (or reward function) score of each response, unshaped.")
+    ref_logprobs: np.ndarray = array("float32", "N", "T", doc="log π_ref(token) at sampling temperature; 0 at padding.")
+
+
+@dataclass
+class ExperienceBatch(ScoredBatch):
+    SCHEMA: ClassVar[str] = "experience"
+    DOC: ClassVar[str] = "Scored rollouts with critic values, KL-shaped token rewards, and raw (unwhitened) GAE."
+
+    values: np.ndarray = array("float32", "N", "T", doc="Critic V(s_t) for the state before each response token; 0 at padding.")
+    kl: np.ndarray = array("float32", "N", "T", doc="Per-token KL estimate between behaviour and reference policy.")
+    token_rewards: np.ndarray = array("float32", "N", "T", doc="−β·kl on every token plus the (clipped, penalised) score on the last.")
+    advantages: np.ndarray = array("float32", "N", "T", doc="GAE advantages, not whitened.")
+    returns: np.ndarray = array("float32", "N", "T", doc="GAE returns, advantages + values.")
+
+
+@dataclass
+class WeightAnnouncement(Message):
+    SCHEMA: ClassVar[str] = "weights"
+    DOC: ClassVar[str] = (
+        "A weight snapshot in the weight store. Keyed by model on a compacted topic, so the latest one per model "
+        "survives; policy_version is the version the snapshot holds."
+    )
+
+    model: str = scalar("str", "Which model: 'actor' or 'critic'.")
+    uri: str = scalar("str", "Where the safetensors snapshot lies (a path in the shared weight store, or a URL).")
+    sha256: str = scalar("str", "Hex sha256 of the snapshot file; a mismatch rejects the snapshot.")
+    num_bytes: int = scalar("int", "Size of the snapshot file in bytes.")
+
+
+@dataclass
+class DeadLetter:
+    """Not a pipeline message: what a service writes to ``<topic>.dlq`` for input it could not decode."""
+
+    SCHEMA: ClassVar[str] = "dead_letter"
+    VERSION: ClassVar[int] = 1
+    DOC: ClassVar[str] = "A message that failed to decode or validate, with the error and where it came from."
+
+    error: str = scalar("str", "Why the message was rejected.")
+    source_topic: str = scalar("str", "Topic the message was read from.")
+    source_partition: int = scalar("int", "Partition it was read from.")
+    source_offset: int = scalar("int", "Its offset there.")
+    payload: bytes = scalar("bytes", "The original bytes, untouched.")
+    producer: str = scalar("str", "The service replica that rejected it.")
+    created_at: float = scalar("float", "Unix time of the rejection.")
+
+    @classmethod
+    def wire_fields(cls) -> list[tuple[str, WireType]]:
+        return [(f.name, f.metadata["wire"]) for f in dataclasses.fields(cls)]
+
+
+MESSAGE_TYPES: dict[str, type] = {
+    cls.SCHEMA: cls
+    for cls in (PromptBatch, RolloutBatch, ScoredBatch, ExperienceBatch, WeightAnnouncement, DeadLetter)
+}
+# The message type each pipeline topic carries. Dead-letter topics are named "<topic>.dlq".
+TOPIC_MESSAGE: dict[str, type] = {
+    "prompts": PromptBatch,
+    "rollouts": RolloutBatch,
+    "scored": ScoredBatch,
+    "experience": ExperienceBatch,
+    "weights": WeightAnnouncement,
+}
+
+
+def derive(parent: Message, cls: type, producer: str, lineage: dict | None = None, **fields: Any) -> Message:
+    """A message of type ``cls`` that extends ``parent`` (a base class of ``cls``) with ``fields``.
+
+    Header and parent fields are carried over; ``producer`` and ``created_at`` are renewed and ``lineage`` is
+    merged into the parent's, so every stage adds what it contributed.
+    """
+    carried = {f.name: getattr(parent, f.name) for f in dataclasses.fields(parent)}
+    carried.update(producer=producer, created_at=time.time(), lineage={**parent.lineage, **(lineage or {})})
+    return cls(**carried, **fields)
+
+
+def message_key(message: Message) -> bytes:
+    """The partitioning key: the model for weight announcements (so compaction keeps the latest per model),
+    the batch id for everything else (so one batch's messages stay in one partition)."""
+    if isinstance(message, WeightAnnouncement):
+        return message.model.encode()
+    return message.batch_id.encode()
+
+
+def describe(cls: type) -> dict:
+    """The published description of a message type, as written in ``protos/<schema>.yaml``."""
+    return {
+        "schema": cls.SCHEMA,
+        "version": cls.VERSION,
+        "doc": cls.DOC,
+        "fields": {name: wire.describe() for name, wire in cls.wire_fields()},
+    }
+
+
+# --------------------------------------------------------------------------------------------- encode
+
+
+def _encode_array(name: str, spec: Array, value: Any) -> dict:
+    arr = np.asarray(value)
+    if spec.dtype == "bfloat16":
+        raise SchemaError(f"{name}: bfloat16 arrays must be sent as float32")  # numpy has no native bfloat16
+    arr = np.ascontiguousarray(arr, dtype=np.dtype(spec.dtype).newbyteorder("<"))
+    if arr.ndim != len(spec.dims):
+        raise SchemaError(f"{name}: expected rank {len(spec.dims)} {spec.dims}, got shape {arr.shape}")
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise SchemaError(f"{name}: contains NaN or infinity")
+    return {"dtype": spec.dtype, "shape": list(arr.shape), "data": arr.tobytes()}
+
+
+def encode(message: Any) -> bytes:
+    """Encode a message to msgpack bytes. Raises :class:`SchemaError` if a field does not fit its wire type."""
+    cls = type(message)
+    if MESSAGE_TYPES.get(getattr(cls, "SCHEMA", None)) is not cls:
+        raise SchemaError(f"not a wire message type: {cls.__name__}")
+    out: dict[str, Any] = {"schema": cls.SCHEMA, "version": cls.VERSION}
+    dims: dict[str, int] = {}
+    # Validate on the producer's side too, so a bug fails where it is made and not in a consumer's DLQ.
+    for name, wire in cls.wire_fields():
+        value = getattr(message, name)
+        if isinstance(wire, Array):
+            out[name] = _encode_array(name, wire, value)
+            for dim, size in zip(wire.dims, out[name]["shape"]):
+                _bind_dim(name, dim, size, dims)
+            continue
+        if isinstance(wire, StringList):
+            value = [str(v) for v in value]
+        elif isinstance(wire, Lineage):
+            value = {str(k): v for k, v in value.items()}
+        out[name] = _check_field(name, wire, value, dims)
+    return msgpack.packb(out, use_bin_type=True)
+
+
+# --------------------------------------------------------------------------------------------- decode
+
+_SCALAR_TYPES = {"str": (str,), "int": (int,), "float": (float, int), "bool": (bool,), "bytes": (bytes,)}
+
+
+def _check_scalar(name: str, kind: str, value: Any) -> Any:
+    # bool is a subclass of int in Python; on the wire they are different types.
+    if isinstance(value, bool) and kind != "bool":
+        raise SchemaError(f"{name}: expected {kind}, got bool")
+    if not isinstance(value, _SCALAR_TYPES[kind]):
+        raise SchemaError(f"{name}: expected {kind}, got {type(value).__name__}")
+    if kind == "float":
+        value = float(value)
+        if not math.isfinite(value):
+            raise SchemaError(f"{name}: expected a finite float, got {value}")
+    return value
+
+
+def _bind_dim(name: str, dim: str, size: int, dims: dict[str, int]) -> None:
+    bound = dims.setdefault(dim, size)
+    if bound != size:
+        raise SchemaError(f"{name}: dimension {dim} is {size} here but {bound} in an earlier field")
+
+
+def _decode_array(name: str, spec: Array, value: Any, dims: dict[str, int]) -> np.ndarray:
+    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data"}:
+        raise SchemaError(f"{name}: expected an array, a map with exactly dtype, shape and data")
+    dtype, shape, data = value["dtype"], value["shape"], value["data"]
+    if dtype != spec.dtype:
+        raise SchemaError(f"{name}: expected dtype {spec.dtype}, got {dtype!r}")
+    if not isinstance(shape, list) or len(shape) != len(spec.dims):
+        raise SchemaError(f"{name}: expected a shape of rank {len(spec.dims)} {spec.dims}, got {shape!r}")
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        raise SchemaError(f"{name}: shape must be non-negative integers, got {shape!r}")
+    if not isinstance(data, bytes):
+        raise SchemaError(f"{name}: data must be bytes, got {type(data).__name__}")
+    np_dtype = np.dtype(dtype).newbyteorder("<")
+    # Python ints do not overflow; the comparison with the bytes present bounds every allocation below.
+    if math.prod(shape) * np_dtype.itemsize != len(data):
+        raise SchemaError(f"{name}: shape {shape} of {dtype} needs {math.prod(shape) * np_dtype.itemsize} bytes, got {len(data)}")
+    for dim, size in zip(spec.dims, shape):
+        _bind_dim(name, dim, size, dims)
+    arr = np.frombuffer(data, dtype=np_dtype).reshape(shape).astype(np_dtype.newbyteorder("="), copy=True)
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise SchemaError(f"{name}: contains NaN or infinity")
+    return arr
+
+
+def _check_field(name: str, wire: WireType, value: Any, dims: dict[str, int]) -> Any:
+    if isinstance(wire, Array):
+        return _decode_array(name, wire, value, dims)
+    if isinstance(wire, StringList):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise SchemaError(f"{name}: expected a list of strings")
+        _bind_dim(name, wire.dim, len(value), dims)
+        return value
+    if isinstance(wire, Lineage):
+        if not isinstance(value, dict) or len(value) > MAX_LINEAGE_ENTRIES:
+            raise SchemaError(f"{name}: expected a map of at most {MAX_LINEAGE_ENTRIES} entries")
+        for key, item in value.items():
+            if not isinstance(key, str) or not (item is None or isinstance(item, (str, int, float, bool))):
+                raise SchemaError(f"{name}: entry {key!r} must map a string to a string, number, bool or null")
+        return value
+    return _check_scalar(name, wire.kind, value)
+
+
+def decode(data: bytes, expected: type | None = None) -> Any:
+    """Decode and validate msgpack bytes into a message.
+
+    Args:
+        data: the raw bytes of one message.
+        expected: if given, the message must be of this type (e.g. the type a topic carries).
+    Raises:
+        SchemaError: for anything that is not a valid message of a known schema and version.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SchemaError(f"expected bytes, got {type(data).__name__}")
+    size = len(data)
+    try:
+        # Every container and blob is bounded by the input's own size, so a forged length cannot allocate more.
+        raw = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_str_len=size,
+            max_bin_len=size,
+            max_array_len=size,
+            max_map_len=size,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types (ExtraData, ValueError, UnicodeDecodeError...)
+        raise SchemaError(f"not a msgpack message: {type(exc).__name__}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise SchemaError(f"a message must be a msgpack map, got {type(raw).__name__}")
+    schema, version = raw.get("schema"), raw.get("version")
+    cls = MESSAGE_TYPES.get(schema) if isinstance(schema, str) else None
+    if cls is None:
+        raise SchemaError(f"unknown schema {schema!r}")
+    if expected is not None and cls is not expected:
+        raise SchemaError(f"expected a {expected.SCHEMA!r} message, got {schema!r}")
+    if version != cls.VERSION:
+        raise SchemaError(f"{schema}: unsupported schema version {version!r} (this build reads version {cls.VERSION})")
+    wire_fields = cls.wire_fields()
+    names = {name for name, _ in wire_fields}
+    present = set(raw) - {"schema", "version"}
+    if present != names:
+        missing, extra = sorted(names - present), sorted(str(k) for k in present - names)
+        raise SchemaError(f"{schema}: missing fields {missing}, unexpected fields {extra}")
+    dims: dict[str, int] = {}
+    values = {name: _check_field(name, wire, raw[name], dims) for name, wire in wire_fields}
+    _check_semantics(schema, values, dims)
+    return cls(**values)
+
+
+# (lengths field, padded width dimension) pairs: a length may not exceed the width it measures.
+_LENGTHS = (("prompt_lengths", "P"), ("response_lengths", "T"))
+_TOKENS = ("prompt_tokens", "response_tokens", "prompt_index", "group_index")
+
+
+def _check_semantics(schema: str, values: dict, dims: dict[str, int]) -> None:
+    for name, dim in _LENGTHS:
+        if name in values:
+            lengths = values[name]
+            if lengths.size and (lengths.min() < 0 or lengths.max() > dims[dim]):
+                raise SchemaError(f"{schema}: {name} must lie in [0, {dim}={dims[dim]}]")
+    for name in _TOKENS:
+        if name in values and values[name].size and values[name].min() < 0:
+            raise SchemaError(f"{schema}: {name} holds negative ids")
+

@@ -1,0 +1,92 @@
+"""Prompt + response sequences as the models see them, and the forward passes every role shares.
+
+On the wire, prompts and responses are separate right-padded arrays. For a forward pass they are packed as
+``[left-padded prompt | right-padded response]`` so that response token ``t`` of every row sits at sequence
+position ``P + t``; the logits (and critic outputs) at ``P + t − 1`` are the ones that belong to it.
+Position ids are computed from the attention mask, so left padding does not shift positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.ppo import entropy_from_logits, logprobs_from_logits
+
+__all__ = ["PackedSequences", "lengths_to_mask", "pack", "response_logprobs", "response_values"]
+
+
+def lengths_to_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """``(B,)`` lengths -> ``(B, width)`` float mask, 1.0 on the first ``length`` positions of each row."""
+    return (torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)).float()
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    input_ids: torch.Tensor  # (B, P + T)
+    attention_mask: torch.Tensor  # (B, P + T)
+    position_ids: torch.Tensor  # (B, P + T)
+    prompt_width: int  # P
+    response_width: int  # T
+
+    def rows(self, index: torch.Tensor | slice) -> "PackedSequences":
+        return PackedSequences(
+            self.input_ids[index], self.attention_mask[index], self.position_ids[index], self.prompt_width, self.response_width
+        )
+
+
+def pack(
+    prompt_tokens: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    response_tokens: torch.Tensor,
+    response_lengths: torch.Tensor,
+    pad_token_id: int,
+) -> PackedSequences:
+    """Pack right-padded prompts ``(B, P)`` and responses ``(B, T)`` into one ``(B, P + T)`` batch."""
+    batch, prompt_width = prompt_tokens.shape
+    response_width = response_tokens.shape[1]
+    prompt_mask = lengths_to_mask(prompt_lengths, prompt_width).long()
+    # Right-align each prompt: row b's real tokens move from [0, len) to [P − len, P).
+    shift = (prompt_width - prompt_lengths).unsqueeze(1)
+    source = (torch.arange(prompt_width).unsqueeze(0) - shift).clamp(min=0)
+    left_prompts = torch.where(prompt_mask.flip(1).bool(), prompt_tokens.gather(1, source), pad_token_id)
+    left_mask = prompt_mask.flip(1)
+    response_mask = lengths_to_mask(response_lengths, response_width).long()
+    input_ids = torch.cat([left_prompts, torch.where(response_mask.bool(), response_tokens, pad_token_id)], dim=1)
+    attention_mask = torch.cat([left_mask, response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return PackedSequences(input_ids, attention_mask, position_ids, prompt_width, response_width)
+
+
+def _forward(model, packed: PackedSequences, **kwargs):
+    return model(
+        input_ids=packed.input_ids,
+        attention_mask=packed.attention_mask,
+        position_ids=packed.position_ids,
+        use_cache=False,
+        **kwargs,
+    )
+
+
+def response_logprobs(
+    model, packed: PackedSequences, response_tokens: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``(B, T)`` of the response tokens under a causal LM at sampling temperature (and the entropy).
+
+    Only the ``T + 1`` last positions' logits are computed (``logits_to_keep``): the vocabulary projection of the
+    prompt positions is never needed.
+    """
+    width = packed.response_width
+    logits = _forward(model, packed, logits_to_keep=width + 1).logits[:, :-1]
+    logits = logits.float() / temperature
+    logp = logprobs_from_logits(logits, response_tokens)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return logp, entropy
+
+
+def response_values(critic, packed: PackedSequences) -> torch.Tensor:
+    """Critic values ``(B, T)``: ``V(s_t)`` is read at the position just before response token ``t``."""
+    out = _forward(critic, packed).logits.squeeze(-1).float()
+    start = packed.prompt_width - 1
+    return out[:, start : start + packed.response_width]

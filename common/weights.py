@@ -1,0 +1,108 @@
+"""The weight store: versioned safetensors snapshots with a sha256, in a shared directory.
+
+The learner saves a snapshot and announces ``{model, version, uri, sha256}``; generator and advantage replicas load
+it. A snapshot is written to a temporary name and renamed, so a reader never sees a half-written file under its
+final name; a file that was truncated or corrupted anyway fails its checksum and is rejected with
+:class:`WeightIntegrityError`, leaving the model untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save_model
+
+__all__ = ["Snapshot", "WeightIntegrityError", "WeightStore", "load_snapshot_into"]
+
+_SNAPSHOT_NAME = re.compile(r"^(?P<model>[a-z0-9_-]+)-v(?P<version>\d{8})\.safetensors$")
+
+
+class WeightIntegrityError(RuntimeError):
+    """A snapshot is missing, does not match its announced checksum, or does not fit the model."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    model: str
+    version: int
+    uri: str
+    sha256: str
+    num_bytes: int
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class WeightStore:
+    """A directory of snapshots named ``<model>-v<version>.safetensors``."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def save(self, model_name: str, version: int, module: torch.nn.Module) -> Snapshot:
+        path = self.root / f"{model_name}-v{version:08d}.safetensors"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        # save_model (not save_file) de-duplicates tied tensors such as shared input/output embeddings.
+        save_model(module, str(tmp), metadata={"model": model_name, "version": str(version)})
+        digest = _sha256(tmp)
+        os.replace(tmp, path)
+        return Snapshot(model_name, version, str(path.resolve()), digest, path.stat().st_size)
+
+    def prune(self, model_name: str, keep: int) -> list[Path]:
+        """Delete all but the ``keep`` newest snapshots of ``model_name``; returns what was deleted."""
+        snapshots = sorted(
+            (int(m["version"]), p)
+            for p in self.root.iterdir()
+            if (m := _SNAPSHOT_NAME.match(p.name)) and m["model"] == model_name
+        )
+        doomed = [p for _, p in snapshots[:-keep]] if keep > 0 else [p for _, p in snapshots]
+        for path in doomed:
+            path.unlink(missing_ok=True)
+        return doomed
+
+
+def load_snapshot_into(module: torch.nn.Module, uri: str, sha256: str) -> None:
+    """Verify the snapshot at ``uri`` against ``sha256`` and load it into ``module`` in place.
+
+    Raises:
+        WeightIntegrityError: missing file, checksum mismatch, or tensors that do not fit the module. The module
+        is unchanged in every one of these cases.
+    """
+    path = Path(uri.removeprefix("file://"))
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise WeightIntegrityError(f"snapshot {uri} cannot be read: {exc}") from None
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != sha256:
+        raise WeightIntegrityError(f"snapshot {uri} has sha256 {actual[:12]}…, announced {sha256[:12]}…; rejected")
+    try:
+        state = load_safetensors(data)
+    except Exception as exc:  # safetensors raises its own error type for malformed headers
+        raise WeightIntegrityError(f"snapshot {uri} is not a valid safetensors file: {exc}") from None
+    own = module.state_dict()
+    unexpected = sorted(set(state) - set(own))
+    wrong = sorted(k for k in state if k in own and state[k].shape != own[k].shape)
+    # Keys absent from the file must be tied to a key present in it (save_model keeps one name per storage).
+    present_ptrs = {own[k].data_ptr() for k in state if k in own}
+    missing = sorted(k for k in set(own) - set(state) if own[k].data_ptr() not in present_ptrs)
+    if unexpected or wrong or missing:
+        raise WeightIntegrityError(
+            f"snapshot {uri} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}, "
+            f"wrong shape {wrong[:3]}"
+        )
+    with torch.no_grad():
+        for name, tensor in state.items():
+            own[name].copy_(tensor)

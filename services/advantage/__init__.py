@@ -1,0 +1,3 @@
+from services.advantage.service import AdvantageService
+
+__all__ = ["AdvantageService"]

@@ -1,0 +1,86 @@
+"""The ``streamppo`` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import yaml
+
+__all__ = ["main"]
+
+
+def _run(args) -> int:
+    from common.config import load_config
+    from services.embedded import run_embedded
+
+    config = load_config(args.config, args.set)
+    summary = run_embedded(config, progress=not args.no_progress)
+    print(
+        f"done: {summary.steps} steps in {summary.wall_seconds:.0f}s; mean reward {summary.reward_start:.3f} -> "
+        f"{summary.reward_end:.3f}; KL {summary.kl_end:.4f}; dropped stale {summary.dropped_stale}; "
+        f"dead letters {summary.dead_letters}\nrun directory: {summary.run_dir}"
+    )
+    return 0
+
+
+def _protos(args) -> int:
+    from common.schema import MESSAGE_TYPES, describe
+
+    stale = []
+    for name, cls in MESSAGE_TYPES.items():
+        path = args.dir / f"{name}.yaml"
+        text = "# Generated from common/schema.py by `streamppo protos --write`; tests/test_schema.py holds the codec to it.\n"
+        text += yaml.safe_dump(describe(cls), sort_keys=False, allow_unicode=True, width=120)
+        if args.write:
+            path.write_text(text)
+        elif not path.is_file() or path.read_text() != text:
+            stale.append(path.name)
+    if stale:
+        print(f"protos out of date: {', '.join(stale)} (run `streamppo protos --write`)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="streamppo", description="RLHF-PPO as services over a message bus.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the whole pipeline in one process over the in-memory bus")
+    run.add_argument("--config", required=True, type=Path, help="YAML run configuration")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config entry, e.g. --set run.steps=10 (repeatable)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.set_defaults(handler=_run)
+
+    protos = sub.add_parser("protos", help="check (or --write) protos/ against the message definitions")
+    protos.add_argument("--write", action="store_true")
+    protos.add_argument("--dir", type=Path, default=Path("protos"), help="the protos folder (default: ./protos)")
+    protos.set_defaults(handler=_protos)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from common.config import ConfigError
+    from common.data import DatasetError
+    from common.models import ModelLoadError
+    from common.rewards import RewardError
+
+    try:
+        return args.handler(args)
+    except ConfigError as exc:
+        print(f"streamppo: {exc}", file=sys.stderr)
+        return 2
+    except (ModelLoadError, RewardError, DatasetError) as exc:
+        print(f"streamppo: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from services.feeder.service import FeederService
+
+__all__ = ["FeederService"]

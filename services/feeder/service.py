@@ -1,0 +1,52 @@
+"""feeder: dataset → prompts. Publishes tokenized prompt batches ``0 .. steps−1``.
+
+The feeder consumes nothing, so instead of a :class:`~services.runtime.ServiceRunner` it publishes directly. Batch
+ids are a function of the run id and the step, so re-publishing after a restart produces duplicates that every
+consumer recognises.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.config import RunConfig
+from common.data import PromptSchedule, load_prompts
+from common.models import load_tokenizer, resolve_model
+from common.schema import PromptBatch, encode, message_key, new_header
+from services.transport import Bus
+
+
+class FeederService:
+    role = "feeder"
+    output_topic = "prompts"
+
+    def __init__(self, config: RunConfig, replica_id: str = "feeder-0"):
+        self.config, self.replica_id = config, replica_id
+        self.prompts = load_prompts(config.data.prompts)
+        path = resolve_model(config.model.actor, config.model.cache_dir)
+        self.tokenizer = load_tokenizer(path, config.model.trust_remote_code)
+        self.schedule = PromptSchedule(len(self.prompts), config.data.batch_size, config.data.shuffle, config.run.seed)
+
+    def batch(self, step: int) -> PromptBatch:
+        index = self.schedule.indices(step)
+        texts = [self.prompts[i] for i in index]
+        limit = self.config.data.max_prompt_tokens
+        # Keep the end of an over-long prompt: that is the part the response continues.
+        token_lists = [ids[-limit:] for ids in self.tokenizer(texts)["input_ids"]]
+        lengths = np.array([len(ids) for ids in token_lists], dtype=np.int64)
+        tokens = np.full((len(texts), max(lengths.max(), 1)), self.tokenizer.pad_token_id, dtype=np.int64)
+        for row, ids in enumerate(token_lists):
+            tokens[row, : len(ids)] = ids
+        lineage = {"data.prompts": str(self.config.data.prompts), "data.seed": self.config.run.seed}
+        return PromptBatch(
+            **new_header(f"{self.config.run.run_id}-{step:08d}", self.replica_id, 0, lineage),
+            step=step, prompt_index=index, prompt_text=texts, prompt_tokens=tokens, prompt_lengths=lengths,
+        )
+
+    def publish(self, bus: Bus, steps: range) -> int:
+        producer = bus.producer(self.replica_id)
+        for step in steps:
+            batch = self.batch(step)
+            producer.send(self.output_topic, encode(batch), key=message_key(batch))
+        producer.flush()
+        return len(steps)

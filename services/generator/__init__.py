@@ -1,0 +1,3 @@
+from services.generator.service import GeneratorService
+
+__all__ = ["GeneratorService"]

@@ -1,0 +1,76 @@
+"""generator: prompts → rollouts. Samples n responses per prompt with the actor and records behaviour log-probs."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.config import RunConfig
+from common.generation import SamplingParams, sample_responses
+from common.models import load_actor, load_tokenizer, resolve_model
+from common.schema import PromptBatch, RolloutBatch, WeightAnnouncement, new_header
+from common.weights import WeightIntegrityError, load_snapshot_into
+from services.runtime import Service, check_token_ids
+
+log = logging.getLogger(__name__)
+
+
+class GeneratorService(Service):
+    role = "generator"
+    input_topic = "prompts"
+    output_topic = "rollouts"
+    weight_models = ("actor",)
+
+    def __init__(self, config: RunConfig, replica_id: str = "generator-0"):
+        self.config, self.replica_id = config, replica_id
+        path = resolve_model(config.model.actor, config.model.cache_dir)
+        self.tokenizer = load_tokenizer(path, config.model.trust_remote_code)
+        self.actor = load_actor(path, config.model.dtype, config.model.trust_remote_code)
+        self.model_id = str(path)
+        self.policy_version = 0  # the configured initial weights are version 0
+
+    def on_weights(self, announcement: WeightAnnouncement) -> None:
+        try:
+            load_snapshot_into(self.actor, announcement.uri, announcement.sha256)
+        except WeightIntegrityError as exc:
+            log.error("%s: keeping actor v%d: %s", self.replica_id, self.policy_version, exc)
+            return
+        self.policy_version = announcement.policy_version
+        log.info("%s: actor weights v%d loaded", self.replica_id, self.policy_version)
+
+    def ready_for(self, message: PromptBatch) -> bool:
+        # Bounded staleness: batch `step` may be sampled by a policy at most max_staleness versions behind it.
+        return message.step - self.policy_version <= self.config.pipeline.max_staleness
+
+    def waiting_for(self, message: PromptBatch) -> str:
+        needed = message.step - self.config.pipeline.max_staleness
+        return f"prompt batch {message.step} waits for actor v{needed} (has v{self.policy_version})"
+
+    def process(self, message: PromptBatch) -> list[RolloutBatch]:
+        check_token_ids(message, self.actor, "actor")
+        gen = self.config.generation
+        params = SamplingParams(
+            n=gen.n, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+            seed=self.config.run.seed * 1_000_003 + message.step,
+        )
+        samples = sample_responses(
+            self.actor, torch.from_numpy(message.prompt_tokens), torch.from_numpy(message.prompt_lengths), params,
+            self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
+        )
+        rows = samples.group_index.numpy()
+        lineage = {**message.lineage, **params.lineage(), "generator.backend": "transformers",
+                   "actor.model": self.model_id}
+        return [RolloutBatch(
+            **new_header(message.batch_id, self.replica_id, self.policy_version, lineage),
+            step=message.step,
+            group_index=rows,
+            prompt_text=[message.prompt_text[i] for i in rows],
+            response_text=self.tokenizer.batch_decode(samples.response_tokens, skip_special_tokens=True),
+            prompt_tokens=message.prompt_tokens[rows],
+            prompt_lengths=message.prompt_lengths[rows],
+            response_tokens=samples.response_tokens.numpy(),
+            response_lengths=samples.response_lengths.numpy(),
+            finished=samples.finished.numpy(),
+            behaviour_logprobs=samples.behaviour_logprobs.numpy(),
+        )]

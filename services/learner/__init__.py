@@ -1,0 +1,3 @@
+from services.learner.service import LearnerService
+
+__all__ = ["LearnerService"]

@@ -1,0 +1,95 @@
+"""learner: experience → weights. PPO updates of actor and critic, then new snapshots announced for both.
+
+Experience older than ``max_staleness`` versions is dropped and counted, never trained on. Each update appends
+one line of statistics to ``<run dir>/metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+from common.config import RunConfig
+from common.models import load_actor, load_critic, load_tokenizer, resolve_model
+from common.schema import ExperienceBatch, WeightAnnouncement, new_header
+from common.trainer import Experience, PPOTrainer
+from common.weights import WeightStore
+from services.runtime import Service, check_token_ids
+
+log = logging.getLogger(__name__)
+
+
+class LearnerService(Service):
+    role = "learner"
+    input_topic = "experience"
+    output_topic = "weights"
+
+    def __init__(self, config: RunConfig, replica_id: str = "learner-0"):
+        self.config, self.replica_id = config, replica_id
+        m = config.model
+        actor_path = resolve_model(m.actor, m.cache_dir)
+        critic_path = resolve_model(m.critic or m.actor, m.cache_dir)
+        self.tokenizer = load_tokenizer(actor_path, m.trust_remote_code)
+        actor = load_actor(actor_path, m.dtype, m.trust_remote_code)
+        critic = load_critic(critic_path, m.dtype, m.trust_remote_code)
+        self.trainer = PPOTrainer(
+            actor, critic, config.learner, config.algorithm, config.generation.temperature,
+            self.tokenizer.pad_token_id, seed=config.run.seed,
+        )
+        self.store = WeightStore(config.weight_store)
+        self.run_dir = Path(config.run.dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.updates = 0
+        self.dropped_stale = 0
+        self.listeners: list[Callable[[dict], None]] = []
+        self.started = time.time()
+
+    @property
+    def consumed(self) -> int:
+        """Experience batches taken off the topic: trained on or dropped."""
+        return self.updates + self.dropped_stale
+
+    def process(self, message: ExperienceBatch) -> list[WeightAnnouncement]:
+        staleness = self.trainer.version - message.policy_version
+        if staleness > self.config.pipeline.max_staleness:
+            self.dropped_stale += 1
+            log.warning("%s: dropping batch %s: sampled by v%d, learner at v%d (max staleness %d)", self.replica_id,
+                        message.batch_id, message.policy_version, self.trainer.version, self.config.pipeline.max_staleness)
+            return []
+        check_token_ids(message, self.trainer.actor, "actor")
+        started = time.perf_counter()
+        stats = self.trainer.train(Experience.from_message(message))
+        self.updates += 1
+        record = {"step": self.updates, "batch_id": message.batch_id, "time": time.time() - self.started,
+                  "train_seconds": time.perf_counter() - started, "dropped_stale": self.dropped_stale, **stats}
+        with open(self.metrics_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        for listener in self.listeners:
+            listener(record)
+        return self._announce()
+
+    def _announce(self) -> list[WeightAnnouncement]:
+        version = self.trainer.version
+        announcements = []
+        for name, module in (("actor", self.trainer.actor), ("critic", self.trainer.critic)):
+            snapshot = self.store.save(name, version, module)
+            self.store.prune(name, self.config.pipeline.keep_snapshots)
+            lineage = {"kl_coef": self.trainer.kl_controller.value, "learner": self.replica_id}
+            announcements.append(WeightAnnouncement(
+                **new_header(f"{self.config.run.run_id}-weights-{name}-v{version:08d}", self.replica_id, version, lineage),
+                model=name, uri=snapshot.uri, sha256=snapshot.sha256, num_bytes=snapshot.num_bytes,
+            ))
+        return announcements
+
+    def save_final(self) -> Path:
+        """Save the trained actor (with its tokenizer) and critic as ordinary transformers folders."""
+        final = self.run_dir / "final"
+        self.trainer.actor.save_pretrained(final / "actor")
+        self.tokenizer.save_pretrained(final / "actor")
+        self.trainer.critic.save_pretrained(final / "critic")
+        self.tokenizer.save_pretrained(final / "critic")
+        return final

@@ -1,0 +1,201 @@
+"""What every service shares: consume → decode → core → encode → produce → commit, with a dead-letter topic.
+
+A :class:`Service` is the thin adapter around a core in ``common/``; a :class:`ServiceRunner` moves records for
+it. The runner is the only place that touches the bus, and the only place that decides delivery:
+
+- a record that fails to decode or validate goes to ``<topic>.dlq`` with the error and its source offset, and is
+  committed past: bad input never stops a service and is never silently dropped;
+- outputs are produced and flushed *before* the input is committed (at-least-once);
+- a batch id already handled by this replica is committed past without being processed again;
+- weight announcements are read by every replica (no group), newest version per model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections import Counter, OrderedDict
+
+from common.schema import (
+    TOPIC_MESSAGE,
+    DeadLetter,
+    Message,
+    SchemaError,
+    WeightAnnouncement,
+    decode,
+    encode,
+    message_key,
+)
+from services.transport import Bus, Consumer, Record, TopicSpec, dlq_topic
+
+log = logging.getLogger(__name__)
+
+__all__ = ["InputError", "PIPELINE_TOPICS", "Service", "ServiceRunner", "check_token_ids", "pipeline_topics"]
+
+PIPELINE_TOPICS = ("prompts", "rollouts", "scored", "experience", "weights")
+
+
+def pipeline_topics(partitions: int = 1) -> list[TopicSpec]:
+    """Every topic the pipeline uses, with its dead-letter topic; ``weights`` is compacted."""
+    specs = []
+    for name in PIPELINE_TOPICS:
+        specs.append(TopicSpec(name, 1 if name == "weights" else partitions, compacted=name == "weights"))
+        specs.append(TopicSpec(dlq_topic(name), 1))
+    return specs
+
+
+class InputError(ValueError):
+    """A message that decoded but cannot be processed (e.g. token ids outside the model's vocabulary)."""
+
+
+def check_token_ids(message: Message, model, role: str) -> None:
+    """Reject token ids the model's embedding cannot look up (the schema only knows they are non-negative)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    for name in ("prompt_tokens", "response_tokens"):
+        array = getattr(message, name, None)
+        if array is not None and array.size and int(array.max()) >= vocab:
+            raise InputError(f"{name} holds id {int(array.max())}, outside the {role}'s vocabulary of {vocab}")
+
+
+class Service(ABC):
+    role: str = ""
+    input_topic: str = ""
+    output_topic: str = ""
+    weight_models: tuple[str, ...] = ()  # the models whose announcements this service loads
+
+    def on_weights(self, announcement: WeightAnnouncement) -> None:
+        """Load a newer snapshot of one of :attr:`weight_models`."""
+
+    def ready_for(self, message: Message) -> bool:
+        """False holds ``message`` back (uncommitted) until, e.g., newer weights arrive."""
+        return True
+
+    def waiting_for(self, message: Message) -> str:
+        """Why :meth:`ready_for` is False, for logs and stall reports."""
+        return ""
+
+    @abstractmethod
+    def process(self, message: Message) -> list[Message]:
+        """The core call: one input message to zero or more messages for :attr:`output_topic`."""
+
+
+class _RecentIds:
+    """The last ``size`` batch ids seen, for dropping re-deliveries cheaply."""
+
+    def __init__(self, size: int):
+        self.size, self.ids = size, OrderedDict()
+
+    def __contains__(self, batch_id: str) -> bool:
+        return batch_id in self.ids
+
+    def add(self, batch_id: str) -> None:
+        self.ids[batch_id] = None
+        if len(self.ids) > self.size:
+            self.ids.popitem(last=False)
+
+
+class ServiceRunner:
+    def __init__(self, service: Service, bus: Bus, replica_id: str, dedupe_window: int = 4096):
+        self.service, self.replica_id = service, replica_id
+        self.producer = bus.producer(replica_id)
+        self.work = bus.consumer(service.input_topic, group=service.role, client_id=replica_id)
+        self.weights = (
+            bus.consumer("weights", group=None, client_id=replica_id, from_beginning=True) if service.weight_models else None
+        )
+        self.latest_weights: dict[str, int] = {}
+        self.pending: tuple[Record, Message] | None = None
+        self.recent = _RecentIds(dedupe_window)
+        self.counters: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ one step
+
+    def poll_once(self, timeout_s: float = 0.0) -> bool:
+        """Apply new weights, then handle at most one input record. Returns whether anything was done."""
+        did = self._apply_weights()
+        if self.pending is None:
+            records = self.work.poll(timeout_s, max_records=1)
+            if not records:
+                return did
+            record = records[0]
+            message = self._decode(record, self.work)
+            if message is None:
+                return True
+            if message.batch_id in self.recent:
+                self.counters["duplicates"] += 1
+                log.info("%s: batch %s already handled; skipping the re-delivery", self.replica_id, message.batch_id)
+                self.work.commit(record)
+                return True
+            self.pending = (record, message)
+        record, message = self.pending
+        if not self.service.ready_for(message):
+            return did
+        started = time.perf_counter()
+        try:
+            outputs = self.service.process(message)
+        except InputError as exc:
+            self._dead_letter(record, f"cannot process batch {message.batch_id}: {exc}", self.work)
+            self.pending = None
+            return True
+        for output in outputs:
+            self.producer.send(self.service.output_topic, encode(output), key=message_key(output))
+        self.producer.flush()
+        self.work.commit(record)
+        self.recent.add(message.batch_id)
+        self.pending = None
+        self.counters["processed"] += 1
+        self.counters["produced"] += len(outputs)
+        self.counters["busy_ms"] += int((time.perf_counter() - started) * 1000)
+        return True
+
+    def waiting_for(self) -> str:
+        if self.pending is None:
+            return "waiting for input"
+        return self.service.waiting_for(self.pending[1]) or "holding a message"
+
+    def close(self) -> None:
+        self.producer.close()
+        self.work.close()
+        if self.weights is not None:
+            self.weights.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _decode(self, record: Record, consumer: Consumer) -> Message | None:
+        try:
+            return decode(record.value, expected=TOPIC_MESSAGE[record.topic])
+        except SchemaError as exc:
+            self._dead_letter(record, str(exc), consumer)
+            return None
+
+    def _dead_letter(self, record: Record, error: str, consumer: Consumer) -> None:
+        letter = DeadLetter(
+            error=error, source_topic=record.topic, source_partition=record.partition, source_offset=record.offset,
+            payload=record.value, producer=self.replica_id, created_at=time.time(),
+        )
+        self.producer.send(dlq_topic(record.topic), encode(letter), key=record.key)
+        self.producer.flush()
+        consumer.commit(record)
+        self.counters["dead_letters"] += 1
+        log.warning("%s: %s[%d]@%d sent to %s: %s", self.replica_id, record.topic, record.partition,
+                    record.offset, dlq_topic(record.topic), error)
+
+    def _apply_weights(self) -> bool:
+        if self.weights is None:
+            return False
+        newest: dict[str, WeightAnnouncement] = {}
+        for record in self.weights.poll(0.0, max_records=10_000):
+            announcement = self._decode(record, self.weights)
+            if announcement is None:
+                continue
+            if announcement.model in self.service.weight_models:
+                current = newest.get(announcement.model)
+                if current is None or announcement.policy_version > current.policy_version:
+                    newest[announcement.model] = announcement
+        did = False
+        for model, announcement in newest.items():
+            if announcement.policy_version > self.latest_weights.get(model, -1):
+                self.latest_weights[model] = announcement.policy_version
+                self.service.on_weights(announcement)
+                did = True
+        return did

@@ -1,0 +1,3 @@
+from services.scorer.service import ScorerService
+
+__all__ = ["ScorerService"]

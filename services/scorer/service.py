@@ -1,0 +1,53 @@
+"""scorer: rollouts → scored. The reward model's score and the frozen reference model's log-probs.
+
+Both models are frozen, so scorer replicas are interchangeable and scale on their own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.config import RunConfig
+from common.models import load_actor, load_reward_model, load_tokenizer, resolve_model
+from common.rewards import RewardFunction, RewardModelScorer
+from common.schema import RolloutBatch, ScoredBatch, derive
+from common.sequences import lengths_to_mask, pack, response_logprobs
+from services.runtime import Service, check_token_ids
+
+
+class ScorerService(Service):
+    role = "scorer"
+    input_topic = "rollouts"
+    output_topic = "scored"
+
+    def __init__(self, config: RunConfig, replica_id: str = "scorer-0"):
+        self.config, self.replica_id = config, replica_id
+        m = config.model
+        path = resolve_model(m.reference or m.actor, m.cache_dir)
+        self.reference = load_actor(path, m.dtype, m.trust_remote_code, role="reference model").requires_grad_(False)
+        self.pad_token_id = load_tokenizer(path, m.trust_remote_code).pad_token_id
+        self.lineage = {"reference.model": str(path)}
+        if config.reward.function is not None:
+            self.reward = RewardFunction(config.reward.function)
+            self.lineage["reward.function"] = config.reward.function
+        else:
+            rm_path = resolve_model(config.reward.model, m.cache_dir)
+            self.reward = RewardModelScorer(
+                load_reward_model(rm_path, m.dtype, m.trust_remote_code),
+                load_tokenizer(rm_path, m.trust_remote_code),
+                batch_size=config.reward.batch_size,
+            )
+            self.lineage["reward.model"] = str(rm_path)
+
+    @torch.no_grad()
+    def process(self, message: RolloutBatch) -> list[ScoredBatch]:
+        tokens = torch.from_numpy(message.response_tokens)
+        check_token_ids(message, self.reference, "reference model")
+        lengths = torch.from_numpy(message.response_lengths)
+        packed = pack(torch.from_numpy(message.prompt_tokens), torch.from_numpy(message.prompt_lengths), tokens, lengths,
+                      self.pad_token_id)
+        ref_logprobs, _ = response_logprobs(self.reference, packed, tokens, self.config.generation.temperature)
+        ref_logprobs = ref_logprobs * lengths_to_mask(lengths, tokens.shape[1])
+        scores = self.reward(message.prompt_text, message.response_text)
+        return [derive(message, ScoredBatch, self.replica_id, self.lineage,
+                       scores=scores.numpy(), ref_logprobs=ref_logprobs.numpy())]

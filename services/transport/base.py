@@ -1,0 +1,83 @@
+"""The bus interface every service talks to, shaped after Kafka's semantics.
+
+- A topic has partitions; a record's key picks its partition, so one key's records stay in order.
+- A consumer in a *group* shares the topic's partitions with the other members of that group; every group
+  sees every record. A consumer with ``group=None`` reads all partitions on its own (used for broadcast
+  streams such as weight announcements, which every replica must see).
+- Positions advance on ``poll``; ``commit`` makes them durable for the group. After a rebalance or a restart a
+  member resumes from the last commit, so anything polled but not committed is delivered again
+  (at-least-once; consumers make re-delivery harmless by de-duplicating on ``batch_id``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+__all__ = ["Bus", "Consumer", "Producer", "Record", "TopicSpec", "dlq_topic"]
+
+
+def dlq_topic(topic: str) -> str:
+    """Name of the dead-letter topic for ``topic``."""
+    return f"{topic}.dlq"
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int = 1
+    compacted: bool = False
+
+
+@dataclass(frozen=True)
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    timestamp: float
+
+
+class Producer(ABC):
+    @abstractmethod
+    def send(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+        """Queue a record; :meth:`flush` returns once everything queued is acknowledged."""
+
+    @abstractmethod
+    def flush(self) -> None: ...
+
+    def close(self) -> None:
+        self.flush()
+
+
+class Consumer(ABC):
+    @abstractmethod
+    def poll(self, timeout_s: float = 0.0, max_records: int = 1) -> list[Record]:
+        """Up to ``max_records`` records from the assigned partitions, waiting at most ``timeout_s``."""
+
+    @abstractmethod
+    def commit(self, record: Record) -> None:
+        """Make ``record`` and everything before it in its partition durable as consumed by the group."""
+
+    @abstractmethod
+    def lag(self) -> int:
+        """Records in the assigned partitions not yet consumed by this member."""
+
+    def close(self) -> None:
+        pass
+
+
+class Bus(ABC):
+    @abstractmethod
+    def create_topics(self, specs: list[TopicSpec]) -> None:
+        """Create the topics that do not exist yet (existing ones are left as they are)."""
+
+    @abstractmethod
+    def producer(self, client_id: str) -> Producer: ...
+
+    @abstractmethod
+    def consumer(self, topic: str, group: str | None, client_id: str, from_beginning: bool = True) -> Consumer: ...
+
+    def close(self) -> None:
+        pass
