@@ -367,6 +367,8 @@ def _check_field(name: str, wire: WireType, value: Any, dims: dict[str, int]) ->
         for key, item in value.items():
             if not isinstance(key, str) or not (item is None or isinstance(item, (str, int, float, bool))):
                 raise SchemaError(f"{name}: entry {key!r} must map a string to a string, number, bool or null")
+            if isinstance(item, float) and not math.isfinite(item):
+                raise SchemaError(f"{name}: entry {key!r} is not a finite number")
         return value
     return _check_scalar(name, wire.kind, value)
 

@@ -70,9 +70,10 @@ class LearnerService(Service):
             fh.write(json.dumps(record) + "\n")
         for listener in self.listeners:
             listener(record)
-        return self._announce()
+        return self.announce()
 
-    def _announce(self) -> list[WeightAnnouncement]:
+    def announce(self) -> list[WeightAnnouncement]:
+        """Snapshot actor and critic at the current version into the weight store and announce both."""
         version = self.trainer.version
         announcements = []
         for name, module in (("actor", self.trainer.actor), ("critic", self.trainer.critic)):

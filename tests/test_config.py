@@ -1,0 +1,85 @@
+"""Configuration is validated at start-up; every bad input stops the command with a message naming it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from common.config import ConfigError, load_config
+from conftest import EXAMPLE, REPO
+
+
+def test_the_example_config_loads_with_overrides():
+    config = load_config(EXAMPLE / "config.yaml", ["run.steps=7", "algorithm.adaptive_kl={target: 3, horizon: 500}"])
+    assert config.run.steps == 7
+    assert config.algorithm.adaptive_kl.target == 3
+    assert config.data.prompts == EXAMPLE / "prompts.jsonl"  # relative to the config file
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("learner.actor_lr=-1", "learner.actor_lr"),
+        ("generation.n=0", "generation.n"),
+        ("algorithm.kl_estimator=k9", "algorithm.kl_estimator"),
+        ("learner.clip_low=1.5", "learner.clip_low"),
+        ("learner.dual_clip=0.5", "learner.dual_clip"),
+        ("learner.typo_field=3", "learner.typo_field"),
+        ("pipeline.max_staleness=-1", "pipeline.max_staleness"),
+        ("reward.model=/some/rm", "reward"),
+        ("learner.mini_batch_size=1000", "mini_batch_size"),
+    ],
+)
+def test_a_bad_value_names_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(EXAMPLE / "config.yaml", [override])
+
+
+def test_malformed_override_and_missing_file():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(EXAMPLE / "config.yaml", ["nonsense"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(REPO / "nope.yaml")
+
+
+def streamppo(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_exits_2_and_names_the_field(tmp_path):
+    result = streamppo("run", "--config", str(EXAMPLE / "config.yaml"), "--set", "learner.ppo_epochs=0")
+    assert result.returncode == 2
+    assert "learner.ppo_epochs" in result.stderr and "greater than 0" in result.stderr
+
+
+def test_cli_reports_a_missing_model_clearly(tmp_path):
+    result = streamppo("run", "--config", str(EXAMPLE / "config.yaml"), "--set", f"model.actor={tmp_path}/no-model",
+                       "--set", f"run.dir={tmp_path}/run")
+    assert result.returncode == 1
+    assert "no-model" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_reports_a_broken_prompt_file(tmp_path, model_cache):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "wrong key"}) + "\n")
+    result = streamppo("run", "--config", str(EXAMPLE / "config.yaml"), "--set", f"data.prompts={prompts}",
+                       "--set", f"model.cache_dir={model_cache}", "--set", f"run.dir={tmp_path}/run")
+    assert result.returncode == 1
+    assert "prompts.jsonl:2" in result.stderr
+
+
+def test_cli_reports_a_bad_reward_function(tmp_path, model_cache):
+    result = streamppo("run", "--config", str(EXAMPLE / "config.yaml"), "--set", "reward.function=common.rewards:nope",
+                       "--set", f"model.cache_dir={model_cache}", "--set", f"run.dir={tmp_path}/run")
+    assert result.returncode == 1
+    assert "common.rewards:nope" in result.stderr
+
+
+def test_trust_remote_code_is_off_unless_configured():
+    assert load_config(EXAMPLE / "config.yaml").model.trust_remote_code is False
+
+
+def test_protos_are_current():
+    result = streamppo("protos")
+    assert result.returncode == 0, result.stderr

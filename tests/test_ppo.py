@@ -1,0 +1,294 @@
+"""The PPO math against the seeds' worked numbers, plain-loop references, gradients and properties."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common import ppo
+
+# The seeds' example: "吃 苹 果", actor and reference probabilities (0.4, 0.5, 0.6) and (0.38, 0.55, 0.58).
+ACTOR = torch.tensor([[-0.916, -0.693, -0.511]])
+REFERENCE = torch.tensor([[-0.967, -0.598, -0.544]])
+
+
+def test_seed_k1_matches_the_worked_numbers():
+    k1 = ppo.kl_estimate(ACTOR, REFERENCE, "k1")
+    assert torch.allclose(k1, torch.tensor([[0.051, -0.095, 0.033]]), atol=1e-6)
+
+
+def test_seed_k2_and_k3_follow_their_definitions():
+    d = ACTOR - REFERENCE
+    assert torch.allclose(ppo.kl_estimate(ACTOR, REFERENCE, "k2"), 0.5 * d**2)
+    k3 = ppo.kl_estimate(ACTOR, REFERENCE, "k3")
+    expected = [math.exp(-x) + x - 1 for x in d[0].tolist()]
+    assert torch.allclose(k3[0], torch.tensor(expected), atol=1e-7)
+    assert (k3 >= 0).all()
+
+
+def test_unknown_kl_estimator_is_a_clear_error():
+    with pytest.raises(ValueError, match="k4"):
+        ppo.kl_estimate(ACTOR, REFERENCE, "k4")
+
+
+def test_seed_driving_example_td_error():
+    # V(s0) = 60, r0 = 10, V(s1) = 45, γ = 1: δ0 = 10 + 45 − 60 = −5. With λ = 0, A0 = δ0.
+    rewards = torch.tensor([[10.0, 0.0]])
+    values = torch.tensor([[60.0, 45.0]])
+    advantages, returns = ppo.gae(rewards, values, torch.ones(1, 2), gamma=1.0, lam=0.0)
+    assert advantages[0, 0].item() == pytest.approx(-5.0)
+    assert returns[0, 0].item() == pytest.approx(55.0)  # the corrected estimate of the seeds: 10 + 45
+    # The last real token bootstraps from V = 0: δ1 = 0 + 0 − 45.
+    assert advantages[0, 1].item() == pytest.approx(-45.0)
+
+
+def test_seed_gamma_099_two_step_advantage():
+    # Â_t^(2) = δ_t + γλ·δ_{t+1} for a 2-token response with λ = 1.
+    rewards = torch.tensor([[0.5, 2.0]])
+    values = torch.tensor([[1.0, 1.5]])
+    gamma = 0.99
+    delta0 = 0.5 + gamma * 1.5 - 1.0
+    delta1 = 2.0 + 0.0 - 1.5
+    advantages, _ = ppo.gae(rewards, values, torch.ones(1, 2), gamma=gamma, lam=1.0)
+    assert advantages[0, 0].item() == pytest.approx(delta0 + gamma * delta1, rel=1e-6)
+
+
+def reference_gae(rewards, values, lengths, gamma, lam):
+    """GAE as the textbook writes it, one row at a time over the real tokens only."""
+    advantages = torch.zeros_like(rewards)
+    for b, length in enumerate(lengths):
+        last = 0.0
+        for t in reversed(range(length)):
+            next_value = values[b, t + 1].item() if t + 1 < length else 0.0
+            delta = rewards[b, t].item() + gamma * next_value - values[b, t].item()
+            last = delta + gamma * lam * last
+            advantages[b, t] = last
+    return advantages
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_gae_matches_a_plain_loop_on_right_padded_batches(seed):
+    g = torch.Generator().manual_seed(seed)
+    batch, width = 6, 11
+    lengths = torch.randint(0, width + 1, (batch,), generator=g)
+    mask = (torch.arange(width) < lengths[:, None]).float()
+    # Garbage at padding must not leak into the real positions.
+    rewards = torch.randn(batch, width, generator=g) * 3
+    values = torch.randn(batch, width, generator=g) * 3
+    gamma, lam = [(1.0, 0.95), (0.99, 0.95), (0.9, 0.5), (1.0, 1.0), (0.99, 0.0)][seed]
+    advantages, returns = ppo.gae(rewards, values, mask, gamma, lam)
+    expected = reference_gae(rewards, values, lengths.tolist(), gamma, lam)
+    assert torch.allclose(advantages, expected, atol=1e-5)
+    assert torch.allclose(returns, (expected + values) * mask, atol=1e-5)
+    assert (advantages[mask == 0] == 0).all()
+
+
+def test_gae_skips_interior_gaps_in_the_mask():
+    rewards = torch.tensor([[1.0, 100.0, 2.0]])
+    values = torch.tensor([[0.5, 100.0, 0.25]])
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    advantages, _ = ppo.gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    # As if the sequence were [1, 2] with values [0.5, 0.25].
+    expected = reference_gae(torch.tensor([[1.0, 2.0]]), torch.tensor([[0.5, 0.25]]), [2], 1.0, 1.0)
+    assert torch.allclose(advantages[0, [0, 2]], expected[0], atol=1e-6)
+
+
+def test_token_rewards_put_the_score_on_the_last_real_token():
+    kl = torch.tensor([[0.1, 0.2, 0.3, 9.0], [0.5, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    scores = torch.tensor([2.0, -1.0, 5.0])
+    rewards = ppo.token_rewards(scores, kl, mask, kl_coef=0.1)
+    expected = torch.tensor([[-0.01, -0.02, 2.0 - 0.03, 0.0], [-1.0 - 0.05, 0, 0, 0], [0, 0, 0, 0]])
+    assert torch.allclose(rewards, expected, atol=1e-6)
+
+
+def test_token_rewards_clip_scores_and_take_a_per_row_beta():
+    kl = torch.zeros(2, 2)
+    mask = torch.ones(2, 2)
+    rewards = ppo.token_rewards(torch.tensor([10.0, -10.0]), kl, mask, kl_coef=torch.tensor([0.1, 0.2]), clip=3.0)
+    assert rewards[:, -1].tolist() == [3.0, -3.0]
+
+
+def test_missing_eos_penalty_only_hits_truncated_responses():
+    scores = ppo.missing_eos_penalty(torch.tensor([1.0, 1.0]), torch.tensor([True, False]), penalty=0.5)
+    assert scores.tolist() == [1.0, 0.5]
+
+
+def test_logprobs_and_entropy_match_torch_distributions():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 7, generator=g)
+    tokens = torch.randint(0, 7, (3, 5), generator=g)
+    dist = torch.distributions.Categorical(logits=logits)
+    assert torch.allclose(ppo.logprobs_from_logits(logits, tokens), dist.log_prob(tokens), atol=1e-6)
+    assert torch.allclose(ppo.entropy_from_logits(logits), dist.entropy(), atol=1e-5)
+
+
+def test_masked_whiten_normalises_over_real_tokens_only():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 6, generator=g) * 5 + 3
+    mask = (torch.arange(6) < torch.tensor([[6], [3], [1], [4]])).float()
+    x_padded = torch.where(mask.bool(), x, torch.full_like(x, 1e6))
+    w = ppo.masked_whiten(x_padded, mask)
+    real = w[mask.bool()]
+    assert real.mean().abs() < 1e-5
+    assert (real.var(unbiased=True) - 1).abs() < 1e-4
+    assert (w[~mask.bool()] == 0).all()
+
+
+def _ratio_setup(ratio_values, advantage_values):
+    old = torch.zeros(1, len(ratio_values))
+    logp = torch.log(torch.tensor([ratio_values])).requires_grad_(True)
+    advantages = torch.tensor([advantage_values])
+    return logp, old, advantages, torch.ones(1, len(ratio_values))
+
+
+def test_clipped_tokens_contribute_no_gradient():
+    # token 0: ratio 1.5 > 1 + ε with A > 0 → clipped; token 1: ratio 0.5 < 1 − ε with A < 0 → clipped;
+    # token 2: ratio 1.1 inside the trust region → gradient A·ratio/T; token 3: ratio 0.5 with A > 0 → not clipped.
+    logp, old, adv, mask = _ratio_setup([1.5, 0.5, 1.1, 0.5], [1.0, -1.0, 2.0, 1.0])
+    loss, stats = ppo.policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    loss.backward()
+    grad = logp.grad[0]
+    assert grad[0] == 0 and grad[1] == 0
+    assert grad[2].item() == pytest.approx(-2.0 * 1.1 / 4, rel=1e-5)
+    assert grad[3].item() == pytest.approx(-1.0 * 0.5 / 4, rel=1e-5)
+    assert stats.clip_frac.item() == pytest.approx(0.5)
+
+
+def test_clip_higher_uses_separate_bounds():
+    logp, old, adv, mask = _ratio_setup([1.25], [1.0])
+    loss_sym, _ = ppo.policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    loss_high, _ = ppo.policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    assert loss_sym.item() == pytest.approx(-1.2)
+    assert loss_high.item() == pytest.approx(-1.25)
+
+
+def test_dual_clip_bounds_the_loss_for_negative_advantages():
+    logp, old, adv, mask = _ratio_setup([10.0, 10.0], [-1.0, 1.0])
+    loss, stats = ppo.policy_loss(logp, old, adv, mask, dual_clip=3.0, agg="seq-mean-token-sum")
+    loss.backward()
+    # A < 0: unbounded loss would be 10; dual clip caps it at −c·A = 3, with no gradient.
+    # A > 0: ratio clipped at 1.2 → −1.2, no gradient either.
+    assert loss.item() == pytest.approx(3.0 - 1.2)
+    assert logp.grad.abs().sum() == 0
+    assert stats.dual_clip_frac.item() == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        ppo.policy_loss(logp, old, adv, mask, dual_clip=1.0)
+
+
+def test_importance_weights_scale_the_per_token_loss():
+    logp, old, adv, mask = _ratio_setup([1.0, 1.0], [1.0, 1.0])
+    weights = ppo.truncated_importance_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[-5.0, -0.1]]), cap=2.0)
+    assert weights[0, 0].item() == pytest.approx(2.0)  # e^5, truncated at C
+    assert weights[0, 1].item() == pytest.approx(math.exp(0.1), rel=1e-6)
+    loss, _ = ppo.policy_loss(logp, old, adv, mask, importance_weights=weights)
+    assert loss.item() == pytest.approx(-(2.0 + math.exp(0.1)) / 2, rel=1e-6)
+
+
+def test_value_loss_is_the_clipped_maximum():
+    values = torch.tensor([[2.0, 0.05]], requires_grad=True)
+    old = torch.zeros(1, 2)
+    returns = torch.tensor([[2.0, 1.0]])
+    loss, stats = ppo.value_loss(values, old, returns, torch.ones(1, 2), clip=0.2)
+    # token 0: unclipped error 0, clipped value 0.2 → error 3.24; the max keeps 3.24 (and no gradient).
+    # token 1: inside the clip range; both errors 0.9025.
+    assert loss.item() == pytest.approx(0.5 * (3.24 + 0.9025) / 2, rel=1e-5)
+    loss.backward()
+    assert values.grad[0, 0] == 0 and values.grad[0, 1] != 0
+    assert stats.clip_frac.item() == pytest.approx(0.5)
+
+
+def test_agg_loss_modes_and_global_token_count():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert ppo.agg_loss(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
+    assert ppo.agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    assert ppo.agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert ppo.agg_loss(loss, mask, "token-mean", num_tokens=8).item() == pytest.approx(10 / 8)
+
+
+def test_adaptive_kl_controller_follows_ziegler():
+    ctl = ppo.AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    ctl.update(current_kl=9.0, n_steps=100)  # error 0.5, clipped to 0.2
+    assert ctl.value == pytest.approx(0.1 * (1 + 0.2 * 100 / 10000))
+    ctl.update(current_kl=5.4, n_steps=100)  # error −0.1
+    assert ctl.value == pytest.approx(0.1 * (1 + 0.002) * (1 - 0.1 * 0.01))
+    restored = ppo.AdaptiveKLController(0.5, target=6.0, horizon=10000)
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.value == ctl.value
+    fixed = ppo.FixedKLController(0.05)
+    fixed.update(100.0, 1000)
+    assert fixed.value == 0.05
+
+
+def test_explained_variance():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    mask = torch.ones(1, 4)
+    assert ppo.explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    assert ppo.explained_variance(torch.full_like(returns, 2.5), returns, mask).item() == pytest.approx(0.0, abs=1e-6)
+
+
+# --------------------------------------------------------------------------------------------- properties
+
+finite = st.floats(-10, 10, allow_nan=False, width=32)
+
+
+@st.composite
+def batches(draw):
+    batch = draw(st.integers(1, 4))
+    width = draw(st.integers(1, 8))
+    lengths = draw(st.lists(st.integers(0, width), min_size=batch, max_size=batch))
+    rewards = torch.tensor(draw(st.lists(st.lists(finite, min_size=width, max_size=width), min_size=batch, max_size=batch)))
+    values = torch.tensor(draw(st.lists(st.lists(finite, min_size=width, max_size=width), min_size=batch, max_size=batch)))
+    mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).float()
+    return rewards, values, mask
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches(), st.floats(0.5, 1.0), st.floats(0.0, 1.0))
+def test_property_returns_are_advantages_plus_values(batch, gamma, lam):
+    rewards, values, mask = batch
+    advantages, returns = ppo.gae(rewards, values, mask, gamma, lam)
+    assert torch.allclose(returns, (advantages + values) * mask, atol=1e-4)
+    assert (advantages * (1 - mask) == 0).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches())
+def test_property_monte_carlo_limit(batch):
+    # γ = λ = 1: the advantage is the reward-to-go minus the value, whatever the values are.
+    rewards, values, mask = batch
+    advantages, _ = ppo.gae(rewards, values, mask, 1.0, 1.0)
+    to_go = (rewards * mask).flip(1).cumsum(1).flip(1)
+    assert torch.allclose(advantages, (to_go - values) * mask, atol=1e-3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches(), st.floats(0.0, 1.0))
+def test_property_token_rewards_sum_to_score_minus_kl_penalty(batch, beta):
+    kl, _, mask = batch
+    scores = kl[:, 0] * 2
+    rewards = ppo.token_rewards(scores, kl, mask, beta)
+    has_tokens = mask.sum(1) > 0
+    expected = torch.where(has_tokens, scores - beta * (kl * mask).sum(1), torch.zeros_like(scores))
+    assert torch.allclose(rewards.sum(1), expected, atol=1e-3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches())
+def test_property_on_policy_loss_is_minus_mean_advantage(batch):
+    advantages, logp, mask = batch
+    loss, stats = ppo.policy_loss(logp, logp.clone(), advantages, mask)
+    assert loss.item() == pytest.approx(-ppo.masked_mean(advantages, mask).item(), abs=1e-4)
+    assert stats.clip_frac.item() == 0
+    assert stats.approx_kl.item() == pytest.approx(0.0, abs=1e-6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches())
+def test_property_k3_is_non_negative_and_zero_on_equal_policies(batch):
+    a, b, _ = batch
+    assert (ppo.kl_estimate(a, b, "k3") >= -1e-6).all()
+    assert torch.allclose(ppo.kl_estimate(a, a, "k3"), torch.zeros_like(a))

@@ -1,0 +1,151 @@
+"""Delivery rules of every service: dead letters, de-duplication, commit after produce, bounded staleness."""
+
+import pytest
+import torch
+
+from common.schema import DeadLetter, PromptBatch, RolloutBatch, decode, encode
+from services.feeder import FeederService
+from services.generator import GeneratorService
+from services.learner import LearnerService
+from services.runtime import ServiceRunner, pipeline_topics
+from services.scorer import ScorerService
+from services.transport import MemoryBus
+
+
+@pytest.fixture
+def bus():
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics(partitions=2))
+    return bus
+
+
+def read_all(bus, topic):
+    return [r.value for r in bus.consumer(topic, None, "reader").poll(0.0, max_records=1000)]
+
+
+def publish(bus, topic, *payloads):
+    producer = bus.producer("test")
+    for payload in payloads:
+        producer.send(topic, payload, key=b"k")
+
+
+def announce_v1(config):
+    """Weights v1 as the learner announces them after an update (here: perturbed v0 weights)."""
+    learner = LearnerService(config)
+    with torch.no_grad():
+        for p in learner.trainer.actor.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    learner.trainer.version = 1
+    return learner.announce()
+
+
+@pytest.fixture
+def config(make_config):
+    return make_config("data.batch_size=2", "generation.n=2", "generation.max_new_tokens=4", "learner.mini_batch_size=4")
+
+
+@pytest.mark.parametrize("topic", ["prompts", "rollouts", "scored", "experience"])
+def test_malformed_input_goes_to_the_dlq_and_the_service_keeps_going(bus, config, topic):
+    from services.advantage import AdvantageService
+
+    service = {"prompts": GeneratorService, "rollouts": ScorerService, "scored": AdvantageService,
+               "experience": LearnerService}[topic](config)
+    runner = ServiceRunner(service, bus, f"{topic}-consumer")
+    upstream = _valid_input(bus, config, topic)
+    publish(bus, topic, b"\x93garbage", upstream)
+    assert runner.poll_once() and runner.poll_once()
+    letters = [decode(v) for v in read_all(bus, f"{topic}.dlq")]
+    assert len(letters) == 1 and isinstance(letters[0], DeadLetter)
+    assert letters[0].payload == b"\x93garbage" and letters[0].source_topic == topic
+    assert letters[0].source_offset == 0 and "msgpack" in letters[0].error
+    assert runner.counters["processed"] == 1 and runner.counters["dead_letters"] == 1
+    assert len(read_all(bus, service.output_topic)) == (2 if topic == "experience" else 1)
+
+
+def _valid_input(bus, config, topic) -> bytes:
+    """Run the real upstream services to get one valid message for ``topic``."""
+    from services.advantage import AdvantageService
+
+    message = FeederService(config).batch(0)
+    for upstream, stage in (("prompts", GeneratorService), ("rollouts", ScorerService), ("scored", AdvantageService)):
+        if upstream == topic:
+            break
+        message = stage(config).process(message)[0]
+    return encode(message)
+
+
+def test_a_message_for_another_topic_is_a_dead_letter(bus, config):
+    runner = ServiceRunner(ScorerService(config), bus, "scorer")
+    publish(bus, "rollouts", encode(FeederService(config).batch(0)))  # a prompts message on the rollouts topic
+    runner.poll_once()
+    (letter,) = [decode(v) for v in read_all(bus, "rollouts.dlq")]
+    assert "expected a 'rollouts' message, got 'prompts'" in letter.error
+
+
+def test_token_ids_outside_the_vocabulary_are_dead_letters(bus, config):
+    runner = ServiceRunner(GeneratorService(config), bus, "generator")
+    batch = FeederService(config).batch(0)
+    batch.prompt_tokens[0, 0] = 10_000
+    publish(bus, "prompts", encode(batch))
+    assert runner.poll_once()
+    (letter,) = [decode(v) for v in read_all(bus, "prompts.dlq")]
+    assert "outside the actor's vocabulary" in letter.error
+    assert read_all(bus, "rollouts") == []
+
+
+def test_a_redelivered_batch_is_processed_once(bus, config):
+    runner = ServiceRunner(GeneratorService(config), bus, "generator")
+    payload = encode(FeederService(config).batch(0))
+    publish(bus, "prompts", payload, payload)
+    runner.poll_once(), runner.poll_once()
+    assert len(read_all(bus, "rollouts")) == 1
+    assert runner.counters["duplicates"] == 1
+
+
+def test_input_is_committed_only_after_the_output_is_produced(bus, config):
+    class Exploding(GeneratorService):
+        def process(self, message):
+            raise RuntimeError("killed mid-batch")
+
+    publish(bus, "prompts", encode(FeederService(config).batch(0)))
+    crashing = ServiceRunner(Exploding(config), bus, "generator-a")
+    with pytest.raises(RuntimeError):
+        crashing.poll_once()
+    crashing.close()  # the replica dies; its uncommitted input goes to the next one
+    survivor = ServiceRunner(GeneratorService(config), bus, "generator-b")
+    assert survivor.poll_once()
+    (rollouts,) = [decode(v) for v in read_all(bus, "rollouts")]
+    assert isinstance(rollouts, RolloutBatch) and rollouts.batch_id.endswith("00000000")
+
+
+def test_the_generator_holds_a_batch_until_the_weights_allow_it(bus, config):
+    generator = GeneratorService(config)  # max_staleness = 0
+    runner = ServiceRunner(generator, bus, "generator")
+    feeder = FeederService(config)
+    publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)))
+    assert runner.poll_once() is True  # batch 0, sampled by v0
+    assert runner.poll_once() is False  # batch 1 polled and held
+    produced = read_all(bus, "rollouts")
+    assert len(produced) == 1, "batch 1 must wait for actor v1"
+    assert "waits for actor v1" in runner.waiting_for()
+    # The learner publishes v1: the held batch is now sampled, by v1.
+    publish(bus, "weights", *[encode(a) for a in announce_v1(config)])
+    assert runner.poll_once()
+    rollouts = [decode(v) for v in read_all(bus, "rollouts")]
+    assert [r.policy_version for r in rollouts] == [0, 1]
+
+
+def test_a_corrupted_snapshot_is_rejected_and_the_old_weights_kept(bus, config, caplog):
+    generator = GeneratorService(config)
+    runner = ServiceRunner(generator, bus, "generator")
+    announcements = announce_v1(config)
+    actor = next(a for a in announcements if a.model == "actor")
+    with open(actor.uri, "r+b") as fh:
+        fh.seek(100)
+        fh.write(b"\xff\xff\xff\xff")
+    before = {k: v.clone() for k, v in generator.actor.state_dict().items()}
+    publish(bus, "weights", encode(actor))
+    runner.poll_once()
+    assert generator.policy_version == 0
+    assert all((before[k] == v).all() for k, v in generator.actor.state_dict().items())
+    assert "keeping actor v0" in caplog.text and "sha256" in caplog.text

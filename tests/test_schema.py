@@ -1,0 +1,251 @@
+"""The wire contract: round trips, the published protos, and hostile input."""
+
+import dataclasses
+import struct
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from common import schema
+from common.schema import (
+    MESSAGE_TYPES,
+    Array,
+    DeadLetter,
+    ExperienceBatch,
+    PromptBatch,
+    SchemaError,
+    StringList,
+    WeightAnnouncement,
+    decode,
+    describe,
+    encode,
+)
+
+PROTOS = Path(__file__).resolve().parent.parent / "protos"
+
+
+def sample_message(cls, rng: np.random.Generator, dims: dict[str, int] | None = None):
+    """A valid message of ``cls`` with random content."""
+    dims = dims or {"B": 2, "N": 3, "P": 4, "T": 5}
+    values = {}
+    for name, wire in cls.wire_fields():
+        if isinstance(wire, Array):
+            shape = [dims[d] for d in wire.dims]
+            if name.endswith("_lengths"):
+                width = dims["P" if name.startswith("prompt") else "T"]
+                values[name] = rng.integers(0, width + 1, size=shape).astype(wire.dtype)
+            elif wire.dtype == "bool":
+                values[name] = rng.random(shape) > 0.5
+            elif wire.dtype.startswith("int"):
+                values[name] = rng.integers(0, 50, size=shape).astype(wire.dtype)
+            else:
+                values[name] = rng.standard_normal(shape).astype(wire.dtype)
+        elif isinstance(wire, StringList):
+            values[name] = [f"text {i} ✓" for i in range(dims[wire.dim])]
+        elif isinstance(wire, schema.Lineage):
+            values[name] = {"sampling.temperature": 0.7, "actor.model": "m", "n": 4, "flag": True, "none": None}
+        else:
+            values[name] = {"str": "x-1", "int": 7, "float": 1.5, "bool": True, "bytes": b"\x00\x01"}[wire.kind]
+    return cls(**values)
+
+
+def assert_messages_equal(a, b):
+    assert type(a) is type(b)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+@pytest.mark.parametrize("cls", MESSAGE_TYPES.values(), ids=MESSAGE_TYPES.keys())
+def test_round_trip(cls):
+    message = sample_message(cls, np.random.default_rng(0))
+    assert_messages_equal(decode(encode(message)), message)
+
+
+@pytest.mark.parametrize("cls", MESSAGE_TYPES.values(), ids=MESSAGE_TYPES.keys())
+def test_protos_describe_the_code(cls):
+    published = yaml.safe_load((PROTOS / f"{cls.SCHEMA}.yaml").read_text())
+    assert published == describe(cls), "protos/ is out of date: run `streamppo protos --write`"
+
+
+_WIRE_TYPES = {"str": str, "int": int, "float": float, "bool": bool, "bytes": bytes}
+
+
+@pytest.mark.parametrize("cls", MESSAGE_TYPES.values(), ids=MESSAGE_TYPES.keys())
+def test_encoded_bytes_follow_the_protos(cls):
+    """Read real encoded bytes with plain msgpack and check each field against the published file."""
+    published = yaml.safe_load((PROTOS / f"{cls.SCHEMA}.yaml").read_text())
+    raw = msgpack.unpackb(encode(sample_message(cls, np.random.default_rng(1))), raw=False)
+    assert raw.pop("schema") == published["schema"] and raw.pop("version") == published["version"]
+    assert set(raw) == set(published["fields"])
+    dims = {}
+    for name, spec in published["fields"].items():
+        value = raw[name]
+        if spec["type"] == "array":
+            assert set(value) == {"dtype", "shape", "data"}
+            assert value["dtype"] == spec["dtype"] and len(value["shape"]) == len(spec["shape"])
+            assert len(value["data"]) == np.prod(value["shape"]) * np.dtype(spec["dtype"]).itemsize
+            for dim, size in zip(spec["shape"], value["shape"]):
+                assert dims.setdefault(dim, size) == size
+        elif spec["type"] == "list[str]":
+            assert all(isinstance(v, str) for v in value)
+            assert dims.setdefault(spec["shape"][0], len(value)) == len(value)
+        elif spec["type"].startswith("map"):
+            assert isinstance(value, dict)
+        else:
+            assert isinstance(value, _WIRE_TYPES[spec["type"]])
+
+
+def test_arrays_are_little_endian_on_the_wire():
+    message = sample_message(PromptBatch, np.random.default_rng(2))
+    message.prompt_tokens = message.prompt_tokens.astype(">i8")  # a big-endian producer array
+    raw = msgpack.unpackb(encode(message), raw=False)
+    first = struct.unpack("<q", raw["prompt_tokens"]["data"][:8])[0]
+    assert first == int(message.prompt_tokens.flat[0])
+    assert np.array_equal(decode(encode(message)).prompt_tokens, message.prompt_tokens)
+
+
+def test_encode_refuses_what_decode_would_reject():
+    message = sample_message(ExperienceBatch, np.random.default_rng(3))
+    message.values = message.values[:, :2]  # T disagrees with the other arrays
+    with pytest.raises(SchemaError, match="dimension T"):
+        encode(message)
+    message = sample_message(ExperienceBatch, np.random.default_rng(3))
+    message.returns[0, 0] = np.nan
+    with pytest.raises(SchemaError, match="NaN"):
+        encode(message)
+
+
+# --------------------------------------------------------------------------------------------- hostile input
+
+VALID = encode(sample_message(ExperienceBatch, np.random.default_rng(4)))
+
+
+def mutate(**changes) -> bytes:
+    raw = msgpack.unpackb(VALID, raw=False)
+    for key, value in changes.items():
+        if value is KeyError:
+            del raw[key]
+        else:
+            raw[key] = value
+    return msgpack.packb(raw, use_bin_type=True)
+
+
+def _array(dtype, shape, data):
+    return {"dtype": dtype, "shape": shape, "data": data}
+
+
+HOSTILE = {
+    "empty": b"",
+    "not msgpack": b"\xc1\xc1\xc1",
+    "a list, not a map": msgpack.packb([1, 2, 3]),
+    "unknown schema": mutate(schema="bananas"),
+    "unknown version": mutate(version=2),
+    "version as string": mutate(version="1"),
+    "missing field": mutate(values=KeyError),
+    "extra field": mutate(surprise=1),
+    "int for str": mutate(batch_id=5),
+    "bool for int": mutate(policy_version=True),
+    "string for float": mutate(created_at="now"),
+    "nan float": mutate(created_at=float("nan")),
+    "array as list": mutate(values=[[1.0]]),
+    "array missing data": mutate(values={"dtype": "float32", "shape": [3, 5]}),
+    "wrong dtype": mutate(values=_array("float64", [3, 5], b"\x00" * 120)),
+    "unknown dtype": mutate(values=_array("object", [3, 5], b"\x00" * 60)),
+    "wrong rank": mutate(values=_array("float32", [15], b"\x00" * 60)),
+    "shape/data mismatch": mutate(values=_array("float32", [3, 5], b"\x00" * 59)),
+    "negative shape": mutate(values=_array("float32", [-3, -5], b"\x00" * 60)),
+    "absurd declared size": mutate(values=_array("float32", [2**40, 2**40], b"\x00" * 60)),
+    "shape as floats": mutate(values=_array("float32", [3.0, 5.0], b"\x00" * 60)),
+    "inconsistent N": mutate(scores=_array("float32", [4], b"\x00" * 16)),
+    "nan in array": mutate(scores=_array("float32", [3], np.array([0, np.nan, 0], "<f4").tobytes())),
+    "length beyond width": mutate(response_lengths=_array("int64", [3], np.array([1, 6, 0], "<i8").tobytes())),
+    "negative token id": mutate(response_tokens=_array("int64", [3, 5], np.full(15, -1, "<i8").tobytes())),
+    "lineage with nested map": mutate(lineage={"a": {"b": 1}}),
+    "strings of wrong count": mutate(response_text=["only one"]),
+    "forged array32 header": b"\x81\xa6schema\xdd\xff\xff\xff\xff",
+    "forged bin32 header": b"\x81\xa6schema\xc6\xff\xff\xff\xf0abc",
+    "forged map32 header": b"\xdf\xff\xff\xff\xff",
+    "trailing bytes": VALID + b"\x00",
+    "ext type": msgpack.packb(msgpack.ExtType(5, b"hello")),
+}
+
+
+@pytest.mark.parametrize("data", HOSTILE.values(), ids=HOSTILE.keys())
+def test_hostile_input_raises_schema_error(data):
+    started = time.perf_counter()
+    with pytest.raises(SchemaError):
+        decode(data)
+    assert time.perf_counter() - started < 5, "decoding hostile input must not hang"
+
+
+def test_truncations_of_a_valid_message_all_fail_cleanly():
+    for cut in range(0, len(VALID), 7):
+        with pytest.raises(SchemaError):
+            decode(VALID[:cut])
+
+
+def test_decode_checks_the_topic_type():
+    with pytest.raises(SchemaError, match="expected a 'weights' message"):
+        decode(VALID, expected=WeightAnnouncement)
+
+
+def test_schema_error_names_the_field():
+    with pytest.raises(SchemaError, match="response_lengths"):
+        decode(HOSTILE["length beyond width"])
+    with pytest.raises(SchemaError, match=r"missing fields \['values'\]"):
+        decode(HOSTILE["missing field"])
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes(data):
+    try:
+        decode(data)
+    except SchemaError:
+        pass
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.data())
+def test_fuzz_bit_flips_and_splices_of_valid_messages(data):
+    base = bytearray(data.draw(st.sampled_from([VALID, encode(sample_message(DeadLetter, np.random.default_rng(5)))])))
+    for _ in range(data.draw(st.integers(1, 8))):
+        position = data.draw(st.integers(0, len(base) - 1))
+        base[position] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        cut = data.draw(st.integers(0, len(base)))
+        base = base[:cut] + data.draw(st.binary(max_size=64))
+    try:
+        message = decode(bytes(base))
+    except SchemaError:
+        return
+    # Whatever survives a mutation is a fully valid message: it encodes again and decodes to itself.
+    assert_messages_equal(decode(encode(message)), message)
+
+
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=True), st.text(max_size=8))
+msgpack_values = st.recursive(
+    json_scalars | st.binary(max_size=16),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(sorted(MESSAGE_TYPES)), st.dictionaries(st.text(max_size=12), msgpack_values, max_size=8))
+def test_fuzz_structured_maps(name, fields):
+    raw = {"schema": name, "version": 1, **fields}
+    try:
+        decode(msgpack.packb(raw, use_bin_type=True))
+    except SchemaError:
+        pass

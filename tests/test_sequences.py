@@ -1,0 +1,83 @@
+"""Packing and the shared forward passes agree with running each row alone, without padding."""
+
+import torch
+
+from common.generation import SamplingParams, sample_responses
+from common.models import load_actor, load_critic, load_tokenizer
+from common.ppo import logprobs_from_logits
+from common.sequences import lengths_to_mask, pack, response_logprobs, response_values
+
+
+def ragged_batch(tokenizer):
+    prompts = ["hello there", "hi", "what do you think of the sea?"]
+    enc = tokenizer(prompts, padding=True, return_tensors="pt")
+    g = torch.Generator().manual_seed(0)
+    responses = torch.randint(4, len(tokenizer), (3, 6), generator=g)
+    return enc["input_ids"], enc["attention_mask"].sum(1), responses, torch.tensor([6, 2, 4])
+
+
+def test_pack_right_aligns_prompts_and_masks_padding(tiny_model):
+    tokenizer = load_tokenizer(tiny_model)
+    prompt_tokens, prompt_lengths, responses, response_lengths = ragged_batch(tokenizer)
+    packed = pack(prompt_tokens, prompt_lengths, responses, response_lengths, tokenizer.pad_token_id)
+    P = prompt_tokens.shape[1]
+    for row in range(3):
+        n = int(prompt_lengths[row])
+        assert torch.equal(packed.input_ids[row, P - n : P], prompt_tokens[row, :n])
+        assert packed.attention_mask[row, : P - n].sum() == 0
+        assert packed.position_ids[row, P - n] == 0
+        r = int(response_lengths[row])
+        assert torch.equal(packed.input_ids[row, P : P + r], responses[row, :r])
+        assert packed.attention_mask[row, P + r :].sum() == 0
+
+
+def test_batched_logprobs_and_values_equal_unpadded_single_rows(tiny_model):
+    tokenizer = load_tokenizer(tiny_model)
+    actor, critic = load_actor(tiny_model), load_critic(tiny_model)
+    with torch.no_grad():
+        critic.score.weight.normal_()  # a non-zero head, so values say something
+    prompt_tokens, prompt_lengths, responses, response_lengths = ragged_batch(tokenizer)
+    packed = pack(prompt_tokens, prompt_lengths, responses, response_lengths, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, entropy = response_logprobs(actor, packed, responses, temperature=0.7, with_entropy=True)
+        values = response_values(critic, packed)
+        for row in range(3):
+            n, r = int(prompt_lengths[row]), int(response_lengths[row])
+            ids = torch.cat([prompt_tokens[row, :n], responses[row, :r]]).unsqueeze(0)
+            logits = actor(input_ids=ids).logits[0, n - 1 : n - 1 + r] / 0.7
+            expected = logprobs_from_logits(logits.unsqueeze(0), responses[row, :r].unsqueeze(0))[0]
+            assert torch.allclose(logp[row, :r], expected, atol=1e-5)
+            v = critic(input_ids=ids).logits[0, n - 1 : n - 1 + r, 0]
+            assert torch.allclose(values[row, :r], v, atol=1e-5)
+    assert entropy.shape == logp.shape
+
+
+def test_sampled_behaviour_logprobs_equal_the_trainer_forward(tiny_model):
+    """The generator's log-probs and the learner's recomputation agree on the same weights."""
+    tokenizer = load_tokenizer(tiny_model)
+    actor = load_actor(tiny_model)
+    prompt_tokens, prompt_lengths, _, _ = ragged_batch(tokenizer)
+    params = SamplingParams(n=3, max_new_tokens=12, temperature=0.8, seed=5)
+    samples = sample_responses(actor, prompt_tokens, prompt_lengths, params, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert samples.response_tokens.shape[0] == 9 and samples.group_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    rows = samples.group_index
+    packed = pack(prompt_tokens[rows], prompt_lengths[rows], samples.response_tokens, samples.response_lengths,
+                  tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = response_logprobs(actor, packed, samples.response_tokens, temperature=0.8)
+    mask = lengths_to_mask(samples.response_lengths, samples.response_tokens.shape[1])
+    assert torch.allclose(logp * mask, samples.behaviour_logprobs, atol=1e-4)
+    # A finished response ends with exactly one EOS, at its last real position.
+    for row in torch.nonzero(samples.finished).flatten().tolist():
+        length = int(samples.response_lengths[row])
+        assert samples.response_tokens[row, length - 1] == tokenizer.eos_token_id
+        assert (samples.response_tokens[row, : length - 1] != tokenizer.eos_token_id).all()
+
+
+def test_sampling_is_reproducible_from_its_seed(tiny_model):
+    tokenizer = load_tokenizer(tiny_model)
+    actor = load_actor(tiny_model)
+    prompt_tokens, prompt_lengths, _, _ = ragged_batch(tokenizer)
+    run = lambda seed: sample_responses(actor, prompt_tokens, prompt_lengths, SamplingParams(n=2, seed=seed),
+                                        tokenizer.eos_token_id, tokenizer.pad_token_id).response_tokens
+    assert torch.equal(run(1), run(1)) and not torch.equal(run(1), run(2))

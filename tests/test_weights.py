@@ -1,0 +1,69 @@
+"""The weight store: snapshots round-trip, tied weights survive, and bad snapshots are rejected untouched."""
+
+import hashlib
+
+import pytest
+import torch
+
+from common.models import load_actor
+from common.weights import WeightIntegrityError, WeightStore, load_snapshot_into
+
+
+def perturbed(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return model
+
+
+def test_snapshot_round_trip_with_tied_embeddings(tiny_model, tmp_path):
+    source = perturbed(load_actor(tiny_model))
+    assert source.config.tie_word_embeddings
+    snapshot = WeightStore(tmp_path).save("actor", 3, source)
+    assert snapshot.sha256 == hashlib.sha256(open(snapshot.uri, "rb").read()).hexdigest()
+    target = load_actor(tiny_model)
+    load_snapshot_into(target, snapshot.uri, snapshot.sha256)
+    for (name, a), b in zip(source.state_dict().items(), target.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert target.lm_head.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "wrong-checksum", "missing"])
+def test_damaged_snapshots_are_rejected_and_leave_the_model_unchanged(tiny_model, tmp_path, damage):
+    snapshot = WeightStore(tmp_path).save("actor", 1, perturbed(load_actor(tiny_model)))
+    data = open(snapshot.uri, "rb").read()
+    sha = snapshot.sha256
+    if damage == "truncate":
+        open(snapshot.uri, "wb").write(data[: len(data) // 2])
+    elif damage == "flip":
+        open(snapshot.uri, "wb").write(data[:-10] + bytes([data[-10] ^ 0xFF]) + data[-9:])
+    elif damage == "wrong-checksum":
+        sha = "0" * 64
+    else:
+        tmp_path.joinpath(snapshot.uri.rsplit("/", 1)[1]).unlink()
+    target = load_actor(tiny_model)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(WeightIntegrityError):
+        load_snapshot_into(target, snapshot.uri, sha)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
+def test_a_snapshot_of_another_architecture_is_rejected(tiny_model, tmp_path):
+    from common.models import load_critic
+
+    snapshot = WeightStore(tmp_path).save("critic", 1, load_critic(tiny_model))
+    with pytest.raises(WeightIntegrityError, match="does not fit"):
+        load_snapshot_into(load_actor(tiny_model), snapshot.uri, snapshot.sha256)
+
+
+def test_prune_keeps_the_newest(tiny_model, tmp_path):
+    store = WeightStore(tmp_path)
+    model = load_actor(tiny_model)
+    for version in range(5):
+        store.save("actor", version, model)
+    store.save("critic", 0, model)
+    deleted = store.prune("actor", keep=2)
+    assert len(deleted) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "actor-v00000003.safetensors", "actor-v00000004.safetensors", "critic-v00000000.safetensors"
+    ]
