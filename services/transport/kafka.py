@@ -1,0 +1,165 @@
+"""The bus over Kafka (kafka-python): any Kafka-protocol broker, Apache Kafka in production.
+
+Settings are chosen to be valid on Apache Kafka and on the small test broker alike:
+
+- producer: ``acks=all`` with idempotence, so a retried send is not written twice;
+- consumers: manual commits only (the runner commits after the batch's output is flushed), ``earliest``
+  reset for groups, so a new group starts at the beginning of the log;
+- broadcast consumers (``group=None``) are assigned every partition and never commit;
+- lag is the fetch high-watermark minus the position (``ListOffsets`` is not trusted).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError, NoBrokersAvailable, TopicAlreadyExistsError
+from kafka.structs import OffsetAndMetadata
+
+from services.transport.base import Bus, Consumer, Producer, Record, TopicSpec
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BrokerUnavailable", "KafkaBus", "KafkaSettings"]
+
+
+class BrokerUnavailable(ConnectionError):
+    """The broker could not be reached within the connect timeout."""
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    bootstrap: str
+    max_message_bytes: int = 64 * 1024 * 1024
+    session_timeout_ms: int = 6000
+    heartbeat_interval_ms: int = 1000
+    max_poll_interval_ms: int = 600_000  # one batch of model compute may take minutes
+    replication_factor: int = 1
+    connect_timeout_s: float = 60.0
+    security: dict = field(default_factory=dict)  # passed through: security_protocol, sasl_*, ssl_*
+
+
+class KafkaBus(Bus):
+    def __init__(self, settings: KafkaSettings):
+        self.settings = settings
+        self._common = {"bootstrap_servers": settings.bootstrap.split(","), **settings.security}
+
+    def _retrying(self, what: str, connect):
+        """Connect with back-off until ``connect_timeout_s``: a broker that is still starting is not an error."""
+        deadline = time.monotonic() + self.settings.connect_timeout_s
+        delay = 0.2
+        while True:
+            try:
+                return connect()
+            except NoBrokersAvailable:
+                if time.monotonic() > deadline:
+                    raise BrokerUnavailable(
+                        f"no Kafka broker reachable at {self.settings.bootstrap} after "
+                        f"{self.settings.connect_timeout_s:.0f}s ({what})"
+                    ) from None
+                log.warning("broker %s not reachable (%s); retrying in %.1fs", self.settings.bootstrap, what, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def create_topics(self, specs: list[TopicSpec]) -> None:
+        admin = self._retrying("admin", lambda: KafkaAdminClient(client_id="streamppo-admin", **self._common))
+        try:
+            existing = set(admin.list_topics())
+            new = [
+                NewTopic(
+                    spec.name, spec.partitions, self.settings.replication_factor,
+                    topic_configs={"max.message.bytes": str(self.settings.max_message_bytes),
+                                   "cleanup.policy": "compact" if spec.compacted else "delete"},
+                )
+                for spec in specs
+                if spec.name not in existing
+            ]
+            if new:
+                try:
+                    admin.create_topics(new)
+                except TopicAlreadyExistsError:
+                    pass  # another process created them first
+        finally:
+            admin.close()
+
+    def producer(self, client_id: str) -> Producer:
+        return _KafkaProducer(self._retrying("producer", lambda: KafkaProducer(
+            client_id=client_id, acks="all", enable_idempotence=True,
+            max_request_size=self.settings.max_message_bytes, **self._common,
+        )))
+
+    def consumer(self, topic: str, group: str | None, client_id: str, from_beginning: bool = True) -> Consumer:
+        s = self.settings
+        kafka_consumer = self._retrying("consumer", lambda: KafkaConsumer(
+            client_id=client_id, group_id=group, enable_auto_commit=False,
+            auto_offset_reset="earliest" if from_beginning else "latest",
+            session_timeout_ms=s.session_timeout_ms, heartbeat_interval_ms=s.heartbeat_interval_ms,
+            max_poll_interval_ms=s.max_poll_interval_ms, fetch_max_bytes=s.max_message_bytes,
+            max_partition_fetch_bytes=s.max_message_bytes, **self._common,
+        ))
+        if group is None:
+            partitions = kafka_consumer.partitions_for_topic(topic) or {0}
+            assigned = [TopicPartition(topic, p) for p in sorted(partitions)]
+            kafka_consumer.assign(assigned)
+            (kafka_consumer.seek_to_beginning if from_beginning else kafka_consumer.seek_to_end)(*assigned)
+        else:
+            kafka_consumer.subscribe([topic])
+        return _KafkaConsumer(kafka_consumer, group)
+
+
+class _KafkaProducer(Producer):
+    def __init__(self, producer: KafkaProducer):
+        self.producer = producer
+        self.futures = []
+
+    def send(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+        self.futures.append(self.producer.send(topic, value=value, key=key))
+
+    def flush(self) -> None:
+        self.producer.flush()
+        futures, self.futures = self.futures, []
+        for future in futures:
+            future.get()  # raises the send's error: an unacknowledged output must not let the input be committed
+
+    def close(self) -> None:
+        self.flush()
+        self.producer.close()
+
+
+class _KafkaConsumer(Consumer):
+    def __init__(self, consumer: KafkaConsumer, group: str | None):
+        self.consumer, self.group = consumer, group
+        self.buffer: list[Record] = []
+
+    def poll(self, timeout_s: float = 0.0, max_records: int = 1) -> list[Record]:
+        if not self.buffer:
+            batches = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+            for records in batches.values():
+                self.buffer.extend(
+                    Record(r.topic, r.partition, r.offset, r.key, r.value, r.timestamp / 1000.0) for r in records
+                )
+        out, self.buffer = self.buffer[:max_records], self.buffer[max_records:]
+        return out
+
+    def commit(self, record: Record) -> None:
+        if self.group is None:
+            return
+        self.consumer.commit({TopicPartition(record.topic, record.partition): OffsetAndMetadata(record.offset + 1, "", -1)})
+
+    def lag(self) -> int:
+        total = 0
+        for tp in self.consumer.assignment():
+            highwater = self.consumer.highwater(tp)
+            if highwater is not None:
+                total += max(highwater - self.consumer.position(tp), 0)
+        return total
+
+    def close(self) -> None:
+        try:
+            self.consumer.close()
+        except KafkaError as exc:
+            log.warning("closing consumer: %s", exc)
