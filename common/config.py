@@ -110,6 +110,20 @@ class PipelineSection(_Section):
     weight_store: Optional[Path] = Field(None, description="Shared weight directory; default: <run.dir>/weights.")
 
 
+class KafkaSection(_Section):
+    """How the services reach Kafka when they run as processes (``--bootstrap`` overrides ``bootstrap``)."""
+
+    bootstrap: Optional[str] = Field(None, description="HOST:PORT[,HOST:PORT]")
+    partitions: int = Field(4, gt=0, description="Partitions of the data topics when streamppo creates them.")
+    max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    session_timeout_ms: int = Field(6000, gt=0)
+    heartbeat_interval_ms: int = Field(1000, gt=0)
+    idempotent_producer: bool = Field(
+        True, description="acks=all plus idempotence; turn off only for a broker whose idempotence kafka-python "
+        "cannot use (the local test broker)."
+    )
+
+
 class RunConfig(_Section):
     run: RunSection = RunSection()
     model: ModelSection
@@ -119,6 +133,7 @@ class RunConfig(_Section):
     algorithm: AlgorithmSection = AlgorithmSection()
     learner: LearnerSection = LearnerSection()
     pipeline: PipelineSection = PipelineSection()
+    kafka: KafkaSection = KafkaSection()
 
     @model_validator(mode="after")
     def _batch_sizes_fit(self):

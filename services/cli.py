@@ -26,6 +26,29 @@ def _run(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from common.config import load_config
+    from services.process import feed, serve
+
+    config = load_config(args.config, args.set)
+    if args.command == "feed":
+        return feed(config, args.bootstrap)
+    return serve(args.command, config, args.bootstrap, args.replica_id)
+
+
+def _up(args) -> int:
+    from common.config import load_config
+    from services.cluster import parse_replicas, up
+
+    load_config(args.config, args.set)  # fail here, once, rather than in every child
+    try:
+        replicas = parse_replicas(args.replicas)
+    except ValueError as exc:
+        print(f"streamppo: {exc}", file=sys.stderr)
+        return 2
+    return up(args.config, args.set, args.bootstrap, replicas, verbose=args.verbose)
+
+
 def _protos(args) -> int:
     from common.schema import MESSAGE_TYPES, describe
 
@@ -56,6 +79,23 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(handler=_run)
 
+    for role in ("generator", "scorer", "advantage", "learner", "feed"):
+        what = "publish the prompt batches and exit" if role == "feed" else f"run the {role} service over Kafka"
+        serve = sub.add_parser(role, help=what)
+        serve.add_argument("--config", required=True, type=Path)
+        serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+        serve.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: kafka.bootstrap)")
+        if role != "feed":
+            serve.add_argument("--replica-id", default=None, help="default: role-host-pid")
+        serve.set_defaults(handler=_serve)
+
+    cluster = sub.add_parser("up", help="run every service as its own process over a local (or given) broker")
+    cluster.add_argument("--config", required=True, type=Path)
+    cluster.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    cluster.add_argument("--bootstrap", default=None, help="use this broker instead of starting a local one")
+    cluster.add_argument("--replicas", action="append", default=[], metavar="ROLE=N", help="e.g. --replicas scorer=2")
+    cluster.set_defaults(handler=_up)
+
     protos = sub.add_parser("protos", help="check (or --write) protos/ against the message definitions")
     protos.add_argument("--write", action="store_true")
     protos.add_argument("--dir", type=Path, default=Path("protos"), help="the protos folder (default: ./protos)")
@@ -69,13 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     from common.data import DatasetError
     from common.models import ModelLoadError
     from common.rewards import RewardError
+    from services.transport.kafka import BrokerUnavailable
 
     try:
         return args.handler(args)
     except ConfigError as exc:
         print(f"streamppo: {exc}", file=sys.stderr)
         return 2
-    except (ModelLoadError, RewardError, DatasetError) as exc:
+    except (ModelLoadError, RewardError, DatasetError, BrokerUnavailable) as exc:
         print(f"streamppo: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

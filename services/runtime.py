@@ -104,54 +104,66 @@ class ServiceRunner:
             bus.consumer("weights", group=None, client_id=replica_id, from_beginning=True) if service.weight_models else None
         )
         self.latest_weights: dict[str, int] = {}
-        self.pending: tuple[Record, Message] | None = None
+        self.held: dict[tuple[str, int], tuple[Record, Message]] = {}  # per paused partition
         self.recent = _RecentIds(dedupe_window)
         self.counters: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ one step
 
     def poll_once(self, timeout_s: float = 0.0) -> bool:
-        """Apply new weights, then handle at most one input record. Returns whether anything was done."""
-        did = self._apply_weights()
-        if self.pending is None:
-            records = self.work.poll(timeout_s, max_records=1)
-            if not records:
-                return did
-            record = records[0]
-            message = self._decode(record, self.work)
-            if message is None:
-                return True
-            if message.batch_id in self.recent:
-                self.counters["duplicates"] += 1
-                log.info("%s: batch %s already handled; skipping the re-delivery", self.replica_id, message.batch_id)
-                self.work.commit(record)
-                return True
-            self.pending = (record, message)
-        record, message = self.pending
-        if not self.service.ready_for(message):
+        """Apply new weights, then handle at most one input record. Returns whether anything was done.
+
+        A record the service is not ready for (a prompt batch waiting for newer weights) is held and its
+        partition paused, so records of other partitions keep flowing: Kafka orders records within a partition
+        only, and the batch the pipeline needs next may sit behind another partition's held one.
+        """
+        did = self._apply_weights(timeout_s if self.held else 0.0)
+        ready = [held for held in self.held.values() if self.service.ready_for(held[1])]
+        if ready:
+            record, message = min(ready, key=lambda held: getattr(held[1], "step", 0))
+            del self.held[(record.topic, record.partition)]
+            self.work.resume(record.partition)
+            self._process(record, message)
+            return True
+        records = self.work.poll(0.0 if self.held else timeout_s, max_records=1)
+        if not records:
             return did
+        record = records[0]
+        message = self._decode(record, self.work)
+        if message is None:
+            return True
+        if message.batch_id in self.recent:
+            self.counters["duplicates"] += 1
+            log.info("%s: batch %s already handled; skipping the re-delivery", self.replica_id, message.batch_id)
+            self.work.commit(record)
+            return True
+        if not self.service.ready_for(message):
+            self.held[(record.topic, record.partition)] = (record, message)
+            self.work.pause(record.partition)
+            return True
+        self._process(record, message)
+        return True
+
+    def _process(self, record: Record, message: Message) -> None:
         started = time.perf_counter()
         try:
             outputs = self.service.process(message)
         except InputError as exc:
             self._dead_letter(record, f"cannot process batch {message.batch_id}: {exc}", self.work)
-            self.pending = None
-            return True
+            return
         for output in outputs:
             self.producer.send(self.service.output_topic, encode(output), key=message_key(output))
         self.producer.flush()
         self.work.commit(record)
         self.recent.add(message.batch_id)
-        self.pending = None
         self.counters["processed"] += 1
         self.counters["produced"] += len(outputs)
         self.counters["busy_ms"] += int((time.perf_counter() - started) * 1000)
-        return True
 
     def waiting_for(self) -> str:
-        if self.pending is None:
+        if not self.held:
             return "waiting for input"
-        return self.service.waiting_for(self.pending[1]) or "holding a message"
+        return "; ".join(self.service.waiting_for(message) or "holding a message" for _, message in self.held.values())
 
     def close(self) -> None:
         self.producer.close()
@@ -180,11 +192,12 @@ class ServiceRunner:
         log.warning("%s: %s[%d]@%d sent to %s: %s", self.replica_id, record.topic, record.partition,
                     record.offset, dlq_topic(record.topic), error)
 
-    def _apply_weights(self) -> bool:
+    def _apply_weights(self, timeout_s: float) -> bool:
         if self.weights is None:
             return False
         newest: dict[str, WeightAnnouncement] = {}
-        for record in self.weights.poll(0.0, max_records=10_000):
+        for record in self.weights.poll(timeout_s, max_records=10_000):
+            log.debug("%s: weights record at offset %d", self.replica_id, record.offset)
             announcement = self._decode(record, self.weights)
             if announcement is None:
                 continue

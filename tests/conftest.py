@@ -32,3 +32,31 @@ def make_config(tmp_path, model_cache):
         return load_config(EXAMPLE / "config.yaml", base + list(overrides), **kwargs)
 
     return make
+
+
+def _docker_answers() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory):
+    """A real Kafka-protocol broker, as config overrides: $KAFKA_BOOTSTRAP_SERVERS if set, else testcontainers'
+    Kafka when a Docker daemon answers, else the local broker binary on a free port (whose idempotence
+    kafka-python cannot use, so the producer runs without it there)."""
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        yield [f"kafka.bootstrap={os.environ['KAFKA_BOOTSTRAP_SERVERS']}"]
+    elif _docker_answers():
+        from testcontainers.kafka import KafkaContainer
+
+        with KafkaContainer() as kafka:
+            yield [f"kafka.bootstrap={kafka.get_bootstrap_server()}"]
+    else:
+        from services.transport.local_broker import LocalBroker
+
+        with LocalBroker(log_path=tmp_path_factory.mktemp("broker") / "broker.log") as broker:
+            yield [f"kafka.bootstrap={broker.bootstrap}", "kafka.idempotent_producer=false"]

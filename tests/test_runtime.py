@@ -29,13 +29,13 @@ def publish(bus, topic, *payloads):
         producer.send(topic, payload, key=b"k")
 
 
-def announce_v1(config):
-    """Weights v1 as the learner announces them after an update (here: perturbed v0 weights)."""
+def announce_v1(config, version=1):
+    """Weights as the learner announces them after an update (here: perturbed v0 weights)."""
     learner = LearnerService(config)
     with torch.no_grad():
         for p in learner.trainer.actor.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    learner.trainer.version = 1
+    learner.trainer.version = version
     return learner.announce()
 
 
@@ -124,7 +124,8 @@ def test_the_generator_holds_a_batch_until_the_weights_allow_it(bus, config):
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)))
     assert runner.poll_once() is True  # batch 0, sampled by v0
-    assert runner.poll_once() is False  # batch 1 polled and held
+    assert runner.poll_once() is True  # batch 1 polled and held
+    assert runner.poll_once() is False  # nothing to do until new weights
     produced = read_all(bus, "rollouts")
     assert len(produced) == 1, "batch 1 must wait for actor v1"
     assert "waits for actor v1" in runner.waiting_for()
@@ -149,3 +150,34 @@ def test_a_corrupted_snapshot_is_rejected_and_the_old_weights_kept(bus, config, 
     assert generator.policy_version == 0
     assert all((before[k] == v).all() for k, v in generator.actor.state_dict().items())
     assert "keeping actor v0" in caplog.text and "sha256" in caplog.text
+
+
+def test_a_held_batch_does_not_block_other_partitions(bus, config):
+    """Kafka orders records per partition only: batch 1 may sit behind a held batch 2 in another partition."""
+    generator = GeneratorService(config)
+    runner = ServiceRunner(generator, bus, "generator")
+    feeder = FeederService(config)
+    batches = {step: feeder.batch(step) for step in range(6)}
+    publish_in_order = sorted(batches, key=lambda step: (step % 2 == 0, step))  # odd steps first, then even
+    producer = bus.producer("test")
+    keys = _keys_for_each_partition(2)
+    for step in publish_in_order:
+        producer.send("prompts", encode(batches[step]), key=keys[step % 2])  # odd and even steps apart
+    sampled = []
+    for version in range(6):
+        if version:
+            publish(bus, "weights", *[encode(a) for a in announce_v1(config, version)])
+        while runner.poll_once():
+            pass
+        sampled = [decode(v) for v in read_all(bus, "rollouts")]
+        assert [r.step for r in sampled] == list(range(version + 1)), "each batch as soon as its weights exist"
+    assert [r.policy_version for r in sampled] == list(range(6))
+
+
+def _keys_for_each_partition(count):
+    import zlib
+
+    keys = {}
+    for i in range(1000):
+        keys.setdefault(zlib.crc32(f"k{i}".encode()) % count, f"k{i}".encode())
+    return [keys[p] for p in range(count)]

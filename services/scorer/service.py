@@ -26,7 +26,7 @@ class ScorerService(Service):
         path = resolve_model(m.reference or m.actor, m.cache_dir)
         self.reference = load_actor(path, m.dtype, m.trust_remote_code, role="reference model").requires_grad_(False)
         self.pad_token_id = load_tokenizer(path, m.trust_remote_code).pad_token_id
-        self.lineage = {"reference.model": str(path)}
+        self.lineage = {"reference.model": str(path), "scorer.replica": replica_id}
         if config.reward.function is not None:
             self.reward = RewardFunction(config.reward.function)
             self.lineage["reward.function"] = config.reward.function

@@ -61,6 +61,13 @@ class Consumer(ABC):
         """Make ``record`` and everything before it in its partition durable as consumed by the group."""
 
     @abstractmethod
+    def pause(self, partition: int) -> None:
+        """Stop fetching from ``partition`` (while a record from it is held); polling goes on for the others."""
+
+    @abstractmethod
+    def resume(self, partition: int) -> None: ...
+
+    @abstractmethod
     def lag(self) -> int:
         """Records in the assigned partitions not yet consumed by this member."""
 

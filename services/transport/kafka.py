@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
-from kafka.errors import KafkaError, NoBrokersAvailable, TopicAlreadyExistsError
+from kafka.errors import KafkaError, KafkaTimeoutError, NoBrokersAvailable, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
 from services.transport.base import Bus, Consumer, Producer, Record, TopicSpec
@@ -40,13 +41,19 @@ class KafkaSettings:
     max_poll_interval_ms: int = 600_000  # one batch of model compute may take minutes
     replication_factor: int = 1
     connect_timeout_s: float = 60.0
+    idempotent_producer: bool = True
     security: dict = field(default_factory=dict)  # passed through: security_protocol, sasl_*, ssl_*
 
 
 class KafkaBus(Bus):
     def __init__(self, settings: KafkaSettings):
         self.settings = settings
-        self._common = {"bootstrap_servers": settings.bootstrap.split(","), **settings.security}
+        self._common = {
+            "bootstrap_servers": settings.bootstrap.split(","),
+            # One connection attempt; _retrying() repeats it with back-off up to connect_timeout_s.
+            "api_version_auto_timeout_ms": int(min(settings.connect_timeout_s, 10.0) * 1000),
+            **settings.security,
+        }
 
     def _retrying(self, what: str, connect):
         """Connect with back-off until ``connect_timeout_s``: a broker that is still starting is not an error."""
@@ -55,7 +62,7 @@ class KafkaBus(Bus):
         while True:
             try:
                 return connect()
-            except NoBrokersAvailable:
+            except (NoBrokersAvailable, KafkaTimeoutError):
                 if time.monotonic() > deadline:
                     raise BrokerUnavailable(
                         f"no Kafka broker reachable at {self.settings.bootstrap} after "
@@ -66,49 +73,52 @@ class KafkaBus(Bus):
                 delay = min(delay * 2, 5.0)
 
     def create_topics(self, specs: list[TopicSpec]) -> None:
+        # Existing topics come from a metadata request: the admin client's list_topics() also parses ACL fields
+        # that not every broker fills in the way kafka-python expects.
+        probe = self._retrying("metadata", lambda: KafkaConsumer(client_id="streamppo-admin", **self._common))
+        try:
+            existing = probe.topics()
+        finally:
+            probe.close()
+        missing = [spec for spec in specs if spec.name not in existing]
+        if not missing:
+            return
         admin = self._retrying("admin", lambda: KafkaAdminClient(client_id="streamppo-admin", **self._common))
         try:
-            existing = set(admin.list_topics())
-            new = [
-                NewTopic(
+            for spec in missing:
+                topic = NewTopic(
                     spec.name, spec.partitions, self.settings.replication_factor,
                     topic_configs={"max.message.bytes": str(self.settings.max_message_bytes),
                                    "cleanup.policy": "compact" if spec.compacted else "delete"},
                 )
-                for spec in specs
-                if spec.name not in existing
-            ]
-            if new:
                 try:
-                    admin.create_topics(new)
+                    admin.create_topics([topic])
                 except TopicAlreadyExistsError:
-                    pass  # another process created them first
+                    pass  # another process created it first
         finally:
             admin.close()
 
     def producer(self, client_id: str) -> Producer:
         return _KafkaProducer(self._retrying("producer", lambda: KafkaProducer(
-            client_id=client_id, acks="all", enable_idempotence=True,
+            client_id=client_id, acks="all", enable_idempotence=self.settings.idempotent_producer,
             max_request_size=self.settings.max_message_bytes, **self._common,
         )))
 
     def consumer(self, topic: str, group: str | None, client_id: str, from_beginning: bool = True) -> Consumer:
         s = self.settings
+        # A broadcast reader (group=None) gets a private group of its own: it is assigned every partition like
+        # a manual assignment would be, and never commits. (kafka-python 3.0's manually assigned consumer hung
+        # in poll() next to a group consumer in the same process.)
+        group_id = group if group is not None else f"{client_id}-broadcast-{uuid.uuid4().hex[:12]}"
         kafka_consumer = self._retrying("consumer", lambda: KafkaConsumer(
-            client_id=client_id, group_id=group, enable_auto_commit=False,
+            client_id=client_id, group_id=group_id, enable_auto_commit=False,
             auto_offset_reset="earliest" if from_beginning else "latest",
             session_timeout_ms=s.session_timeout_ms, heartbeat_interval_ms=s.heartbeat_interval_ms,
             max_poll_interval_ms=s.max_poll_interval_ms, fetch_max_bytes=s.max_message_bytes,
             max_partition_fetch_bytes=s.max_message_bytes, **self._common,
         ))
-        if group is None:
-            partitions = kafka_consumer.partitions_for_topic(topic) or {0}
-            assigned = [TopicPartition(topic, p) for p in sorted(partitions)]
-            kafka_consumer.assign(assigned)
-            (kafka_consumer.seek_to_beginning if from_beginning else kafka_consumer.seek_to_end)(*assigned)
-        else:
-            kafka_consumer.subscribe([topic])
-        return _KafkaConsumer(kafka_consumer, group)
+        kafka_consumer.subscribe([topic])
+        return _KafkaConsumer(kafka_consumer, topic, group)
 
 
 class _KafkaProducer(Producer):
@@ -131,19 +141,34 @@ class _KafkaProducer(Producer):
 
 
 class _KafkaConsumer(Consumer):
-    def __init__(self, consumer: KafkaConsumer, group: str | None):
-        self.consumer, self.group = consumer, group
+    def __init__(self, consumer: KafkaConsumer, topic: str, group: str | None):
+        self.consumer, self.topic, self.group = consumer, topic, group
         self.buffer: list[Record] = []
 
     def poll(self, timeout_s: float = 0.0, max_records: int = 1) -> list[Record]:
         if not self.buffer:
-            batches = self.consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+            batches = self.consumer.poll(timeout_ms=max(int(timeout_s * 1000), 10), max_records=max_records)
             for records in batches.values():
                 self.buffer.extend(
                     Record(r.topic, r.partition, r.offset, r.key, r.value, r.timestamp / 1000.0) for r in records
                 )
         out, self.buffer = self.buffer[:max_records], self.buffer[max_records:]
         return out
+
+    def pause(self, partition: int) -> None:
+        # Records of this partition fetched but not yet returned are fetched again after resume.
+        tp = TopicPartition(self.topic, partition)
+        dropped = [r.offset for r in self.buffer if r.partition == partition]
+        self.buffer = [r for r in self.buffer if r.partition != partition]
+        if tp in self.consumer.assignment():
+            if dropped:
+                self.consumer.seek(tp, min(dropped))
+            self.consumer.pause(tp)
+
+    def resume(self, partition: int) -> None:
+        tp = TopicPartition(self.topic, partition)
+        if tp in self.consumer.assignment():
+            self.consumer.resume(tp)
 
     def commit(self, record: Record) -> None:
         if self.group is None:

@@ -98,6 +98,7 @@ class _MemoryConsumer(Consumer):
         _MemoryConsumer._ids += 1
         self.member = f"{client_id}-{_MemoryConsumer._ids}"
         self.positions: dict[int, int] = {}
+        self.paused: set[int] = set()
         self.generation = -1
         self.closed = False
         with bus._lock:
@@ -118,6 +119,7 @@ class _MemoryConsumer(Consumer):
         self.generation = generation
         logs = self.bus.topic(self.topic).partitions
         self.positions = {}
+        self.paused = set()  # as in Kafka, a rebalance forgets pauses
         for p in self.bus._assignment(self.group, self.topic, self.member):
             default = 0 if self.from_beginning else len(logs[p])
             self.positions[p] = self.bus._committed.get((self.group, self.topic, p), default)
@@ -129,7 +131,7 @@ class _MemoryConsumer(Consumer):
                 self._sync_assignment()
                 logs = self.bus.topic(self.topic).partitions
                 out: list[Record] = []
-                for p in sorted(self.positions):
+                for p in sorted(set(self.positions) - self.paused):
                     while len(out) < max_records and self.positions[p] < len(logs[p]):
                         out.append(logs[p][self.positions[p]])
                         self.positions[p] += 1
@@ -144,6 +146,14 @@ class _MemoryConsumer(Consumer):
         with self.bus._lock:
             key = (self.group, record.topic, record.partition)
             self.bus._committed[key] = max(self.bus._committed.get(key, 0), record.offset + 1)
+
+    def pause(self, partition: int) -> None:
+        with self.bus._lock:
+            self.paused.add(partition)
+
+    def resume(self, partition: int) -> None:
+        with self.bus._lock:
+            self.paused.discard(partition)
 
     def lag(self) -> int:
         with self.bus._lock:

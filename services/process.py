@@ -1,0 +1,85 @@
+"""One service as its own process over Kafka: ``streamppo generator|scorer|advantage|learner|feed``.
+
+SIGTERM (or Ctrl-C) lets the batch in hand finish, be produced and committed, then exits 0; a batch not yet
+started stays uncommitted and is re-delivered to another replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+
+from common.config import ConfigError, RunConfig
+from services.runtime import ServiceRunner, pipeline_topics
+from services.transport.kafka import KafkaBus, KafkaSettings
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ROLES", "feed", "serve"]
+
+
+def _service_class(role: str):
+    from services.advantage import AdvantageService
+    from services.generator import GeneratorService
+    from services.learner import LearnerService
+    from services.scorer import ScorerService
+
+    return {"generator": GeneratorService, "scorer": ScorerService, "advantage": AdvantageService,
+            "learner": LearnerService}[role]
+
+
+ROLES = ("generator", "scorer", "advantage", "learner")
+
+
+def default_replica_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def kafka_bus(config: RunConfig, bootstrap: str | None = None) -> KafkaBus:
+    """The Kafka bus the config describes, with every pipeline topic created."""
+    k = config.kafka
+    bootstrap = bootstrap or k.bootstrap
+    if not bootstrap:
+        raise ConfigError("no Kafka broker given: pass --bootstrap HOST:PORT or set kafka.bootstrap")
+    bus = KafkaBus(KafkaSettings(
+        bootstrap=bootstrap, max_message_bytes=k.max_message_bytes, session_timeout_ms=k.session_timeout_ms,
+        heartbeat_interval_ms=k.heartbeat_interval_ms, idempotent_producer=k.idempotent_producer,
+    ))
+    bus.create_topics(pipeline_topics(k.partitions))
+    return bus
+
+
+def serve(role: str, config: RunConfig, bootstrap: str | None, replica_id: str | None = None) -> int:
+    replica_id = replica_id or default_replica_id(role)
+    stopping = {"flag": False}
+
+    def request_stop(signum, frame):
+        log.info("%s: signal %d, stopping after the batch in hand", replica_id, signum)
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    service = _service_class(role)(config, replica_id)
+    runner = ServiceRunner(service, kafka_bus(config, bootstrap), replica_id)
+    log.info("%s: serving %s -> %s", replica_id, service.input_topic, service.output_topic)
+    try:
+        while not stopping["flag"]:
+            runner.poll_once(timeout_s=0.5)
+            if role == "learner" and service.consumed >= config.run.steps:
+                service.save_final()
+                log.info("%s: %d updates done", replica_id, service.updates)
+                break
+    finally:
+        runner.close()
+    return 0
+
+
+def feed(config: RunConfig, bootstrap: str | None) -> int:
+    from services.feeder import FeederService
+
+    feeder = FeederService(config)
+    count = feeder.publish(kafka_bus(config, bootstrap), range(config.run.steps))
+    log.info("published %d prompt batches", count)
+    return 0

@@ -1,0 +1,134 @@
+"""The Kafka bus and the services as processes, against a real broker started by the tests."""
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from common.schema import DeadLetter, ScoredBatch, decode
+from conftest import EXAMPLE, REPO
+from services.process import kafka_bus
+from services.runtime import ServiceRunner
+from services.transport import TopicSpec
+from services.transport.kafka import BrokerUnavailable, KafkaBus, KafkaSettings
+from services.transport.local_broker import free_port
+
+
+@pytest.fixture
+def kafka_config(make_config, kafka_broker):
+    return make_config(*kafka_broker)
+
+
+@pytest.fixture
+def bus(kafka_config):
+    return kafka_bus(kafka_config)
+
+
+def unique(name):
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def drain(consumer, expected, timeout_s=30.0, commit=True):
+    seen, deadline = [], time.monotonic() + timeout_s
+    while len(seen) < expected and time.monotonic() < deadline:
+        for record in consumer.poll(0.5, max_records=100):
+            seen.append(record.value)
+            if commit:
+                consumer.commit(record)
+    return seen
+
+
+def fill(bus, topic, count):
+    producer = bus.producer("test")
+    for i in range(count):
+        producer.send(topic, f"v{i}".encode(), key=f"k{i}".encode())
+    producer.flush()
+
+
+def test_groups_share_partitions_and_each_group_sees_all(bus):
+    topic, group = unique("t"), unique("g")
+    bus.create_topics([TopicSpec(topic, 4)])
+    fill(bus, topic, 40)
+    first, second = bus.consumer(topic, group, "first"), bus.consumer(topic, group, "second")
+    seen_first, seen_second, deadline = [], [], time.monotonic() + 60
+    while len(seen_first) + len(seen_second) < 40 and time.monotonic() < deadline:
+        seen_first += [r.value for r in first.poll(0.3, 100)]
+        seen_second += [r.value for r in second.poll(0.3, 100)]
+    assert sorted(seen_first + seen_second) == sorted(f"v{i}".encode() for i in range(40))
+    assert seen_first and seen_second, "both members of the group got partitions"
+    assert sorted(drain(bus.consumer(topic, unique("g"), "other-group"), 40)) == sorted(seen_first + seen_second)
+    assert len(drain(bus.consumer(topic, None, "broadcast"), 40)) == 40
+
+
+def test_uncommitted_records_are_redelivered_to_the_next_member(bus):
+    topic, group = unique("t"), unique("g")
+    bus.create_topics([TopicSpec(topic, 1)])
+    fill(bus, topic, 5)
+    first = bus.consumer(topic, group, "first")
+    records, deadline = [], time.monotonic() + 30
+    while len(records) < 5 and time.monotonic() < deadline:
+        records += first.poll(1.0, max_records=5)
+    first.commit(records[1])
+    first.close()
+    assert drain(bus.consumer(topic, group, "second"), 3) == [b"v2", b"v3", b"v4"]
+
+
+def test_lag_from_the_high_watermark(bus):
+    topic = unique("t")
+    bus.create_topics([TopicSpec(topic, 1)])
+    fill(bus, topic, 6)
+    consumer = bus.consumer(topic, unique("g"), "c")
+    got, deadline = [], time.monotonic() + 30
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += consumer.poll(1.0, max_records=2)
+    assert len(got) == 2 and consumer.lag() == 4
+
+
+def test_a_malformed_record_lands_in_the_dlq_over_kafka(bus, kafka_config):
+    from services.scorer import ScorerService
+
+    runner = ServiceRunner(ScorerService(kafka_config), bus, unique("scorer"))
+    marker = uuid.uuid4().bytes
+    producer = bus.producer("test")
+    producer.send("rollouts", b"\xc1not msgpack" + marker)
+    producer.flush()
+    dlq = bus.consumer("rollouts.dlq", None, "reader")
+    letters, deadline = [], time.monotonic() + 60
+    while not letters and time.monotonic() < deadline:
+        runner.poll_once(timeout_s=0.5)
+        letters = [decode(r.value) for r in dlq.poll(0.1, max_records=100)]
+        letters = [letter for letter in letters if letter.payload.endswith(marker)]
+    assert letters and isinstance(letters[0], DeadLetter) and letters[0].source_topic == "rollouts"
+    runner.close()
+
+
+def test_an_unreachable_broker_is_a_clear_error():
+    bus = KafkaBus(KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}", connect_timeout_s=2))
+    with pytest.raises(BrokerUnavailable, match="no Kafka broker reachable"):
+        bus.producer("p")
+
+
+@pytest.mark.slow
+def test_streamppo_up_runs_the_pipeline_as_processes(kafka_broker, kafka_config, tmp_path, model_cache):
+    """generator, two scorer replicas, advantage and learner, each its own process, over the broker."""
+    steps, run_id = 12, unique("proc")
+    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
+    overrides = [f"run.steps={steps}", f"run.dir={tmp_path / 'run'}", f"run.run_id={run_id}",
+                 f"model.cache_dir={model_cache}", *kafka_broker]
+    args = [sys.executable, "-m", "services.cli", "up", "--config", str(EXAMPLE / "config.yaml"),
+            "--bootstrap", bootstrap, "--replicas", "scorer=2", *[a for o in overrides for a in ("--set", o)]]
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "scorer-1 |" in result.stdout  # child output comes back prefixed by its name
+
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)], "each batch once"
+    first = sum(r["reward_mean"] for r in records[:3]) / 3
+    last = sum(r["reward_mean"] for r in records[-3:]) / 3
+    assert last > first + 0.15, (first, last)
+    scorers = {decode(r.value).lineage["scorer.replica"] for r in kafka_bus(kafka_config).consumer("scored", None, "audit")
+               .poll(10.0, max_records=10_000) if decode(r.value).batch_id.startswith(run_id)}
+    assert scorers == {"scorer-0", "scorer-1"}, "both scorer replicas did work"
