@@ -101,6 +101,7 @@ class LearnerSection(_Section):
     max_grad_norm: Optional[float] = Field(1.0, gt=0)
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     off_policy_correction: bool = Field(True, description="Truncated importance weight on stale experience.")
+    checkpoint_dir: Optional[Path] = Field(None, description="Default: <run.dir>/checkpoints. Written after every update.")
     importance_cap: float = Field(2.0, ge=1)
 
 
@@ -151,6 +152,10 @@ class RunConfig(_Section):
     @property
     def weight_store(self) -> Path:
         return self.pipeline.weight_store or self.run.dir / "weights"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.learner.checkpoint_dir or self.run.dir / "checkpoints"
 
 
 def _apply_override(tree: dict, assignment: str) -> None:

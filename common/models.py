@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import string
+import tempfile
 from pathlib import Path
 
 import torch
@@ -88,10 +90,8 @@ def build_tiny_char_llama(directory: Path, seed: int = 0) -> None:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    tmp = directory.with_name(directory.name + ".partial")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(directory)  # a half-built folder never looks finished
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
 
 
 BUILTIN_MODELS = {"tiny-char-llama": build_tiny_char_llama}
@@ -107,7 +107,17 @@ def resolve_model(spec: str, cache_dir: Path) -> Path:
         if not directory.is_dir():
             directory.parent.mkdir(parents=True, exist_ok=True)
             log.info("building builtin model %s in %s", name, directory)
-            BUILTIN_MODELS[name](directory)
+            # Services started together all build it: each in a folder of its own, and the first rename wins.
+            # A half-built folder never has the final name.
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=directory.parent))
+            try:
+                BUILTIN_MODELS[name](tmp)
+                os.rename(tmp, directory)
+            except OSError:
+                if not directory.is_dir():
+                    raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
         return directory
     path = Path(spec)
     if not (path / "config.json").is_file():

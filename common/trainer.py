@@ -157,6 +157,27 @@ class PPOTrainer:
             "policy_version": float(self.version),
         }
 
+    def state_dict(self) -> dict:
+        """Everything needed to continue training exactly: weights, optimizers, KL controller, version, RNG."""
+        return {
+            "actor": self.actor.state_dict(),
+            "critic": self.critic.state_dict(),
+            "actor_optimizer": self.actor_optimizer.state_dict(),
+            "critic_optimizer": self.critic_optimizer.state_dict(),
+            "kl_controller": self.kl_controller.state_dict(),
+            "version": self.version,
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.actor.load_state_dict(state["actor"])
+        self.critic.load_state_dict(state["critic"])
+        self.actor_optimizer.load_state_dict(state["actor_optimizer"])
+        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.version = int(state["version"])
+        self.generator.set_state(state["generator"])
+
     def _step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,7 +61,9 @@ def run_embedded(config: RunConfig, progress: bool = True) -> RunSummary:
     bus = MemoryBus()
     bus.create_topics(pipeline_topics())
     feeder = FeederService(config)
-    learner = LearnerService(config)
+    # The in-memory bus starts empty, so the run starts from scratch too.
+    shutil.rmtree(config.checkpoint_dir, ignore_errors=True)
+    learner = LearnerService(config, resume=False)
     services = [GeneratorService(config), ScorerService(config), AdvantageService(config), learner]
     runners = [ServiceRunner(service, bus, service.replica_id) for service in services]
     feeder.publish(bus, range(config.run.steps))

@@ -67,6 +67,10 @@ class Service(ABC):
     def on_weights(self, announcement: WeightAnnouncement) -> None:
         """Load a newer snapshot of one of :attr:`weight_models`."""
 
+    def startup_messages(self) -> list[Message]:
+        """Messages for :attr:`output_topic` to produce once, when the service starts (e.g. a resumed state)."""
+        return []
+
     def ready_for(self, message: Message) -> bool:
         """False holds ``message`` back (uncommitted) until, e.g., newer weights arrive."""
         return True
@@ -107,6 +111,7 @@ class ServiceRunner:
         self.held: dict[tuple[str, int], tuple[Record, Message]] = {}  # per paused partition
         self.recent = _RecentIds(dedupe_window)
         self.counters: Counter[str] = Counter()
+        self._produce(service.startup_messages())
 
     # ------------------------------------------------------------------ one step
 
@@ -151,14 +156,17 @@ class ServiceRunner:
         except InputError as exc:
             self._dead_letter(record, f"cannot process batch {message.batch_id}: {exc}", self.work)
             return
-        for output in outputs:
-            self.producer.send(self.service.output_topic, encode(output), key=message_key(output))
-        self.producer.flush()
+        self._produce(outputs)
         self.work.commit(record)
         self.recent.add(message.batch_id)
         self.counters["processed"] += 1
         self.counters["produced"] += len(outputs)
         self.counters["busy_ms"] += int((time.perf_counter() - started) * 1000)
+
+    def _produce(self, messages: list[Message]) -> None:
+        for message in messages:
+            self.producer.send(self.service.output_topic, encode(message), key=message_key(message))
+        self.producer.flush()
 
     def waiting_for(self) -> str:
         if not self.held:

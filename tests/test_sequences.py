@@ -81,3 +81,20 @@ def test_sampling_is_reproducible_from_its_seed(tiny_model):
     run = lambda seed: sample_responses(actor, prompt_tokens, prompt_lengths, SamplingParams(n=2, seed=seed),
                                         tokenizer.eos_token_id, tokenizer.pad_token_id).response_tokens
     assert torch.equal(run(1), run(1)) and not torch.equal(run(1), run(2))
+
+
+def test_builtin_model_built_by_several_processes_at_once(tmp_path):
+    """Services started together on a fresh machine all build the builtin model into the same cache."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = "import sys; from common.models import resolve_model; print(resolve_model('builtin:tiny-char-llama', sys.argv[1]))"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-500:] for _, err in results]
+    assert len({out.strip() for out, _ in results}) == 1
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["tiny-char-llama"]
+    load_actor(tmp_path / "models" / "tiny-char-llama")

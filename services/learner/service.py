@@ -2,6 +2,11 @@
 
 Experience older than ``max_staleness`` versions is dropped and counted, never trained on. Each update appends
 one line of statistics to ``<run dir>/metrics.jsonl``.
+
+After every update the learner checkpoints itself (models, optimizers, KL controller, version, applied batch ids)
+before its input is committed. A learner that restarts, after SIGTERM or ``kill -9``, resumes from the checkpoint:
+a batch applied but not yet committed comes back and is recognised by its id; a batch not yet in the checkpoint
+was not committed either and is applied when it comes back.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from common.checkpoint import load_latest_checkpoint, save_checkpoint
 from common.config import RunConfig
 from common.models import load_actor, load_critic, load_tokenizer, resolve_model
 from common.schema import ExperienceBatch, WeightAnnouncement, new_header
@@ -27,7 +33,7 @@ class LearnerService(Service):
     input_topic = "experience"
     output_topic = "weights"
 
-    def __init__(self, config: RunConfig, replica_id: str = "learner-0"):
+    def __init__(self, config: RunConfig, replica_id: str = "learner-0", resume: bool = True):
         self.config, self.replica_id = config, replica_id
         m = config.model
         actor_path = resolve_model(m.actor, m.cache_dir)
@@ -45,8 +51,20 @@ class LearnerService(Service):
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.updates = 0
         self.dropped_stale = 0
+        self.applied: set[str] = set()
         self.listeners: list[Callable[[dict], None]] = []
         self.started = time.time()
+        checkpoint = load_latest_checkpoint(config.checkpoint_dir) if resume else None
+        if checkpoint is not None:
+            state, meta = checkpoint
+            self.trainer.load_state_dict(state)
+            self.updates, self.dropped_stale = meta["updates"], meta["dropped_stale"]
+            self.applied = set(meta["applied"])
+            log.info("%s: resumed from checkpoint at v%d (%d updates)", replica_id, self.trainer.version, self.updates)
+
+    def startup_messages(self) -> list[WeightAnnouncement]:
+        # After a restart, announce the resumed version: the announcement of the last update may never have left.
+        return self.announce() if self.trainer.version > 0 else []
 
     @property
     def consumed(self) -> int:
@@ -54,9 +72,13 @@ class LearnerService(Service):
         return self.updates + self.dropped_stale
 
     def process(self, message: ExperienceBatch) -> list[WeightAnnouncement]:
+        if message.batch_id in self.applied:
+            log.info("%s: batch %s is already in the checkpoint; not applied again", self.replica_id, message.batch_id)
+            return []
         staleness = self.trainer.version - message.policy_version
         if staleness > self.config.pipeline.max_staleness:
             self.dropped_stale += 1
+            self.applied.add(message.batch_id)  # counted once, even if it comes back
             log.warning("%s: dropping batch %s: sampled by v%d, learner at v%d (max staleness %d)", self.replica_id,
                         message.batch_id, message.policy_version, self.trainer.version, self.config.pipeline.max_staleness)
             return []
@@ -70,7 +92,11 @@ class LearnerService(Service):
             fh.write(json.dumps(record) + "\n")
         for listener in self.listeners:
             listener(record)
-        return self.announce()
+        self.applied.add(message.batch_id)
+        announcements = self.announce()
+        save_checkpoint(self.config.checkpoint_dir, self.trainer.version, self.trainer.state_dict(),
+                        {"updates": self.updates, "dropped_stale": self.dropped_stale, "applied": sorted(self.applied)})
+        return announcements
 
     def announce(self) -> list[WeightAnnouncement]:
         """Snapshot actor and critic at the current version into the weight store and announce both."""

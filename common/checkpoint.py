@@ -1,0 +1,49 @@
+"""Learner checkpoints: a directory per version, switched to with an atomic pointer file.
+
+``<dir>/ckpt-<version>/trainer.pt`` holds tensors and plain values only (read back with
+``torch.load(weights_only=True)``, which unpickles no code); ``learner.json`` holds the applied batch ids and
+counters. ``<dir>/LATEST`` names the newest complete checkpoint; it is replaced only after that checkpoint is fully
+written, so a process killed at any moment leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+__all__ = ["load_latest_checkpoint", "save_checkpoint"]
+
+
+def save_checkpoint(directory: Path, version: int, trainer_state: dict, meta: dict, keep: int = 2) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"ckpt-{version:08d}"
+    tmp = directory / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save(trainer_state, tmp / "trainer.pt")
+    (tmp / "learner.json").write_text(json.dumps(meta))
+    final = directory / name
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = directory / ".LATEST.tmp"
+    pointer.write_text(name)
+    os.replace(pointer, directory / "LATEST")
+    for old in sorted(p for p in directory.glob("ckpt-*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_latest_checkpoint(directory: Path) -> tuple[dict, dict] | None:
+    """``(trainer_state, meta)`` of the newest complete checkpoint, or None if there is none."""
+    pointer = Path(directory) / "LATEST"
+    if not pointer.is_file():
+        return None
+    path = Path(directory) / pointer.read_text().strip()
+    state = torch.load(path / "trainer.pt", weights_only=True)
+    meta = json.loads((path / "learner.json").read_text())
+    return state, meta
