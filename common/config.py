@@ -7,6 +7,7 @@ are errors that name the field (``learner.actor_lr: Input should be greater than
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -119,10 +120,67 @@ class KafkaSection(_Section):
     max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
     session_timeout_ms: int = Field(6000, gt=0)
     heartbeat_interval_ms: int = Field(1000, gt=0)
+    fetch_max_wait_ms: int = Field(
+        100, ge=0, description="Longest a broker may hold an empty fetch. Brokers that do not answer early when data "
+        "arrives (the local test broker) make this the per-hop latency; Kafka's own default is 500."
+    )
     idempotent_producer: bool = Field(
         True, description="acks=all plus idempotence; turn off only for a broker whose idempotence kafka-python "
         "cannot use (the local test broker)."
     )
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Optional[Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]] = None
+    sasl_username: Optional[str] = None
+    sasl_password_env: Optional[str] = Field(None, description="Name of the environment variable with the password.")
+    sasl_password_file: Optional[Path] = Field(None, description="File whose content is the password.")
+    ssl_cafile: Optional[Path] = None
+    ssl_certfile: Optional[Path] = None
+    ssl_keyfile: Optional[Path] = None
+    ssl_password_env: Optional[str] = Field(None, description="Environment variable with the key's password.")
+
+    @model_validator(mode="after")
+    def _security_is_complete(self):
+        if self.security_protocol.startswith("SASL"):
+            if self.sasl_mechanism is None or self.sasl_username is None:
+                raise ValueError(f"security_protocol {self.security_protocol} needs sasl_mechanism and sasl_username")
+            if (self.sasl_password_env is None) == (self.sasl_password_file is None):
+                raise ValueError("set exactly one of sasl_password_env and sasl_password_file")
+        elif self.sasl_mechanism is not None:
+            raise ValueError("sasl_mechanism is set but security_protocol is not SASL_PLAINTEXT or SASL_SSL")
+        return self
+
+    def client_options(self) -> dict:
+        """kafka-python security options, with secrets read from the environment or files now.
+
+        Raises ConfigError naming the variable or file when a secret is missing. The values returned must not be
+        logged; only their names appear in config and messages.
+        """
+        options: dict = {"security_protocol": self.security_protocol}
+        if self.security_protocol.startswith("SASL"):
+            options.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
+                           sasl_plain_password=_secret(self.sasl_password_env, self.sasl_password_file, "kafka SASL password"))
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            for key in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+                path = getattr(self, key)
+                if path is not None:
+                    if not path.is_file():
+                        raise ConfigError(f"kafka.{key}: file not found: {path}")
+                    options[key] = str(path)
+            if self.ssl_password_env is not None:
+                options["ssl_password"] = _secret(self.ssl_password_env, None, "kafka SSL key password")
+        return options
+
+
+def _secret(env: Optional[str], file: Optional[Path], what: str) -> str:
+    if env is not None:
+        value = os.environ.get(env)
+        if not value:
+            raise ConfigError(f"{what}: environment variable {env} is not set")
+        return value
+    try:
+        return file.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot read {file}: {exc.strerror}") from None
 
 
 class RunConfig(_Section):

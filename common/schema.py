@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 

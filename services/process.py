@@ -10,6 +10,9 @@ import logging
 import os
 import signal
 import socket
+import time
+
+from kafka.errors import KafkaError
 
 from common.config import ConfigError, RunConfig
 from services.runtime import ServiceRunner, pipeline_topics
@@ -31,6 +34,7 @@ def _service_class(role: str):
 
 
 ROLES = ("generator", "scorer", "advantage", "learner")
+STATUS_EVERY_S = 30.0
 
 
 def default_replica_id(role: str) -> str:
@@ -46,6 +50,7 @@ def kafka_bus(config: RunConfig, bootstrap: str | None = None) -> KafkaBus:
     bus = KafkaBus(KafkaSettings(
         bootstrap=bootstrap, max_message_bytes=k.max_message_bytes, session_timeout_ms=k.session_timeout_ms,
         heartbeat_interval_ms=k.heartbeat_interval_ms, idempotent_producer=k.idempotent_producer,
+        fetch_max_wait_ms=k.fetch_max_wait_ms, security=k.client_options(),
     ))
     bus.create_topics(pipeline_topics(k.partitions))
     return bus
@@ -64,9 +69,22 @@ def serve(role: str, config: RunConfig, bootstrap: str | None, replica_id: str |
     service = _service_class(role)(config, replica_id)
     runner = ServiceRunner(service, kafka_bus(config, bootstrap), replica_id)
     log.info("%s: serving %s -> %s", replica_id, service.input_topic, service.output_topic)
+    backoff = 0.5
+    next_status = time.monotonic() + STATUS_EVERY_S
     try:
         while not stopping["flag"]:
-            runner.poll_once(timeout_s=0.5)
+            if time.monotonic() >= next_status:
+                next_status = time.monotonic() + STATUS_EVERY_S
+                log.info("%s: status %s", replica_id, runner.status())
+            try:
+                runner.poll_once(timeout_s=0.5)
+                backoff = 0.5
+            except KafkaError as exc:
+                # The batch in hand was not committed and comes back once the broker does.
+                log.warning("%s: broker error (%s: %s); retrying in %.1fs", replica_id, type(exc).__name__, exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
             if role == "learner" and service.consumed >= config.run.steps:
                 service.save_final()
                 log.info("%s: %d updates done", replica_id, service.updates)

@@ -59,6 +59,7 @@ def check_token_ids(message: Message, model, role: str) -> None:
 
 
 class Service(ABC):
+    run_id: str = ""  # messages whose lineage names another run are skipped (topics may outlive a run)
     role: str = ""
     input_topic: str = ""
     output_topic: str = ""
@@ -137,6 +138,9 @@ class ServiceRunner:
         message = self._decode(record, self.work)
         if message is None:
             return True
+        if not self._same_run(message):
+            self.work.commit(record)
+            return True
         if message.batch_id in self.recent:
             self.counters["duplicates"] += 1
             log.info("%s: batch %s already handled; skipping the re-delivery", self.replica_id, message.batch_id)
@@ -163,10 +167,23 @@ class ServiceRunner:
         self.counters["produced"] += len(outputs)
         self.counters["busy_ms"] += int((time.perf_counter() - started) * 1000)
 
+    def _same_run(self, message: Message) -> bool:
+        run_id = message.lineage.get("run.id")
+        if run_id == self.service.run_id:
+            return True
+        self.counters["other_runs"] += 1
+        log.warning("%s: skipping %s %s of run %r (this is run %r)", self.replica_id, message.SCHEMA,
+                    message.batch_id, run_id, self.service.run_id)
+        return False
+
     def _produce(self, messages: list[Message]) -> None:
         for message in messages:
             self.producer.send(self.service.output_topic, encode(message), key=message_key(message))
         self.producer.flush()
+
+    def status(self) -> dict:
+        """Counters plus the consumer lag (records in this replica's partitions not yet consumed)."""
+        return {**self.counters, "lag": self.work.lag(), "held": len(self.held)}
 
     def waiting_for(self) -> str:
         if not self.held:
@@ -207,7 +224,7 @@ class ServiceRunner:
         for record in self.weights.poll(timeout_s, max_records=10_000):
             log.debug("%s: weights record at offset %d", self.replica_id, record.offset)
             announcement = self._decode(record, self.weights)
-            if announcement is None:
+            if announcement is None or not self._same_run(announcement):
                 continue
             if announcement.model in self.service.weight_models:
                 current = newest.get(announcement.model)

@@ -83,3 +83,35 @@ def test_trust_remote_code_is_off_unless_configured():
 def test_protos_are_current():
     result = streamppo("protos")
     assert result.returncode == 0, result.stderr
+
+
+def test_kafka_security_settings_pass_through_with_secrets_from_the_environment(tmp_path, monkeypatch):
+    from services.transport.kafka import KafkaSettings
+
+    overrides = ["kafka.security_protocol=SASL_SSL", "kafka.sasl_mechanism=SCRAM-SHA-512", "kafka.sasl_username=ppo",
+                 "kafka.sasl_password_env=TEST_KAFKA_PASSWORD"]
+    config = load_config(EXAMPLE / "config.yaml", overrides)
+    with pytest.raises(ConfigError, match="TEST_KAFKA_PASSWORD is not set"):
+        config.kafka.client_options()
+    monkeypatch.setenv("TEST_KAFKA_PASSWORD", "s3cret-value")
+    options = config.kafka.client_options()
+    assert options == {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
+                       "sasl_plain_username": "ppo", "sasl_plain_password": "s3cret-value"}
+    # The secret is in none of what gets printed or written: the settings' repr, the saved config.
+    assert "s3cret" not in repr(KafkaSettings(bootstrap="b:9092", security=options))
+    assert "s3cret" not in config.model_dump_json()
+    secret_file = tmp_path / "password"
+    secret_file.write_text("from-a-file\n")
+    from_file = load_config(EXAMPLE / "config.yaml", overrides[:3] + [f"kafka.sasl_password_file={secret_file}"])
+    assert from_file.kafka.client_options()["sasl_plain_password"] == "from-a-file"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["kafka.security_protocol=SASL_PLAINTEXT"], "needs sasl_mechanism"),
+    (["kafka.sasl_mechanism=PLAIN"], "is not SASL"),
+    (["kafka.security_protocol=SASL_SSL", "kafka.sasl_mechanism=PLAIN", "kafka.sasl_username=u"], "exactly one"),
+    (["kafka.security_protocol=SSLX"], "kafka.security_protocol"),
+])
+def test_incomplete_kafka_security_is_rejected(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(EXAMPLE / "config.yaml", overrides)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from common.schema import DeadLetter, PromptBatch, RolloutBatch, decode, encode
+from common.schema import DeadLetter, RolloutBatch, decode, encode
 from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
@@ -181,3 +181,33 @@ def _keys_for_each_partition(count):
     for i in range(1000):
         keys.setdefault(zlib.crc32(f"k{i}".encode()) % count, f"k{i}".encode())
     return [keys[p] for p in range(count)]
+
+
+def test_messages_of_another_run_are_skipped(bus, config):
+    runner = ServiceRunner(GeneratorService(config), bus, "generator")
+    other = FeederService(config.model_copy(update={"run": config.run.model_copy(update={"run_id": "another-run"})})).batch(0)
+    publish(bus, "prompts", encode(other), encode(FeederService(config).batch(0)))
+    runner.poll_once(), runner.poll_once()
+    (rollouts,) = [decode(v) for v in read_all(bus, "rollouts")]
+    assert rollouts.lineage["run.id"] == config.run.run_id
+    assert runner.counters["other_runs"] == 1
+
+
+def test_the_learner_refuses_experience_from_a_newer_policy(config):
+    from services.advantage import AdvantageService
+
+    message = FeederService(config).batch(0)
+    for stage in (GeneratorService, ScorerService, AdvantageService):
+        message = stage(config).process(message)[0]
+    message.policy_version = 5  # sampled by weights this learner never published
+    learner = LearnerService(config)
+    assert learner.process(message) == [] and learner.trainer.version == 0 and learner.dropped_stale == 1
+
+
+def test_status_reports_counters_and_lag(bus, config):
+    runner = ServiceRunner(GeneratorService(config), bus, "generator")
+    feeder = FeederService(config)
+    publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)), encode(feeder.batch(2)), b"junk")
+    runner.poll_once()
+    status = runner.status()
+    assert status["processed"] == 1 and status["lag"] == 3 and status["held"] == 0

@@ -28,7 +28,7 @@ class AdvantageService(Service):
     weight_models = ("critic",)
 
     def __init__(self, config: RunConfig, replica_id: str = "advantage-0"):
-        self.config, self.replica_id = config, replica_id
+        self.config, self.replica_id, self.run_id = config, replica_id, config.run.run_id
         m = config.model
         path = resolve_model(m.critic or m.actor, m.cache_dir)
         self.critic = load_critic(path, m.dtype, m.trust_remote_code).requires_grad_(False)

@@ -37,7 +37,8 @@ class FeederService:
         tokens = np.full((len(texts), max(lengths.max(), 1)), self.tokenizer.pad_token_id, dtype=np.int64)
         for row, ids in enumerate(token_lists):
             tokens[row, : len(ids)] = ids
-        lineage = {"data.prompts": str(self.config.data.prompts), "data.seed": self.config.run.seed}
+        lineage = {"run.id": self.config.run.run_id, "data.prompts": str(self.config.data.prompts),
+                   "data.seed": self.config.run.seed}
         return PromptBatch(
             **new_header(f"{self.config.run.run_id}-{step:08d}", self.replica_id, 0, lineage),
             step=step, prompt_index=index, prompt_text=texts, prompt_tokens=tokens, prompt_lengths=lengths,

@@ -23,7 +23,7 @@ class GeneratorService(Service):
     weight_models = ("actor",)
 
     def __init__(self, config: RunConfig, replica_id: str = "generator-0"):
-        self.config, self.replica_id = config, replica_id
+        self.config, self.replica_id, self.run_id = config, replica_id, config.run.run_id
         path = resolve_model(config.model.actor, config.model.cache_dir)
         self.tokenizer = load_tokenizer(path, config.model.trust_remote_code)
         self.actor = load_actor(path, config.model.dtype, config.model.trust_remote_code)

@@ -34,7 +34,7 @@ class LearnerService(Service):
     output_topic = "weights"
 
     def __init__(self, config: RunConfig, replica_id: str = "learner-0", resume: bool = True):
-        self.config, self.replica_id = config, replica_id
+        self.config, self.replica_id, self.run_id = config, replica_id, config.run.run_id
         m = config.model
         actor_path = resolve_model(m.actor, m.cache_dir)
         critic_path = resolve_model(m.critic or m.actor, m.cache_dir)
@@ -76,6 +76,14 @@ class LearnerService(Service):
             log.info("%s: batch %s is already in the checkpoint; not applied again", self.replica_id, message.batch_id)
             return []
         staleness = self.trainer.version - message.policy_version
+        if staleness < 0:
+            # Sampled by a policy this learner never published: a learner that lost its checkpoint, or weights from
+            # elsewhere. Training on it would be off-policy by an unknown amount.
+            self.dropped_stale += 1
+            self.applied.add(message.batch_id)
+            log.warning("%s: dropping batch %s: sampled by v%d, newer than this learner's v%d", self.replica_id,
+                        message.batch_id, message.policy_version, self.trainer.version)
+            return []
         if staleness > self.config.pipeline.max_staleness:
             self.dropped_stale += 1
             self.applied.add(message.batch_id)  # counted once, even if it comes back
@@ -105,7 +113,8 @@ class LearnerService(Service):
         for name, module in (("actor", self.trainer.actor), ("critic", self.trainer.critic)):
             snapshot = self.store.save(name, version, module)
             self.store.prune(name, self.config.pipeline.keep_snapshots)
-            lineage = {"kl_coef": self.trainer.kl_controller.value, "learner": self.replica_id}
+            lineage = {"run.id": self.config.run.run_id, "kl_coef": self.trainer.kl_controller.value,
+                       "learner": self.replica_id}
             announcements.append(WeightAnnouncement(
                 **new_header(f"{self.config.run.run_id}-weights-{name}-v{version:08d}", self.replica_id, version, lineage),
                 model=name, uri=snapshot.uri, sha256=snapshot.sha256, num_bytes=snapshot.num_bytes,

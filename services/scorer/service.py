@@ -21,7 +21,7 @@ class ScorerService(Service):
     output_topic = "scored"
 
     def __init__(self, config: RunConfig, replica_id: str = "scorer-0"):
-        self.config, self.replica_id = config, replica_id
+        self.config, self.replica_id, self.run_id = config, replica_id, config.run.run_id
         m = config.model
         path = resolve_model(m.reference or m.actor, m.cache_dir)
         self.reference = load_actor(path, m.dtype, m.trust_remote_code, role="reference model").requires_grad_(False)

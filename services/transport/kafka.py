@@ -42,7 +42,9 @@ class KafkaSettings:
     replication_factor: int = 1
     connect_timeout_s: float = 60.0
     idempotent_producer: bool = True
-    security: dict = field(default_factory=dict)  # passed through: security_protocol, sasl_*, ssl_*
+    fetch_max_wait_ms: int = 100  # how long the broker may hold an empty fetch (see KafkaSection)
+    # Passed through to kafka-python (security_protocol, sasl_*, ssl_*); holds secrets, so never printed.
+    security: dict = field(default_factory=dict, repr=False)
 
 
 class KafkaBus(Bus):
@@ -52,6 +54,8 @@ class KafkaBus(Bus):
             "bootstrap_servers": settings.bootstrap.split(","),
             # One connection attempt; _retrying() repeats it with back-off up to connect_timeout_s.
             "api_version_auto_timeout_ms": int(min(settings.connect_timeout_s, 10.0) * 1000),
+            # kafka-python refuses network frames over 1 MB by default; a fetch carries up to max_message_bytes.
+            "receive_message_max_bytes": settings.max_message_bytes + (1 << 20),
             **settings.security,
         }
 
@@ -115,6 +119,7 @@ class KafkaBus(Bus):
             auto_offset_reset="earliest" if from_beginning else "latest",
             session_timeout_ms=s.session_timeout_ms, heartbeat_interval_ms=s.heartbeat_interval_ms,
             max_poll_interval_ms=s.max_poll_interval_ms, fetch_max_bytes=s.max_message_bytes,
+            fetch_max_wait_ms=s.fetch_max_wait_ms,
             max_partition_fetch_bytes=s.max_message_bytes, **self._common,
         ))
         kafka_consumer.subscribe([topic])
