@@ -27,11 +27,15 @@ from common.schema import (
     encode,
     message_key,
 )
+from common.weights import WeightIntegrityError, load_snapshot_into
 from services.transport import Bus, Consumer, Record, TopicSpec, dlq_topic
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InputError", "PIPELINE_TOPICS", "Service", "ServiceRunner", "check_token_ids", "pipeline_topics"]
+__all__ = [
+    "InputError", "PIPELINE_TOPICS", "Service", "ServiceRunner", "check_token_ids", "load_announced_weights",
+    "pipeline_topics",
+]
 
 PIPELINE_TOPICS = ("prompts", "rollouts", "scored", "experience", "weights")
 
@@ -56,6 +60,17 @@ def check_token_ids(message: Message, model, role: str) -> None:
         array = getattr(message, name, None)
         if array is not None and array.size and int(array.max()) >= vocab:
             raise InputError(f"{name} holds id {int(array.max())}, outside the {role}'s vocabulary of {vocab}")
+
+
+def load_announced_weights(module, announcement: WeightAnnouncement, replica_id: str, current_version: int) -> bool:
+    """Load an announced snapshot into ``module``; a damaged one is refused and the current weights kept."""
+    try:
+        load_snapshot_into(module, announcement.uri, announcement.sha256)
+    except WeightIntegrityError as exc:
+        log.error("%s: keeping %s v%d: %s", replica_id, announcement.model, current_version, exc)
+        return False
+    log.info("%s: %s weights v%d loaded", replica_id, announcement.model, announcement.policy_version)
+    return True
 
 
 class Service(ABC):

@@ -15,8 +15,7 @@ from common.estimation import ShapingParams, estimate_advantages
 from common.models import load_critic, load_tokenizer, resolve_model
 from common.schema import ExperienceBatch, ScoredBatch, WeightAnnouncement, derive
 from common.sequences import lengths_to_mask, pack, response_values
-from common.weights import WeightIntegrityError, load_snapshot_into
-from services.runtime import Service, check_token_ids
+from services.runtime import Service, check_token_ids, load_announced_weights
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +36,9 @@ class AdvantageService(Service):
         self.kl_coef = config.algorithm.kl_coef
 
     def on_weights(self, announcement: WeightAnnouncement) -> None:
-        try:
-            load_snapshot_into(self.critic, announcement.uri, announcement.sha256)
-        except WeightIntegrityError as exc:
-            log.error("%s: keeping critic v%d: %s", self.replica_id, self.critic_version, exc)
-            return
-        self.critic_version = announcement.policy_version
-        self.kl_coef = float(announcement.lineage.get("kl_coef", self.kl_coef))
+        if load_announced_weights(self.critic, announcement, self.replica_id, self.critic_version):
+            self.critic_version = announcement.policy_version
+            self.kl_coef = float(announcement.lineage.get("kl_coef", self.kl_coef))
 
     @torch.no_grad()
     def process(self, message: ScoredBatch) -> list[ExperienceBatch]:

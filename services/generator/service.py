@@ -10,8 +10,7 @@ from common.config import RunConfig
 from common.generation import SamplingParams, sample_responses
 from common.models import load_actor, load_tokenizer, resolve_model
 from common.schema import PromptBatch, RolloutBatch, WeightAnnouncement, new_header
-from common.weights import WeightIntegrityError, load_snapshot_into
-from services.runtime import Service, check_token_ids
+from services.runtime import Service, check_token_ids, load_announced_weights
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +30,8 @@ class GeneratorService(Service):
         self.policy_version = 0  # the configured initial weights are version 0
 
     def on_weights(self, announcement: WeightAnnouncement) -> None:
-        try:
-            load_snapshot_into(self.actor, announcement.uri, announcement.sha256)
-        except WeightIntegrityError as exc:
-            log.error("%s: keeping actor v%d: %s", self.replica_id, self.policy_version, exc)
-            return
-        self.policy_version = announcement.policy_version
-        log.info("%s: actor weights v%d loaded", self.replica_id, self.policy_version)
+        if load_announced_weights(self.actor, announcement, self.replica_id, self.policy_version):
+            self.policy_version = announcement.policy_version
 
     def ready_for(self, message: PromptBatch) -> bool:
         # Bounded staleness: batch `step` may be sampled by a policy at most max_staleness versions behind it.
