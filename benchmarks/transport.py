@@ -67,7 +67,7 @@ def weights(m):
     return WeightAnnouncement(**new_header(m.batch_id, "l", 1, m.lineage), model="actor", uri="/dev/null", sha256="0" * 64, num_bytes=0)
 
 
-def pipeline_latency(bootstrap: str, batches: int = 30, fetch_max_wait_ms: int = 500) -> dict:
+def pipeline_latency(bootstrap: str, batches: int = 30, fetch_max_wait_ms: int = KafkaSettings("").fetch_max_wait_ms) -> dict:
     settings = KafkaSettings(bootstrap=bootstrap, idempotent_producer=False, fetch_max_wait_ms=fetch_max_wait_ms)
     bus = KafkaBus(settings)
     bus.create_topics(pipeline_topics(4))
@@ -147,5 +147,6 @@ def rebalance_time(bootstrap: str) -> dict:
 if __name__ == "__main__":
     with LocalBroker() as broker:
         print(json.dumps({"pipeline_no_op": pipeline_latency(broker.bootstrap),
+                          "pipeline_no_op_fetch_wait_500ms": pipeline_latency(broker.bootstrap, fetch_max_wait_ms=500),
                           "pipeline_no_op_fetch_wait_50ms": pipeline_latency(broker.bootstrap, fetch_max_wait_ms=50),
                           "rebalance_after_kill_9": rebalance_time(broker.bootstrap)}, indent=2))

@@ -1,5 +1,6 @@
 """Delivery rules of every service: dead letters, de-duplication, commit after produce, bounded staleness."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,3 +212,43 @@ def test_status_reports_counters_and_lag(bus, config):
     runner.poll_once()
     status = runner.status()
     assert status["processed"] == 1 and status["lag"] == 3 and status["held"] == 0
+
+
+def test_the_scorer_uses_a_reward_model_with_its_own_tokenizer(make_config, tiny_model, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from common.models import load_tokenizer
+
+    rm_dir = tmp_path / "reward-model"
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1).save_pretrained(rm_dir)
+    load_tokenizer(tiny_model).save_pretrained(rm_dir)
+    config = make_config("reward.function=null", f"reward.model={rm_dir}", "data.batch_size=2", "generation.n=2",
+                         "generation.max_new_tokens=4", "learner.mini_batch_size=4")
+    rollouts = GeneratorService(config).process(FeederService(config).batch(0))[0]
+    scored = ScorerService(config).process(rollouts)[0]
+    assert scored.scores.shape == (4,) and scored.lineage["reward.model"] == str(rm_dir)
+    rm, tokenizer = AutoModelForSequenceClassification.from_pretrained(rm_dir), load_tokenizer(rm_dir)
+    with torch.no_grad():
+        for i in range(4):
+            enc = tokenizer(rollouts.prompt_text[i], rollouts.response_text[i], return_tensors="pt")
+            assert rm(**enc).logits[0, 0].item() == pytest.approx(float(scored.scores[i]), abs=1e-4)
+
+
+def test_the_learners_kl_coefficient_reaches_the_advantage_service(config):
+    from services.advantage import AdvantageService
+
+    learner = LearnerService(config)
+    learner.trainer.kl_controller.value = 0.5  # as an adaptive controller might have moved it
+    learner.trainer.version = 1
+    critic_announcement = next(a for a in learner.announce() if a.model == "critic")
+    advantage = AdvantageService(config)
+    advantage.on_weights(critic_announcement)
+    scored = ScorerService(config).process(GeneratorService(config).process(FeederService(config).batch(0))[0])[0]
+    experience = advantage.process(scored)[0]
+    assert experience.lineage["shaping.kl_coef"] == 0.5 and experience.lineage["critic.version"] == 1
+    mask = np.arange(experience.kl.shape[1]) < experience.response_lengths[:, None]
+    last = experience.response_lengths - 1
+    shaped = -0.5 * experience.kl * mask
+    shaped[np.arange(len(last)), last] += experience.scores
+    assert np.allclose(experience.token_rewards, shaped, atol=1e-6)
