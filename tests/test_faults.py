@@ -129,3 +129,23 @@ def test_kill_9_of_a_scorer_replica_moves_its_partitions(cluster):
     assert c.processes["learner"].wait(timeout=300) == 0
     assert_each_batch_once(c, steps)
     print(f"\nprogress resumed {resumed_at - killed_at:.1f}s after kill -9 of a scorer replica")
+
+
+def test_kill_9_of_the_learner_at_random_points_applies_each_batch_once(cluster):
+    import random
+
+    steps = 12
+    c = cluster(steps)
+    for role in ("generator", "scorer", "advantage", "learner"):
+        c.start(role, role)
+    c.start("feed", "feed")
+    rng = random.Random(0)
+    for after in (2, 5, 8):
+        c.wait_for_steps(after)
+        time.sleep(rng.uniform(0.0, 1.5))  # anywhere in an update: training, snapshot, checkpoint, commit
+        c.stop("learner", signal.SIGKILL)
+        c.start("learner", "learner")
+    assert c.processes["learner"].wait(timeout=300) == 0
+    assert_each_batch_once(c, steps)
+    versions = [r["policy_version"] for r in c.steps()]
+    assert versions == sorted(versions) == [float(v) for v in range(1, steps + 1)], "no update lost or repeated"

@@ -53,3 +53,16 @@ def test_a_fresh_start_ignores_old_checkpoints_when_asked(config, experience):
     LearnerService(config).process(experience[0])
     assert LearnerService(config).trainer.version == 1
     assert LearnerService(config, resume=False).trainer.version == 0
+
+
+def test_a_metrics_line_lost_to_a_crash_is_written_on_resume(config, experience):
+    learner = LearnerService(config)
+    learner.process(experience[0])
+    learner.process(experience[1])
+    lines = learner.metrics_path.read_text().splitlines()
+    learner.metrics_path.write_text(lines[0] + "\n")  # killed after the checkpoint, before the metrics line
+    LearnerService(config)
+    restored = learner.metrics_path.read_text().splitlines()
+    assert restored == lines
+    LearnerService(config)  # and only once
+    assert learner.metrics_path.read_text().splitlines() == lines

@@ -60,7 +60,21 @@ class LearnerService(Service):
             self.trainer.load_state_dict(state)
             self.updates, self.dropped_stale = meta["updates"], meta["dropped_stale"]
             self.applied = set(meta["applied"])
+            self._restore_metrics(meta.get("last_record"))
             log.info("%s: resumed from checkpoint at v%d (%d updates)", replica_id, self.trainer.version, self.updates)
+
+    def _append_metrics(self, record: dict) -> None:
+        with open(self.metrics_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    def _restore_metrics(self, last_record: dict | None) -> None:
+        """A learner killed between its checkpoint and its metrics line writes that line now."""
+        if last_record is None:
+            return
+        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
+        last_step = json.loads(lines[-1])["step"] if lines else 0
+        if last_step < last_record["step"]:
+            self._append_metrics(last_record)
 
     def startup_messages(self) -> list[WeightAnnouncement]:
         # After a restart, announce the resumed version: the announcement of the last update may never have left.
@@ -79,32 +93,32 @@ class LearnerService(Service):
         if staleness < 0:
             # Sampled by a policy this learner never published: a learner that lost its checkpoint, or weights from
             # elsewhere. Training on it would be off-policy by an unknown amount.
-            self.dropped_stale += 1
-            self.applied.add(message.batch_id)
-            log.warning("%s: dropping batch %s: sampled by v%d, newer than this learner's v%d", self.replica_id,
-                        message.batch_id, message.policy_version, self.trainer.version)
-            return []
+            return self._drop(message, "newer than this learner")
         if staleness > self.config.pipeline.max_staleness:
-            self.dropped_stale += 1
-            self.applied.add(message.batch_id)  # counted once, even if it comes back
-            log.warning("%s: dropping batch %s: sampled by v%d, learner at v%d (max staleness %d)", self.replica_id,
-                        message.batch_id, message.policy_version, self.trainer.version, self.config.pipeline.max_staleness)
-            return []
+            return self._drop(message, f"older than max_staleness {self.config.pipeline.max_staleness} allows")
         check_token_ids(message, self.trainer.actor, "actor")
         started = time.perf_counter()
         stats = self.trainer.train(Experience.from_message(message))
         self.updates += 1
         record = {"step": self.updates, "batch_id": message.batch_id, "time": time.time() - self.started,
                   "train_seconds": time.perf_counter() - started, "dropped_stale": self.dropped_stale, **stats}
-        with open(self.metrics_path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
-        for listener in self.listeners:
-            listener(record)
         self.applied.add(message.batch_id)
         announcements = self.announce()
         save_checkpoint(self.config.checkpoint_dir, self.trainer.version, self.trainer.state_dict(),
-                        {"updates": self.updates, "dropped_stale": self.dropped_stale, "applied": sorted(self.applied)})
+                        {"updates": self.updates, "dropped_stale": self.dropped_stale, "applied": sorted(self.applied),
+                         "last_record": record})
+        # Written after the checkpoint, so metrics.jsonl never shows an update a restart would apply again.
+        self._append_metrics(record)
+        for listener in self.listeners:
+            listener(record)
         return announcements
+
+    def _drop(self, message: ExperienceBatch, why: str) -> list:
+        self.dropped_stale += 1
+        self.applied.add(message.batch_id)  # counted once, even if it comes back
+        log.warning("%s: dropping batch %s: sampled by v%d, learner at v%d: %s", self.replica_id, message.batch_id,
+                    message.policy_version, self.trainer.version, why)
+        return []
 
     def announce(self) -> list[WeightAnnouncement]:
         """Snapshot actor and critic at the current version into the weight store and announce both."""
