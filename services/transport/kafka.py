@@ -5,7 +5,7 @@ Settings are chosen to be valid on Apache Kafka and on the small test broker ali
 - producer: ``acks=all`` with idempotence, so a retried send is not written twice;
 - consumers: manual commits only (the runner commits after the batch's output is flushed), ``earliest``
   reset for groups, so a new group starts at the beginning of the log;
-- broadcast consumers (``group=None``) are assigned every partition and never commit;
+- broadcast readers (``group=None``) get a private group each, so they see every partition, and never commit;
 - lag is the fetch high-watermark minus the position (``ListOffsets`` is not trusted).
 """
 
@@ -110,9 +110,8 @@ class KafkaBus(Bus):
 
     def consumer(self, topic: str, group: str | None, client_id: str, from_beginning: bool = True) -> Consumer:
         s = self.settings
-        # A broadcast reader (group=None) gets a private group of its own: it is assigned every partition like
-        # a manual assignment would be, and never commits. (kafka-python 3.0's manually assigned consumer hung
-        # in poll() next to a group consumer in the same process.)
+        # A broadcast reader (group=None) gets a private group of its own: it is assigned every partition, as a
+        # manual assignment would be, and never commits.
         group_id = group if group is not None else f"{client_id}-broadcast-{uuid.uuid4().hex[:12]}"
         kafka_consumer = self._retrying("consumer", lambda: KafkaConsumer(
             client_id=client_id, group_id=group_id, enable_auto_commit=False,
@@ -152,6 +151,7 @@ class _KafkaConsumer(Consumer):
 
     def poll(self, timeout_s: float = 0.0, max_records: int = 1) -> list[Record]:
         if not self.buffer:
+            # Never 0 ms: with a zero timeout kafka-python can keep sending fetches without ever reading one back.
             batches = self.consumer.poll(timeout_ms=max(int(timeout_s * 1000), 10), max_records=max_records)
             for records in batches.values():
                 self.buffer.extend(
