@@ -79,7 +79,8 @@ class KafkaBus(Bus):
     def create_topics(self, specs: list[TopicSpec]) -> None:
         # Existing topics come from a metadata request: the admin client's list_topics() also parses ACL fields
         # that not every broker fills in the way kafka-python expects.
-        probe = self._retrying("metadata", lambda: KafkaConsumer(client_id="streamppo-admin", **self._common))
+        probe = self._retrying("metadata", lambda: KafkaConsumer(client_id="streamppo-admin", enable_auto_commit=False,
+                                                                 **self._common))
         try:
             existing = probe.topics()
         finally:
