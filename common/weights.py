@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save_model
+from safetensors.torch import save_file
 
 __all__ = ["Snapshot", "WeightIntegrityError", "WeightStore", "load_snapshot_into"]
 
@@ -44,6 +44,21 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _untied_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with each shared tensor once, under its first name.
+
+    For tied embeddings that is ``model.embed_tokens.weight``, as in a transformers checkpoint: loaders that skip
+    ``lm_head.weight`` for tied models (vLLM's does) still find the embedding.
+    """
+    state, seen = {}, set()
+    for name, tensor in module.state_dict().items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            state[name] = tensor.contiguous()
+    return state
+
+
 class WeightStore:
     """A directory of snapshots named ``<model>-v<version>.safetensors``."""
 
@@ -54,8 +69,7 @@ class WeightStore:
     def save(self, model_name: str, version: int, module: torch.nn.Module) -> Snapshot:
         path = self.root / f"{model_name}-v{version:08d}.safetensors"
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        # save_model (not save_file) de-duplicates tied tensors such as shared input/output embeddings.
-        save_model(module, str(tmp), metadata={"model": model_name, "version": str(version)})
+        save_file(_untied_state(module), str(tmp), metadata={"model": model_name, "version": str(version)})
         digest = _sha256(tmp)
         os.replace(tmp, path)
         return Snapshot(model_name, version, str(path.resolve()), digest, path.stat().st_size)

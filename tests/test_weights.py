@@ -26,6 +26,12 @@ def test_snapshot_round_trip_with_tied_embeddings(tiny_model, tmp_path):
     for (name, a), b in zip(source.state_dict().items(), target.state_dict().values()):
         assert torch.equal(a, b), name
     assert target.lm_head.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
+    # Stored once, under the input embedding's name, as transformers checkpoints do (vLLM skips lm_head if tied).
+    from safetensors import safe_open
+
+    with safe_open(snapshot.uri, "pt") as stored:
+        names = set(stored.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "wrong-checksum", "missing"])
