@@ -1,6 +1,6 @@
 """The embedded run: every service in one process over the in-memory bus, with the same service classes.
 
-Services take turns in one thread (``poll_once`` each), which makes a seeded run reproducible. If a full round
+Services take turns in one thread (``poll_once`` each, downstream first), which makes a seeded run reproducible. If a full round
 does no work before the last update, the pipeline is stalled, and the error says what each service waits for.
 """
 
@@ -64,7 +64,9 @@ def run_embedded(config: RunConfig, progress: bool = True) -> RunSummary:
     # The in-memory bus starts empty, so the run starts from scratch too.
     shutil.rmtree(config.checkpoint_dir, ignore_errors=True)
     learner = LearnerService(config, resume=False)
-    services = [GeneratorService(config), ScorerService(config), AdvantageService(config), learner]
+    # Downstream first: in one round every stage works on a different batch, as concurrent services would, so
+    # max_staleness > 0 really lets generation run ahead of training.
+    services = [learner, AdvantageService(config), ScorerService(config), GeneratorService(config)]
     runners = [ServiceRunner(service, bus, service.replica_id) for service in services]
     feeder.publish(bus, range(config.run.steps))
 

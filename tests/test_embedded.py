@@ -52,3 +52,11 @@ def test_the_readme_command_runs(tmp_path, model_cache):
     assert result.returncode == 0, result.stderr
     assert "done: 2 steps" in result.stdout
     assert "ppo:" in result.stderr  # the progress bar
+
+
+def test_max_staleness_one_lets_generation_run_one_version_ahead(make_config):
+    config = make_config("run.steps=6", "pipeline.max_staleness=1")
+    summary = run_embedded(config, progress=False)
+    staleness = [json.loads(line)["staleness"] for line in (config.run.dir / "metrics.jsonl").open()]
+    assert summary.steps == 6 and summary.dropped_stale == 0
+    assert set(staleness) <= {0.0, 1.0} and 1.0 in staleness, "batch v+1 was sampled while v was being trained"
