@@ -128,11 +128,11 @@ def test_streamppo_up_runs_the_pipeline_as_processes(kafka_broker, kafka_config,
     bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
     overrides = [f"run.steps={steps}", f"run.dir={tmp_path / 'run'}", f"run.run_id={run_id}",
                  f"model.cache_dir={model_cache}", *kafka_broker]
-    args = [sys.executable, "-m", "services.cli", "up", "--config", str(EXAMPLE / "config.yaml"),
+    args = [sys.executable, "-m", "services.cli", "-v", "up", "--config", str(EXAMPLE / "config.yaml"),
             "--bootstrap", bootstrap, "--replicas", "scorer=2", *[a for o in overrides for a in ("--set", o)]]
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "scorer-1 |" in result.stdout  # child output comes back prefixed by its name
+    assert "scorer-1 | " in result.stdout and "scorer-1: serving rollouts -> scored" in result.stdout, "prefixed logs"
 
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)], "each batch once"
