@@ -33,7 +33,7 @@ def _serve(args) -> int:
     config = load_config(args.config, args.set)
     if args.command == "feed":
         return feed(config, args.bootstrap)
-    return serve(args.command, config, args.bootstrap, args.replica_id)
+    return serve(args.command, config, args.bootstrap, args.replica_id, args.metrics_port)
 
 
 def _up(args) -> int:
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         serve.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: kafka.bootstrap)")
         if role != "feed":
             serve.add_argument("--replica-id", default=None, help="default: role-host-pid")
+            serve.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
         serve.set_defaults(handler=_serve)
 
     cluster = sub.add_parser("up", help="run every service as its own process over a local (or given) broker")

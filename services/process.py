@@ -15,6 +15,7 @@ import time
 from kafka.errors import KafkaError
 
 from common.config import ConfigError, RunConfig
+from services.metrics import ServiceMetrics
 from services.runtime import ServiceRunner, pipeline_topics
 from services.transport.kafka import KafkaBus, KafkaSettings
 
@@ -56,7 +57,8 @@ def kafka_bus(config: RunConfig, bootstrap: str | None = None) -> KafkaBus:
     return bus
 
 
-def serve(role: str, config: RunConfig, bootstrap: str | None, replica_id: str | None = None) -> int:
+def serve(role: str, config: RunConfig, bootstrap: str | None, replica_id: str | None = None,
+          metrics_port: int | None = None) -> int:
     replica_id = replica_id or default_replica_id(role)
     stopping = {"flag": False}
 
@@ -67,7 +69,13 @@ def serve(role: str, config: RunConfig, bootstrap: str | None, replica_id: str |
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     service = _service_class(role)(config, replica_id)
-    runner = ServiceRunner(service, kafka_bus(config, bootstrap), replica_id)
+    metrics = ServiceMetrics(role)
+    if role == "learner":
+        service.listeners.append(metrics.learner_update)
+    if metrics_port:
+        metrics.serve(metrics_port)
+        log.info("%s: metrics on :%d/metrics", replica_id, metrics_port)
+    runner = ServiceRunner(service, kafka_bus(config, bootstrap), replica_id, metrics=metrics)
     log.info("%s: serving %s -> %s", replica_id, service.input_topic, service.output_topic)
     backoff = 0.5
     next_status = time.monotonic() + STATUS_EVERY_S

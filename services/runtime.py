@@ -28,6 +28,7 @@ from common.schema import (
     message_key,
 )
 from common.weights import WeightIntegrityError, load_snapshot_into
+from services.metrics import ServiceMetrics
 from services.transport import Bus, Consumer, Record, TopicSpec, dlq_topic
 
 log = logging.getLogger(__name__)
@@ -116,8 +117,10 @@ class _RecentIds:
 
 
 class ServiceRunner:
-    def __init__(self, service: Service, bus: Bus, replica_id: str, dedupe_window: int = 4096):
+    def __init__(self, service: Service, bus: Bus, replica_id: str, dedupe_window: int = 4096,
+                 metrics: ServiceMetrics | None = None):
         self.service, self.replica_id = service, replica_id
+        self.metrics = metrics or ServiceMetrics(service.role)
         self.producer = bus.producer(replica_id)
         self.work = bus.consumer(service.input_topic, group=service.role, client_id=replica_id)
         self.weights = (
@@ -158,6 +161,7 @@ class ServiceRunner:
             return True
         if message.batch_id in self.recent:
             self.counters["duplicates"] += 1
+            self.metrics.count("duplicate")
             log.info("%s: batch %s already handled; skipping the re-delivery", self.replica_id, message.batch_id)
             self.work.commit(record)
             return True
@@ -178,15 +182,20 @@ class ServiceRunner:
         self._produce(outputs)
         self.work.commit(record)
         self.recent.add(message.batch_id)
+        seconds = time.perf_counter() - started
         self.counters["processed"] += 1
         self.counters["produced"] += len(outputs)
-        self.counters["busy_ms"] += int((time.perf_counter() - started) * 1000)
+        self.counters["busy_ms"] += int(seconds * 1000)
+        sequences = getattr(message, "response_tokens", getattr(message, "prompt_tokens", None))
+        self.metrics.count("processed", len(sequences) if sequences is not None else 0, seconds)
+        self.metrics.lag.labels(self.service.role).set(self.work.lag())
 
     def _same_run(self, message: Message) -> bool:
         run_id = message.lineage.get("run.id")
         if run_id == self.service.run_id:
             return True
         self.counters["other_runs"] += 1
+        self.metrics.count("other_run")
         log.warning("%s: skipping %s %s of run %r (this is run %r)", self.replica_id, message.SCHEMA,
                     message.batch_id, run_id, self.service.run_id)
         return False
@@ -229,6 +238,7 @@ class ServiceRunner:
         self.producer.flush()
         consumer.commit(record)
         self.counters["dead_letters"] += 1
+        self.metrics.count("dead_letter")
         log.warning("%s: %s[%d]@%d sent to %s: %s", self.replica_id, record.topic, record.partition,
                     record.offset, dlq_topic(record.topic), error)
 
@@ -250,5 +260,6 @@ class ServiceRunner:
             if announcement.policy_version > self.latest_weights.get(model, -1):
                 self.latest_weights[model] = announcement.policy_version
                 self.service.on_weights(announcement)
+                self.metrics.policy_version.labels(self.service.role).set(announcement.policy_version)
                 did = True
         return did
