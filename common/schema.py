@@ -27,6 +27,7 @@ __all__ = [
     "MESSAGE_TYPES",
     "Message",
     "PromptBatch",
+    "RUN_ID",
     "RolloutBatch",
     "SchemaError",
     "ScoredBatch",
@@ -44,6 +45,10 @@ __all__ = [
 WIRE_DTYPES = ("bool", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64")
 # Bounds that keep a hostile message from costing more than its own size.
 MAX_LINEAGE_ENTRIES = 256
+
+
+# Lineage key naming the run a message belongs to; topics can outlive a run, so consumers check it.
+RUN_ID = "run.id"
 
 
 class SchemaError(ValueError):

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 
 from common.schema import (
+    RUN_ID,
     TOPIC_MESSAGE,
     DeadLetter,
     Message,
@@ -81,8 +82,9 @@ class Service(ABC):
     output_topic: str = ""
     weight_models: tuple[str, ...] = ()  # the models whose announcements this service loads
 
-    def on_weights(self, announcement: WeightAnnouncement) -> None:
-        """Load a newer snapshot of one of :attr:`weight_models`."""
+    def on_weights(self, announcement: WeightAnnouncement) -> bool:
+        """Load a newer snapshot of one of :attr:`weight_models`; False if it was refused (old weights kept)."""
+        return False
 
     def startup_messages(self) -> list[Message]:
         """Messages for :attr:`output_topic` to produce once, when the service starts (e.g. a resumed state)."""
@@ -160,8 +162,7 @@ class ServiceRunner:
             self.work.commit(record)
             return True
         if message.batch_id in self.recent:
-            self.counters["duplicates"] += 1
-            self.metrics.count("duplicate")
+            self._count("duplicate")
             log.info("%s: batch %s already handled; skipping the re-delivery", self.replica_id, message.batch_id)
             self.work.commit(record)
             return True
@@ -183,22 +184,28 @@ class ServiceRunner:
         self.work.commit(record)
         self.recent.add(message.batch_id)
         seconds = time.perf_counter() - started
-        self.counters["processed"] += 1
         self.counters["produced"] += len(outputs)
         self.counters["busy_ms"] += int(seconds * 1000)
         sequences = getattr(message, "response_tokens", getattr(message, "prompt_tokens", None))
-        self.metrics.count("processed", len(sequences) if sequences is not None else 0, seconds)
+        self._count("processed", len(sequences) if sequences is not None else 0, seconds)
         self.metrics.lag.labels(self.service.role).set(self.work.lag())
 
     def _same_run(self, message: Message) -> bool:
-        run_id = message.lineage.get("run.id")
+        run_id = message.lineage.get(RUN_ID)
         if run_id == self.service.run_id:
             return True
-        self.counters["other_runs"] += 1
-        self.metrics.count("other_run")
+        self._count("other_run")
         log.warning("%s: skipping %s %s of run %r (this is run %r)", self.replica_id, message.SCHEMA,
                     message.batch_id, run_id, self.service.run_id)
         return False
+
+    # status() keys, by outcome; the same outcomes label streamppo_batches_total.
+    _COUNTER_KEYS = {"processed": "processed", "duplicate": "duplicates", "dead_letter": "dead_letters",
+                     "other_run": "other_runs"}
+
+    def _count(self, outcome: str, sequences: int = 0, seconds: float | None = None) -> None:
+        self.counters[self._COUNTER_KEYS[outcome]] += 1
+        self.metrics.count(outcome, sequences, seconds)
 
     def _produce(self, messages: list[Message]) -> None:
         for message in messages:
@@ -237,8 +244,7 @@ class ServiceRunner:
         self.producer.send(dlq_topic(record.topic), encode(letter), key=record.key)
         self.producer.flush()
         consumer.commit(record)
-        self.counters["dead_letters"] += 1
-        self.metrics.count("dead_letter")
+        self._count("dead_letter")
         log.warning("%s: %s[%d]@%d sent to %s: %s", self.replica_id, record.topic, record.partition,
                     record.offset, dlq_topic(record.topic), error)
 
@@ -259,7 +265,7 @@ class ServiceRunner:
         for model, announcement in newest.items():
             if announcement.policy_version > self.latest_weights.get(model, -1):
                 self.latest_weights[model] = announcement.policy_version
-                self.service.on_weights(announcement)
-                self.metrics.policy_version.labels(self.service.role).set(announcement.policy_version)
+                if self.service.on_weights(announcement):
+                    self.metrics.policy_version.labels(self.service.role).set(announcement.policy_version)
                 did = True
         return did

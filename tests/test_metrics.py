@@ -59,3 +59,29 @@ def test_metrics_are_served_over_http():
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'streamppo_batches_total{outcome="processed",role="scorer"} 1.0' in body
     assert 'streamppo_stage_seconds_bucket{le="0.25",role="scorer"} 1.0' in body
+
+
+def test_the_policy_version_gauge_follows_the_weights_actually_loaded(config):
+    import torch
+
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics())
+    metrics = ServiceMetrics("generator")
+    runner = ServiceRunner(GeneratorService(config), bus, "generator", metrics=metrics)
+    learner = LearnerService(config)
+    learner.trainer.version = 1
+    good = next(a for a in learner.announce() if a.model == "actor")
+    with torch.no_grad():
+        learner.trainer.actor.model.norm.weight.add_(1.0)
+    learner.trainer.version = 2
+    bad = next(a for a in learner.announce() if a.model == "actor")
+    with open(bad.uri, "r+b") as fh:
+        fh.seek(200)
+        fh.write(b"\xff" * 8)
+    producer = bus.producer("test")
+    producer.send("weights", encode(good), key=b"actor")
+    runner.poll_once()
+    assert sample(metrics, "streamppo_policy_version", role="generator") == 1
+    producer.send("weights", encode(bad), key=b"actor")
+    runner.poll_once()
+    assert sample(metrics, "streamppo_policy_version", role="generator") == 1, "a refused snapshot is not in use"

@@ -35,10 +35,12 @@ class AdvantageService(Service):
         self.critic_version = 0
         self.kl_coef = config.algorithm.kl_coef
 
-    def on_weights(self, announcement: WeightAnnouncement) -> None:
-        if load_announced_weights(self.critic, announcement, self.replica_id, self.critic_version):
-            self.critic_version = announcement.policy_version
-            self.kl_coef = float(announcement.lineage.get("kl_coef", self.kl_coef))
+    def on_weights(self, announcement: WeightAnnouncement) -> bool:
+        if not load_announced_weights(self.critic, announcement, self.replica_id, self.critic_version):
+            return False
+        self.critic_version = announcement.policy_version
+        self.kl_coef = float(announcement.lineage.get("kl_coef", self.kl_coef))
+        return True
 
     @torch.no_grad()
     def process(self, message: ScoredBatch) -> list[ExperienceBatch]:

@@ -12,7 +12,7 @@ import numpy as np
 from common.config import RunConfig
 from common.data import PromptSchedule, load_prompts
 from common.models import load_tokenizer, resolve_model
-from common.schema import PromptBatch, encode, message_key, new_header
+from common.schema import RUN_ID, PromptBatch, encode, message_key, new_header
 from services.transport import Bus
 
 
@@ -37,7 +37,7 @@ class FeederService:
         tokens = np.full((len(texts), max(lengths.max(), 1)), self.tokenizer.pad_token_id, dtype=np.int64)
         for row, ids in enumerate(token_lists):
             tokens[row, : len(ids)] = ids
-        lineage = {"run.id": self.config.run.run_id, "data.prompts": str(self.config.data.prompts),
+        lineage = {RUN_ID: self.config.run.run_id, "data.prompts": str(self.config.data.prompts),
                    "data.seed": self.config.run.seed}
         return PromptBatch(
             **new_header(f"{self.config.run.run_id}-{step:08d}", self.replica_id, 0, lineage),

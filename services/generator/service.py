@@ -29,9 +29,11 @@ class GeneratorService(Service):
         self.model_id = str(path)
         self.policy_version = 0  # the configured initial weights are version 0
 
-    def on_weights(self, announcement: WeightAnnouncement) -> None:
-        if load_announced_weights(self.actor, announcement, self.replica_id, self.policy_version):
-            self.policy_version = announcement.policy_version
+    def on_weights(self, announcement: WeightAnnouncement) -> bool:
+        if not load_announced_weights(self.actor, announcement, self.replica_id, self.policy_version):
+            return False
+        self.policy_version = announcement.policy_version
+        return True
 
     def ready_for(self, message: PromptBatch) -> bool:
         # Bounded staleness: batch `step` may be sampled by a policy at most max_staleness versions behind it.

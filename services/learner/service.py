@@ -20,7 +20,7 @@ from typing import Callable
 from common.checkpoint import load_latest_checkpoint, save_checkpoint
 from common.config import RunConfig
 from common.models import load_actor, load_critic, load_tokenizer, resolve_model
-from common.schema import ExperienceBatch, WeightAnnouncement, new_header
+from common.schema import RUN_ID, ExperienceBatch, WeightAnnouncement, new_header
 from common.trainer import Experience, PPOTrainer
 from common.weights import WeightStore
 from services.runtime import Service, check_token_ids
@@ -127,7 +127,7 @@ class LearnerService(Service):
         for name, module in (("actor", self.trainer.actor), ("critic", self.trainer.critic)):
             snapshot = self.store.save(name, version, module)
             self.store.prune(name, self.config.pipeline.keep_snapshots)
-            lineage = {"run.id": self.config.run.run_id, "kl_coef": self.trainer.kl_controller.value,
+            lineage = {RUN_ID: self.config.run.run_id, "kl_coef": self.trainer.kl_controller.value,
                        "learner": self.replica_id}
             announcements.append(WeightAnnouncement(
                 **new_header(f"{self.config.run.run_id}-weights-{name}-v{version:08d}", self.replica_id, version, lineage),
