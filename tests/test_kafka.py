@@ -1,5 +1,6 @@
 """The Kafka bus and the services as processes, against a real broker started by the tests."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -133,6 +134,8 @@ def test_streamppo_up_runs_the_pipeline_as_processes(kafka_broker, kafka_config,
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "scorer-1 | " in result.stdout and "scorer-1: serving rollouts -> scored" in result.stdout, "prefixed logs"
+    backend = "vllm" if importlib.util.find_spec("vllm") else "transformers"  # 'auto', as a user gets it
+    assert f"generator-0: sampling with the {backend} backend" in result.stdout
 
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)], "each batch once"

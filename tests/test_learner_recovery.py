@@ -1,5 +1,7 @@
 """A learner that dies and restarts resumes from its checkpoint: nothing lost, nothing applied twice."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -24,41 +26,48 @@ def experience(config):
     return [advantage.process(scorer.process(generator.process(feeder.batch(step))[0])[0])[0] for step in range(4)]
 
 
+def apply(learner, message, offset):
+    """What the runner does with one record: process it, then ask whether the state is durable (checkpointing if
+    it is due) before committing ``offset``."""
+    outputs = learner.process(message)
+    return outputs, learner.make_durable({"experience/0": offset + 1})
+
+
 def weights(learner):
     return {k: v.clone() for k, v in learner.trainer.state_dict()["actor"].items()}
 
 
 def test_a_restarted_learner_continues_exactly_where_it_stopped(config, experience, tmp_path):
     uninterrupted = LearnerService(config.model_copy(update={"run": config.run.model_copy(update={"dir": tmp_path / "a"})}))
-    for message in experience:
-        uninterrupted.process(message)
+    for offset, message in enumerate(experience):
+        apply(uninterrupted, message, offset)
 
     first = LearnerService(config)
-    first.process(experience[0])
-    first.process(experience[1])
+    apply(first, experience[0], 0)
+    apply(first, experience[1], 1)
     del first  # killed after its second update was checkpointed, before its input was committed
 
     resumed = LearnerService(config)
-    assert resumed.trainer.version == 2 and resumed.updates == 2
+    assert resumed.trainer.version == 2 and resumed.updates == 2 and resumed.offsets == {"experience/0": 2}
     assert [a.policy_version for a in resumed.startup_messages()] == [2, 2], "re-announces the resumed version"
     assert resumed.process(experience[1]) == [], "the re-delivered batch is recognised"
-    resumed.process(experience[2])
-    resumed.process(experience[3])
+    apply(resumed, experience[2], 2)
+    apply(resumed, experience[3], 3)
     assert resumed.trainer.version == 4 and resumed.updates == 4
     expected, actual = weights(uninterrupted), weights(resumed)
     assert all(torch.equal(expected[k], actual[k]) for k in expected), "same weights as a run that never stopped"
 
 
 def test_a_fresh_start_ignores_old_checkpoints_when_asked(config, experience):
-    LearnerService(config).process(experience[0])
+    apply(LearnerService(config), experience[0], 0)
     assert LearnerService(config).trainer.version == 1
     assert LearnerService(config, resume=False).trainer.version == 0
 
 
 def test_a_metrics_line_lost_to_a_crash_is_written_on_resume(config, experience):
     learner = LearnerService(config)
-    learner.process(experience[0])
-    learner.process(experience[1])
+    apply(learner, experience[0], 0)
+    apply(learner, experience[1], 1)
     lines = learner.metrics_path.read_text().splitlines()
     learner.metrics_path.write_text(lines[0] + "\n")  # killed after the checkpoint, before the metrics line
     LearnerService(config)
@@ -66,3 +75,34 @@ def test_a_metrics_line_lost_to_a_crash_is_written_on_resume(config, experience)
     assert restored == lines
     LearnerService(config)  # and only once
     assert learner.metrics_path.read_text().splitlines() == lines
+
+
+def test_with_checkpoint_every_n_a_crash_re_applies_the_updates_since_the_checkpoint(config, experience, tmp_path):
+    config = config.model_copy(update={"learner": config.learner.model_copy(update={"checkpoint_every": 3})})
+    uninterrupted = LearnerService(config.model_copy(update={"run": config.run.model_copy(update={"dir": tmp_path / "a"})}))
+    for offset, message in enumerate(experience):
+        apply(uninterrupted, message, offset)
+
+    first = LearnerService(config)
+    assert [apply(first, experience[i], i)[1] for i in range(4)] == [False, False, True, False], \
+        "input may be committed at every third update only"
+    apply(first, experience[3], 3)
+    del first  # killed: its fourth update was never checkpointed, and batch 3 never committed
+
+    resumed = LearnerService(config)
+    assert resumed.trainer.version == 3 and resumed.offsets == {"experience/0": 3}
+    assert len(resumed.metrics_path.read_text().splitlines()) == 3, "metrics lines only for checkpointed updates"
+    apply(resumed, experience[3], 3)  # re-delivered from the committed offset, applied again
+    assert resumed.make_durable({"experience/0": 4}, force=True), "shutdown checkpoints what is in hand"
+    expected, actual = weights(uninterrupted), weights(resumed)
+    assert all(torch.equal(expected[k], actual[k]) for k in expected), "same weights as a run that never stopped"
+
+
+def test_experience_from_weights_announced_before_a_crash_waits_for_the_restored_learner(config, experience):
+    config = config.model_copy(update={"learner": config.learner.model_copy(update={"checkpoint_every": 3})})
+    learner = LearnerService(config)  # at v0; it may have announced up to v2 before a crash rolled it back
+    sampled_by = lambda version: dataclasses.replace(experience[0], policy_version=version)
+    assert learner.ready_for(sampled_by(0)) and not learner.ready_for(sampled_by(1))
+    assert not learner.ready_for(sampled_by(2)) and "waits for the learner" in learner.waiting_for(sampled_by(2))
+    assert learner.ready_for(sampled_by(3)), "never announced by this learner: processed, i.e. dropped"
+    assert learner.process(sampled_by(3)) == [] and learner.dropped_stale == 1

@@ -3,10 +3,12 @@
 Experience older than ``max_staleness`` versions is dropped and counted, never trained on. Each update appends
 one line of statistics to ``<run dir>/metrics.jsonl``.
 
-After every update the learner checkpoints itself (models, optimizers, KL controller, version, applied batch ids)
-before its input is committed. A learner that restarts, after SIGTERM or ``kill -9``, resumes from the checkpoint:
-a batch applied but not yet committed comes back and is recognised by its id; a batch not yet in the checkpoint
-was not committed either and is applied when it comes back.
+Every ``learner.checkpoint_every`` updates (and on shutdown) the learner checkpoints itself: models, optimizers,
+KL controller, version, applied batch ids and the input offsets they cover; its input is committed only then. A
+learner that restarts, after SIGTERM or ``kill -9``, resumes from the checkpoint: the batches it had applied since
+were not committed, come back, and are applied again to the restored state; a batch applied and checkpointed but
+not yet committed comes back too and is recognised by its id. Metrics lines are written at checkpoints, so
+``metrics.jsonl`` never shows an update that a restart would apply again.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class LearnerService(Service):
         self.updates = 0
         self.dropped_stale = 0
         self.applied: set[str] = set()
+        self.offsets: dict[str, int] = {}  # "topic/partition" -> next offset, as of the last checkpoint
+        self.since_checkpoint = 0  # batches consumed since the last checkpoint
+        self.unsaved_records: list[dict] = []  # metrics lines of those updates, written with the next checkpoint
         self.listeners: list[Callable[[dict], None]] = []
         self.started = time.time()
         checkpoint = load_latest_checkpoint(config.checkpoint_dir) if resume else None
@@ -59,22 +64,22 @@ class LearnerService(Service):
             state, meta = checkpoint
             self.trainer.load_state_dict(state)
             self.updates, self.dropped_stale = meta["updates"], meta["dropped_stale"]
-            self.applied = set(meta["applied"])
-            self._restore_metrics(meta.get("last_record"))
-            log.info("%s: resumed from checkpoint at v%d (%d updates)", replica_id, self.trainer.version, self.updates)
+            self.applied, self.offsets = set(meta["applied"]), meta["offsets"]
+            self._restore_metrics(meta["records"])
+            log.info("%s: resumed from checkpoint at v%d (%d updates; input offsets %s)", replica_id,
+                     self.trainer.version, self.updates, self.offsets)
 
     def _append_metrics(self, record: dict) -> None:
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
 
-    def _restore_metrics(self, last_record: dict | None) -> None:
-        """A learner killed between its checkpoint and its metrics line writes that line now."""
-        if last_record is None:
-            return
+    def _restore_metrics(self, records: list[dict]) -> None:
+        """A learner killed between its checkpoint and its metrics lines writes those lines now."""
         lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
         last_step = json.loads(lines[-1])["step"] if lines else 0
-        if last_step < last_record["step"]:
-            self._append_metrics(last_record)
+        for record in records:
+            if record["step"] > last_step:
+                self._append_metrics(record)
 
     def startup_messages(self) -> list[WeightAnnouncement]:
         # After a restart, announce the resumed version: the announcement of the last update may never have left.
@@ -84,6 +89,17 @@ class LearnerService(Service):
     def consumed(self) -> int:
         """Experience batches taken off the topic: trained on or dropped."""
         return self.updates + self.dropped_stale
+
+    def ready_for(self, message: ExperienceBatch) -> bool:
+        # After a crash the learner restarts from its last checkpoint, up to checkpoint_every - 1 updates behind
+        # weights it had already announced; experience sampled by those waits while the re-delivered batches are
+        # applied again. Anything newer was never published by this learner: process() drops it.
+        ahead = message.policy_version - self.trainer.version
+        return not 0 < ahead < self.config.learner.checkpoint_every
+
+    def waiting_for(self, message: ExperienceBatch) -> str:
+        return (f"experience {message.batch_id} (sampled by v{message.policy_version}) waits for the learner, "
+                f"restored to v{self.trainer.version}, to re-apply the updates since its checkpoint")
 
     def process(self, message: ExperienceBatch) -> list[WeightAnnouncement]:
         if message.batch_id in self.applied:
@@ -103,18 +119,32 @@ class LearnerService(Service):
         record = {"step": self.updates, "batch_id": message.batch_id, "time": time.time() - self.started,
                   "train_seconds": time.perf_counter() - started, "dropped_stale": self.dropped_stale, **stats}
         self.applied.add(message.batch_id)
-        announcements = self.announce()
-        save_checkpoint(self.config.checkpoint_dir, self.trainer.version, self.trainer.state_dict(),
-                        {"updates": self.updates, "dropped_stale": self.dropped_stale, "applied": sorted(self.applied),
-                         "last_record": record})
-        # Written after the checkpoint, so metrics.jsonl never shows an update a restart would apply again.
-        self._append_metrics(record)
+        self.since_checkpoint += 1
+        self.unsaved_records.append(record)
         for listener in self.listeners:
             listener(record)
-        return announcements
+        return self.announce()
+
+    def make_durable(self, offsets: dict[str, int], force: bool = False) -> bool:
+        if self.since_checkpoint == 0:
+            return True
+        if self.since_checkpoint < self.config.learner.checkpoint_every and not force:
+            return False
+        self.offsets.update(offsets)
+        started = time.perf_counter()
+        save_checkpoint(self.config.checkpoint_dir, self.trainer.version, self.trainer.state_dict(),
+                        {"updates": self.updates, "dropped_stale": self.dropped_stale, "applied": sorted(self.applied),
+                         "offsets": self.offsets, "records": self.unsaved_records})
+        log.debug("%s: checkpoint v%d in %.2f s", self.replica_id, self.trainer.version, time.perf_counter() - started)
+        # Written after the checkpoint, so metrics.jsonl never shows an update a restart would apply again.
+        for record in self.unsaved_records:
+            self._append_metrics(record)
+        self.unsaved_records, self.since_checkpoint = [], 0
+        return True
 
     def _drop(self, message: ExperienceBatch, why: str) -> list:
         self.dropped_stale += 1
+        self.since_checkpoint += 1
         self.applied.add(message.batch_id)  # counted once, even if it comes back
         log.warning("%s: dropping batch %s: sampled by v%d, learner at v%d: %s", self.replica_id, message.batch_id,
                     message.policy_version, self.trainer.version, why)
