@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from pathlib import Path
 

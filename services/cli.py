@@ -36,6 +36,17 @@ def _serve(args) -> int:
     return serve(args.command, config, args.bootstrap, args.replica_id, args.metrics_port)
 
 
+def _topics(args) -> int:
+    from common.config import load_config
+    from services.process import kafka_bus
+
+    config = load_config(args.config, args.set)
+    bus = kafka_bus(config, args.bootstrap)  # creates every pipeline topic that is missing
+    bus.close()
+    print(f"topics ready ({config.kafka.partitions} partitions each; weights compacted)")
+    return 0
+
+
 def _up(args) -> int:
     from common.config import load_config
     from services.cluster import parse_replicas, up
@@ -89,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             serve.add_argument("--replica-id", default=None, help="default: role-host-pid")
             serve.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
         serve.set_defaults(handler=_serve)
+
+    topics = sub.add_parser("topics", help="create the pipeline's topics (and their .dlq) on the broker, then exit")
+    topics.add_argument("--config", required=True, type=Path)
+    topics.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    topics.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: kafka.bootstrap)")
+    topics.set_defaults(handler=_topics)
 
     cluster = sub.add_parser("up", help="run every service as its own process over a local (or given) broker")
     cluster.add_argument("--config", required=True, type=Path)

@@ -25,6 +25,8 @@ class ServiceMetrics:
         r = self.registry
         self.batches = Counter("streamppo_batches", "Input records by outcome.", ["role", "outcome"], registry=r)
         self.sequences = Counter("streamppo_sequences", "Input sequences processed (prompts for the generator, responses downstream).", ["role"], registry=r)
+        self.tokens = Counter("streamppo_tokens", "Response tokens processed (generated, for the generator).",
+                              ["role"], registry=r)
         self.stage_seconds = Histogram(
             "streamppo_stage_seconds", "Time to process one batch (decode excluded).", ["role"], registry=r,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
@@ -40,10 +42,12 @@ class ServiceMetrics:
             for name in LEARNER_STATS
         }
 
-    def count(self, outcome: str, sequences: int = 0, seconds: float | None = None) -> None:
+    def count(self, outcome: str, sequences: int = 0, seconds: float | None = None, tokens: int = 0) -> None:
         self.batches.labels(self.role, outcome).inc()
         if sequences:
             self.sequences.labels(self.role).inc(sequences)
+        if tokens:
+            self.tokens.labels(self.role).inc(tokens)
         if seconds is not None:
             self.stage_seconds.labels(self.role).observe(seconds)
 

