@@ -37,6 +37,8 @@ class ModelSection(_Section):
     reference: Optional[str] = Field(None, description="Frozen reference model; default: the actor's initial weights.")
     critic: Optional[str] = Field(None, description="Critic backbone; default: the actor's. A scalar head is added.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?|mps)$", description="Where the transformers models run "
+                        "(the vLLM engine places itself). 'cuda' for a GPU.")
     trust_remote_code: bool = False
     cache_dir: Path = Field(Path.home() / ".cache" / "streamppo", description="Where builtin models are built.")
 

@@ -81,8 +81,8 @@ def sample_responses(
     packed = pack(prompts, lengths, empty, torch.zeros_like(lengths), pad_token_id)
     torch.manual_seed(params.seed)
     out = model.generate(
-        input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask,
+        input_ids=packed.input_ids.to(model.device),
+        attention_mask=packed.attention_mask.to(model.device),
         do_sample=True,
         temperature=params.temperature,
         top_p=params.top_p,
@@ -93,7 +93,7 @@ def sample_responses(
         output_scores=True,
         return_dict_in_generate=True,
     )
-    tokens = out.sequences[:, packed.input_ids.shape[1] :]
+    tokens = out.sequences[:, packed.input_ids.shape[1] :].cpu()
     is_eos = tokens == eos_token_id
     finished = is_eos.any(dim=1)
     # The response runs up to and including its first EOS; what generate appends after it is padding.
@@ -101,7 +101,8 @@ def sample_responses(
     response_lengths = torch.where(finished, first_eos + 1, first_eos)
     mask = lengths_to_mask(response_lengths, tokens.shape[1])
     # scores: after temperature and truncation, -inf outside the kept set; the sampled token is always inside.
-    logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    scores = torch.stack(out.scores, dim=1).float()
+    logprobs = scores.log_softmax(-1).gather(-1, tokens.to(scores.device).unsqueeze(-1)).squeeze(-1).cpu()
     logprobs = torch.where(mask.bool(), logprobs, 0.0)
     tokens = torch.where(mask.bool(), tokens, pad_token_id)
     return Samples(group_index, tokens, response_lengths, finished, logprobs)
@@ -112,8 +113,9 @@ class TransformersSampler:
 
     backend = "transformers"
 
-    def __init__(self, model_dir: Path, dtype: str, trust_remote_code: bool, eos_token_id: int, pad_token_id: int):
-        self.model = load_actor(model_dir, dtype, trust_remote_code)
+    def __init__(self, model_dir: Path, dtype: str, trust_remote_code: bool, eos_token_id: int, pad_token_id: int,
+                 device: str = "cpu"):
+        self.model = load_actor(model_dir, dtype, trust_remote_code, device=device)
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
 
     def sample(self, prompt_tokens, prompt_lengths, params):
@@ -147,4 +149,4 @@ def make_sampler(config, model_dir: Path, tokenizer) -> Sampler:
         return VllmSampler(model_dir, config.model.dtype, config.model.trust_remote_code, tokenizer.eos_token_id,
                            tokenizer.pad_token_id, config.generation.vllm, seed=config.run.seed)
     return TransformersSampler(model_dir, config.model.dtype, config.model.trust_remote_code,
-                               tokenizer.eos_token_id, tokenizer.pad_token_id)
+                               tokenizer.eos_token_id, tokenizer.pad_token_id, config.model.device)

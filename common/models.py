@@ -134,13 +134,13 @@ def resolve_model(spec: str, cache_dir: Path) -> Path:
 # --------------------------------------------------------------------------------------------- loaders
 
 
-def _load(auto_class, path: Path, role: str, dtype: str, trust_remote_code: bool, **kwargs):
+def _load(auto_class, path: Path, role: str, dtype: str, trust_remote_code: bool, device: str = "cpu", **kwargs):
     try:
         model = auto_class.from_pretrained(
             path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, local_files_only=True, **kwargs
-        )
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"cannot load the {role} from {path}: {exc}") from exc
+        ).to(device)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load the {role} from {path} onto {device}: {exc}") from exc
     # Dropout would make π_old and π_new differ on identical weights; RLHF trains with it off.
     model.eval()
     return model
@@ -156,9 +156,10 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
     return tokenizer
 
 
-def load_actor(path: Path, dtype: str = "float32", trust_remote_code: bool = False, role: str = "actor"):
+def load_actor(path: Path, dtype: str = "float32", trust_remote_code: bool = False, role: str = "actor",
+               device: str = "cpu"):
     """A causal LM (actor or reference)."""
-    return _load(AutoModelForCausalLM, path, role, dtype, trust_remote_code)
+    return _load(AutoModelForCausalLM, path, role, dtype, trust_remote_code, device)
 
 
 def actor_skeleton(path: Path, trust_remote_code: bool = False):
@@ -168,7 +169,7 @@ def actor_skeleton(path: Path, trust_remote_code: bool = False):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def load_critic(path: Path, dtype: str = "float32", trust_remote_code: bool = False):
+def load_critic(path: Path, dtype: str = "float32", trust_remote_code: bool = False, device: str = "cpu"):
     """The critic: the backbone at ``path`` with a scalar head at every position.
 
     A folder saved as a critic keeps its head; a causal-LM folder gets a new head initialised to zero, so the
@@ -178,7 +179,7 @@ def load_critic(path: Path, dtype: str = "float32", trust_remote_code: bool = Fa
     is_critic = any(arch.endswith("ForTokenClassification") for arch in (config.architectures or []))
     config.num_labels = 1
     config.classifier_dropout = 0.0  # read by the token-classification head of every family that has dropout there
-    model = _load(AutoModelForTokenClassification, path, "critic", dtype, trust_remote_code, config=config)
+    model = _load(AutoModelForTokenClassification, path, "critic", dtype, trust_remote_code, device, config=config)
     if not is_critic:
         head = getattr(model, "score", None) or getattr(model, "classifier")  # the head's name varies by family
         with torch.no_grad():
@@ -188,9 +189,10 @@ def load_critic(path: Path, dtype: str = "float32", trust_remote_code: bool = Fa
     return model
 
 
-def load_reward_model(path: Path, dtype: str = "float32", trust_remote_code: bool = False):
+def load_reward_model(path: Path, dtype: str = "float32", trust_remote_code: bool = False, device: str = "cpu"):
     """A one-label sequence classifier; frozen."""
-    model = _load(AutoModelForSequenceClassification, path, "reward model", dtype, trust_remote_code, num_labels=1)
+    model = _load(AutoModelForSequenceClassification, path, "reward model", dtype, trust_remote_code, device,
+                  num_labels=1)
     model.requires_grad_(False)
     return model
 

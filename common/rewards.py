@@ -84,5 +84,5 @@ class RewardModelScorer:
                 list(prompts[chunk]), list(responses[chunk]), padding=True, truncation=True,
                 max_length=self.max_length, return_tensors="pt",
             )
-            scores.append(self.model(**enc).logits[:, 0].float())
+            scores.append(self.model(**enc.to(self.model.device)).logits[:, 0].float().cpu())
         return _checked(torch.cat(scores).tolist() if scores else [], len(responses), self.name)

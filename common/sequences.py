@@ -60,10 +60,12 @@ def pack(
 
 
 def _forward(model, packed: PackedSequences, **kwargs):
+    """The model on ``packed``, moved to the model's device; outputs stay there."""
+    device = model.device
     return model(
-        input_ids=packed.input_ids,
-        attention_mask=packed.attention_mask,
-        position_ids=packed.position_ids,
+        input_ids=packed.input_ids.to(device),
+        attention_mask=packed.attention_mask.to(device),
+        position_ids=packed.position_ids.to(device),
         use_cache=False,
         **kwargs,
     )
@@ -80,7 +82,7 @@ def response_logprobs(
     width = packed.response_width
     logits = _forward(model, packed, logits_to_keep=width + 1).logits[:, :-1]
     logits = logits.float() / temperature
-    logp = logprobs_from_logits(logits, response_tokens)
+    logp = logprobs_from_logits(logits, response_tokens.to(logits.device))
     entropy = entropy_from_logits(logits) if with_entropy else None
     return logp, entropy
 

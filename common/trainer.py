@@ -44,9 +44,15 @@ class Experience:
             t(msg.values), t(msg.advantages), t(msg.returns),
         )
 
+    def to(self, device) -> "Experience":
+        return Experience(self.policy_version, *(getattr(self, f).to(device) for f in _TENSOR_FIELDS))
+
     @property
     def mask(self) -> torch.Tensor:
         return lengths_to_mask(self.response_lengths, self.response_tokens.shape[1])
+
+
+_TENSOR_FIELDS = [f for f in Experience.__dataclass_fields__ if f != "policy_version"]
 
 
 def _chunks(index: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -79,6 +85,7 @@ class PPOTrainer:
     def train(self, exp: Experience) -> dict[str, float]:
         """One PPO update on ``exp``: recompute π_old, run the epochs, advance the policy version."""
         cfg = self.cfg
+        exp = exp.to(self.actor.device)
         mask = exp.mask
         n = len(mask)
         packed = pack(exp.prompt_tokens, exp.prompt_lengths, exp.response_tokens, exp.response_lengths, self.pad_token_id)

@@ -55,7 +55,7 @@ def _untied_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         key = (tensor.data_ptr(), tuple(tensor.shape))
         if key not in seen:
             seen.add(key)
-            state[name] = tensor.contiguous()
+            state[name] = tensor.detach().cpu().contiguous()
     return state
 
 

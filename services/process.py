@@ -6,6 +6,7 @@ started stays uncommitted and is re-delivered to another replica.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -99,6 +100,8 @@ def serve(role: str, config: RunConfig, bootstrap: str | None, replica_id: str |
                 break
     finally:
         runner.close()
+        # One parseable line: where this replica's time went (benchmarks/ reads it).
+        log.info("%s: time breakdown %s", replica_id, json.dumps({"role": role, **runner.time_breakdown()}))
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from collections import Counter, OrderedDict
 
 from common.schema import (
@@ -153,6 +154,8 @@ class ServiceRunner:
         self.uncommitted: dict[int, Record] = {}  # per partition: the newest record handled but not yet committed
         self.recent = _RecentIds(dedupe_window)
         self.counters: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()  # per part of the loop, see time_breakdown()
+        self.started = time.perf_counter()
         self._produce(service.startup_messages())
 
     # ------------------------------------------------------------------ one step
@@ -176,7 +179,8 @@ class ServiceRunner:
         if not records:
             return did
         record = records[0]
-        message = self._decode(record, self.work)
+        with self._timed("decode"):
+            message = self._decode(record, self.work)
         if message is None:
             return True
         if not self._same_run(message):
@@ -197,16 +201,20 @@ class ServiceRunner:
     def _process(self, record: Record, message: Message) -> None:
         started = time.perf_counter()
         try:
-            outputs = self.service.process(message)
+            with self._timed("compute"):
+                outputs = self.service.process(message)
         except InputError as exc:
             self._dead_letter(record, f"cannot process batch {message.batch_id}: {exc}", self.work)
             return
         # Durable state first, then its outputs: a learner's checkpoint precedes the announcement of its weights.
         self._hold_commit(record)
-        durable = self._durable()
-        self._produce(outputs)
-        if durable:
-            self._commit_held()
+        with self._timed("checkpoint"):
+            durable = self._durable()
+        with self._timed("produce"):
+            self._produce(outputs)
+        with self._timed("commit"):
+            if durable:
+                self._commit_held()
         self.recent.add(message.batch_id)
         seconds = time.perf_counter() - started
         self.counters["produced"] += len(outputs)
@@ -239,6 +247,23 @@ class ServiceRunner:
         for message in messages:
             self.producer.send(self.service.output_topic, encode(message), key=message_key(message))
         self.producer.flush()
+
+    @contextmanager
+    def _timed(self, part: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[part] += time.perf_counter() - started
+
+    def time_breakdown(self) -> dict[str, float]:
+        """Seconds since start spent in each part of the loop; ``wait`` is the rest (polling, held, idle).
+
+        ``compute`` is the service's core (models), ``produce`` encoding and sending, ``decode`` decoding input.
+        """
+        parts = {k: round(v, 3) for k, v in self.seconds.items()}
+        parts["wait"] = round(time.perf_counter() - self.started - sum(self.seconds.values()), 3)
+        return parts
 
     def status(self) -> dict:
         """Counters plus the consumer lag (records in this replica's partitions not yet consumed)."""
@@ -319,7 +344,9 @@ class ServiceRunner:
         for model, announcement in newest.items():
             if announcement.policy_version > self.latest_weights.get(model, -1):
                 self.latest_weights[model] = announcement.policy_version
-                if self.service.on_weights(announcement):
+                with self._timed("load_weights"):
+                    loaded = self.service.on_weights(announcement)
+                if loaded:
                     self.metrics.policy_version.labels(self.service.role).set(announcement.policy_version)
                 did = True
         return did

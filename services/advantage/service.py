@@ -32,7 +32,7 @@ class AdvantageService(Service):
         self.config, self.replica_id, self.run_id = config, replica_id, config.run.run_id
         m = config.model
         path = resolve_model(m.critic or m.actor, m.cache_dir)
-        self.critic = load_critic(path, m.dtype, m.trust_remote_code).requires_grad_(False)
+        self.critic = load_critic(path, m.dtype, m.trust_remote_code, m.device).requires_grad_(False)
         self.pad_token_id = load_tokenizer(path, m.trust_remote_code).pad_token_id
         self.critic_version = 0
         self.kl_coef = config.algorithm.kl_coef
@@ -52,7 +52,7 @@ class AdvantageService(Service):
         mask = lengths_to_mask(lengths, tokens.shape[1])
         packed = pack(torch.from_numpy(message.prompt_tokens), torch.from_numpy(message.prompt_lengths), tokens, lengths,
                       self.pad_token_id)
-        values = response_values(self.critic, packed) * mask
+        values = response_values(self.critic, packed).cpu() * mask
         algo = self.config.algorithm
         params = ShapingParams(
             kl_coef=self.kl_coef, kl_estimator=algo.kl_estimator, gamma=algo.gamma, lam=algo.lam,

@@ -41,8 +41,8 @@ class LearnerService(Service):
         actor_path = resolve_model(m.actor, m.cache_dir)
         critic_path = resolve_model(m.critic or m.actor, m.cache_dir)
         self.tokenizer = load_tokenizer(actor_path, m.trust_remote_code)
-        actor = load_actor(actor_path, m.dtype, m.trust_remote_code)
-        critic = load_critic(critic_path, m.dtype, m.trust_remote_code)
+        actor = load_actor(actor_path, m.dtype, m.trust_remote_code, device=m.device)
+        critic = load_critic(critic_path, m.dtype, m.trust_remote_code, m.device)
         self.trainer = PPOTrainer(
             actor, critic, config.learner, config.algorithm, config.generation.temperature,
             self.tokenizer.pad_token_id, seed=config.run.seed,

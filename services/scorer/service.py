@@ -24,7 +24,7 @@ class ScorerService(Service):
         self.config, self.replica_id, self.run_id = config, replica_id, config.run.run_id
         m = config.model
         path = resolve_model(m.reference or m.actor, m.cache_dir)
-        self.reference = load_actor(path, m.dtype, m.trust_remote_code, role="reference model").requires_grad_(False)
+        self.reference = load_actor(path, m.dtype, m.trust_remote_code, role="reference model", device=m.device).requires_grad_(False)
         self.pad_token_id = load_tokenizer(path, m.trust_remote_code).pad_token_id
         self.lineage = {"reference.model": str(path), "scorer.replica": replica_id}
         if config.reward.function is not None:
@@ -33,7 +33,7 @@ class ScorerService(Service):
         else:
             rm_path = resolve_model(config.reward.model, m.cache_dir)
             self.reward = RewardModelScorer(
-                load_reward_model(rm_path, m.dtype, m.trust_remote_code),
+                load_reward_model(rm_path, m.dtype, m.trust_remote_code, m.device),
                 load_tokenizer(rm_path, m.trust_remote_code),
                 batch_size=config.reward.batch_size,
             )
@@ -47,7 +47,7 @@ class ScorerService(Service):
         packed = pack(torch.from_numpy(message.prompt_tokens), torch.from_numpy(message.prompt_lengths), tokens, lengths,
                       self.pad_token_id)
         ref_logprobs, _ = response_logprobs(self.reference, packed, tokens, self.config.generation.temperature)
-        ref_logprobs = ref_logprobs * lengths_to_mask(lengths, tokens.shape[1])
+        ref_logprobs = ref_logprobs.cpu() * lengths_to_mask(lengths, tokens.shape[1])
         scores = self.reward(message.prompt_text, message.response_text)
         return [derive(message, ScoredBatch, self.replica_id, self.lineage,
                        scores=scores.numpy(), ref_logprobs=ref_logprobs.numpy())]

@@ -1,0 +1,137 @@
+"""A few PPO steps of a ~0.5B model on one GPU: learner tokens/s, model FLOPs utilisation, generation tokens/s.
+
+The model is built from a config (Qwen2.5-0.5B's shape, random weights: no hub is needed), the generator is the
+transformers backend (no vLLM assumed), and the learner is streamppo's own PPOTrainer, so the numbers are those
+of the code the services run. Prints JSON and writes it to ``--out``; merge it into RESULTS.md with
+``python -m benchmarks.run --only codec --gpu-results gpu.json``.
+
+    python benchmarks/gpu.py --out gpu.json                      # on the GPU machine
+    python benchmarks/gpu.py --device cpu --small --out cpu.json # a smoke run anywhere
+
+FLOPs are counted as 2·N per token forward and 6·N forward+backward (N = parameters without the embedding;
+attention's own FLOPs are left out), over what one PPO update computes: π_old recomputation (actor forward),
+``ppo_epochs`` × (actor forward+backward + critic forward+backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.config import AlgorithmSection, LearnerSection  # noqa: E402
+from common.generation import SamplingParams, sample_responses  # noqa: E402
+from common.models import load_actor, load_critic  # noqa: E402
+from common.trainer import Experience, PPOTrainer  # noqa: E402
+
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
+SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense, no sparsity
+
+
+def peak_tflops(device: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="a small model, for a smoke run")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=Path("gpu.json"))
+    args = parser.parse_args()
+    from transformers import LlamaConfig, Qwen2Config
+
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    config = (LlamaConfig(**SMALL) if args.small else Qwen2Config(**QWEN25_05B))
+    config.pad_token_id, config.eos_token_id = 0, 1
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+        actor = load_actor(Path(tmp), dtype, device=args.device)
+        critic = load_critic(Path(tmp), dtype, device=args.device)
+    params = sum(p.numel() for p in actor.parameters())
+    non_embedding = params - actor.get_input_embeddings().weight.numel()
+    learner = LearnerSection(ppo_epochs=2, mini_batch_size=32, micro_batch_size=16, actor_lr=1e-6, critic_lr=1e-6)
+    trainer = PPOTrainer(actor, critic, learner, AlgorithmSection(), 1.0, pad_token_id=0, seed=0)
+    sampling = SamplingParams(n=args.n, max_new_tokens=args.new_tokens, temperature=1.0, seed=0)
+    generator = torch.Generator().manual_seed(0)
+
+    generated, gen_seconds, trained, train_seconds, flops = 0, 0.0, 0, 0.0, 0.0
+    for step in range(args.steps + 1):  # step 0 warms up (kernels, allocator) and is not counted
+        prompts = torch.randint(2, config.vocab_size, (args.prompts, args.prompt_tokens), generator=generator)
+        lengths = torch.full((args.prompts,), args.prompt_tokens)
+        sync(args.device)
+        started = time.perf_counter()
+        samples = sample_responses(actor, prompts, lengths, sampling, eos_token_id=1, pad_token_id=0)
+        sync(args.device)
+        seconds = time.perf_counter() - started
+        rows = samples.group_index
+        n, width = samples.response_tokens.shape
+        exp = Experience(
+            step, prompts[rows], lengths[rows], samples.response_tokens, samples.response_lengths, samples.finished,
+            samples.behaviour_logprobs, torch.randn(n), torch.zeros(n, width), torch.zeros(n, width),
+            torch.randn(n, width), torch.randn(n, width),
+        )
+        tokens = int(lengths[rows].sum() + samples.response_lengths.sum())
+        sync(args.device)
+        started_train = time.perf_counter()
+        trainer.version = step
+        trainer.train(exp)
+        sync(args.device)
+        train_s = time.perf_counter() - started_train
+        if step > 0:
+            generated += int(samples.response_lengths.sum())
+            gen_seconds += seconds
+            trained += tokens
+            train_seconds += train_s
+            flops += tokens * non_embedding * (2 + learner.ppo_epochs * (6 + 6))
+    peak = peak_tflops(args.device)
+    achieved = flops / train_seconds / 1e12
+    result = {
+        "setup": (f"{'small Llama' if args.small else 'Qwen2.5-0.5B-shaped'} model ({params / 1e6:.0f}M parameters, "
+                  f"random weights, {dtype}), {args.steps} PPO steps of {args.prompts}×{args.n} sequences, "
+                  f"{args.prompt_tokens} prompt + up to {args.new_tokens} new tokens, transformers generate, "
+                  f"PPOTrainer with ppo_epochs 2, mini-batch 32, micro-batch 16"),
+        "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device,
+        "results": {
+            "generation tokens/s": generated / gen_seconds,
+            "learner tokens/s (prompt+response, per update)": trained / train_seconds,
+            "learner achieved TFLOP/s (6N/2N count)": achieved,
+            "learner MFU vs dense bf16 peak": achieved / peak if peak else "n/a (unknown peak)",
+            "seconds per step: generation": gen_seconds / args.steps,
+            "seconds per step: PPO update": train_seconds / args.steps,
+            "peak GPU memory (GiB)": (torch.cuda.max_memory_allocated(args.device) / 2**30
+                                      if args.device.startswith("cuda") else "n/a"),
+        },
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

