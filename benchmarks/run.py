@@ -17,7 +17,6 @@ import os
 import pickle
 import platform
 import re
-import shutil
 import statistics
 import subprocess
 import sys

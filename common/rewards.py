@@ -12,7 +12,8 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["RewardError", "RewardFunction", "RewardModelScorer", "load_reward_function", "vowel_fraction"]
+__all__ = ["RewardError", "RewardFunction", "RewardModelScorer", "encode_pairs", "load_reward_function",
+           "vowel_fraction"]
 
 RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 
@@ -64,6 +65,13 @@ class RewardFunction:
         return _checked(self.fn(list(prompts), list(responses)), len(responses), f"reward function {self.spec}")
 
 
+def encode_pairs(tokenizer, prompts: Sequence[str], responses: Sequence[str], max_length: int):
+    """How a reward model reads text, in training and in the scorer alike: (prompt, response) as a text pair,
+    truncated longest-first to ``max_length`` tokens."""
+    return tokenizer(list(prompts), list(responses), padding=True, truncation="longest_first", max_length=max_length,
+                     return_tensors="pt")
+
+
 class RewardModelScorer:
     """Scores text with a one-label sequence classifier and its own tokenizer.
 
@@ -80,9 +88,6 @@ class RewardModelScorer:
         scores = []
         for start in range(0, len(responses), self.batch_size):
             chunk = slice(start, start + self.batch_size)
-            enc = self.tokenizer(
-                list(prompts[chunk]), list(responses[chunk]), padding=True, truncation=True,
-                max_length=self.max_length, return_tensors="pt",
-            )
+            enc = encode_pairs(self.tokenizer, prompts[chunk], responses[chunk], self.max_length)
             scores.append(self.model(**enc.to(self.model.device)).logits[:, 0].float().cpu())
         return _checked(torch.cat(scores).tolist() if scores else [], len(responses), self.name)

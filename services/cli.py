@@ -60,6 +60,52 @@ def _up(args) -> int:
     return up(args.config, args.set, args.bootstrap, replicas, verbose=args.verbose)
 
 
+def _models(args) -> int:
+    from common.models import BUILTIN_MODELS, resolve_model
+
+    if args.action == "list":
+        for name, (build, revision) in BUILTIN_MODELS.items():
+            print(f"builtin:{name:<24} {(build.__doc__ or '').strip().splitlines()[0]}")
+        return 0
+    names = list(BUILTIN_MODELS) if args.name == "all" else [args.name.removeprefix("builtin:")]
+    for name in names:
+        print(resolve_model(f"builtin:{name}", args.cache_dir))
+    return 0
+
+
+def _train_rm(args) -> int:
+    from common.models import resolve_model
+    from common.reward_training import RewardTrainingConfig, load_pairs, train_reward_model
+
+    try:
+        pairs = load_pairs(args.pairs)
+        cfg = RewardTrainingConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                                   eval_fraction=args.eval_fraction, max_length=args.max_length, seed=args.seed)
+        report = train_reward_model(resolve_model(args.base, args.cache_dir), pairs, args.out, cfg)
+    except (OSError, ValueError) as exc:
+        print(f"streamppo: {exc}", file=sys.stderr)
+        return 2
+    print(f"reward model saved to {args.out}: held-out pairwise accuracy {report['eval_accuracy_before']:.3f} -> "
+          f"{report['eval_accuracy']:.3f} on {report['eval_pairs']} pairs ({report['train_pairs']} trained on)")
+    return 0
+
+
+def _report(args) -> int:
+    from common.report import format_summary, write_report
+
+    try:
+        paths, summary = write_report(args.run_dir, tensorboard=args.tensorboard)
+    except ImportError as exc:
+        print(f"streamppo: the report needs matplotlib (pip install -e '.[recipe]'): {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"streamppo: {exc}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    print(f"plots: {', '.join(p.name for p in paths)} in {paths[0].parent}")
+    return 0
+
+
 def _protos(args) -> int:
     from common.schema import MESSAGE_TYPES, describe
 
@@ -113,6 +159,31 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument("--bootstrap", default=None, help="use this broker instead of starting a local one")
     cluster.add_argument("--replicas", action="append", default=[], metavar="ROLE=N", help="e.g. --replicas scorer=2")
     cluster.set_defaults(handler=_up)
+
+    default_cache = Path.home() / ".cache" / "streamppo"
+    models = sub.add_parser("models", help="list the builtin models, or prepare one (build / convert) into the cache")
+    models.add_argument("action", choices=["list", "prepare"])
+    models.add_argument("name", nargs="?", default="all", help="e.g. smollm2-135m-instruct (default: all)")
+    models.add_argument("--cache-dir", type=Path, default=default_cache)
+    models.set_defaults(handler=_models)
+
+    train_rm = sub.add_parser("train-rm", help="train a reward model on preference pairs (Bradley-Terry)")
+    train_rm.add_argument("--pairs", required=True, type=Path, help="JSONL: prompt, chosen, rejected per line")
+    train_rm.add_argument("--base", default="builtin:all-minilm-l6-v2", help="model folder or builtin:<name>")
+    train_rm.add_argument("--out", required=True, type=Path, help="folder to save the reward model in")
+    train_rm.add_argument("--epochs", type=int, default=2)
+    train_rm.add_argument("--batch-size", type=int, default=16)
+    train_rm.add_argument("--lr", type=float, default=5e-5)
+    train_rm.add_argument("--eval-fraction", type=float, default=0.2, help="share of pairs held out for accuracy")
+    train_rm.add_argument("--max-length", type=int, default=256)
+    train_rm.add_argument("--seed", type=int, default=0)
+    train_rm.add_argument("--cache-dir", type=Path, default=default_cache)
+    train_rm.set_defaults(handler=_train_rm)
+
+    report = sub.add_parser("report", help="plots (PNG) and a summary table of a run directory")
+    report.add_argument("run_dir", type=Path)
+    report.add_argument("--tensorboard", action="store_true", help="also write TensorBoard scalars")
+    report.set_defaults(handler=_report)
 
     protos = sub.add_parser("protos", help="check (or --write) protos/ against the message definitions")
     protos.add_argument("--write", action="store_true")

@@ -206,6 +206,10 @@ class ServiceRunner:
         except InputError as exc:
             self._dead_letter(record, f"cannot process batch {message.batch_id}: {exc}", self.work)
             return
+        # Each stage's compute time travels with the batch (lineage is carried forward): the learner's metrics
+        # then show where every batch's time went.
+        for output in outputs:
+            output.lineage[f"seconds.{self.service.role}"] = round(time.perf_counter() - started, 4)
         # Durable state first, then its outputs: a learner's checkpoint precedes the announcement of its weights.
         self._hold_commit(record)
         with self._timed("checkpoint"):

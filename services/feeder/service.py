@@ -7,10 +7,8 @@ consumer recognises.
 
 from __future__ import annotations
 
-import numpy as np
-
 from common.config import RunConfig
-from common.data import PromptSchedule, load_prompts
+from common.data import PromptSchedule, load_prompts, tokenize_prompts
 from common.models import load_tokenizer, resolve_model
 from common.schema import RUN_ID, PromptBatch, encode, message_key, new_header
 from services.transport import Bus
@@ -30,13 +28,8 @@ class FeederService:
     def batch(self, step: int) -> PromptBatch:
         index = self.schedule.indices(step)
         texts = [self.prompts[i] for i in index]
-        limit = self.config.data.max_prompt_tokens
-        # Keep the end of an over-long prompt: that is the part the response continues.
-        token_lists = [ids[-limit:] for ids in self.tokenizer(texts)["input_ids"]]
-        lengths = np.array([len(ids) for ids in token_lists], dtype=np.int64)
-        tokens = np.full((len(texts), max(lengths.max(), 1)), self.tokenizer.pad_token_id, dtype=np.int64)
-        for row, ids in enumerate(token_lists):
-            tokens[row, : len(ids)] = ids
+        tokens, lengths = tokenize_prompts(self.tokenizer, texts, self.config.data.max_prompt_tokens,
+                                           self.config.data.chat_template)
         lineage = {RUN_ID: self.config.run.run_id, "data.prompts": str(self.config.data.prompts),
                    "data.seed": self.config.run.seed}
         return PromptBatch(

@@ -19,8 +19,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from common.checkpoint import load_latest_checkpoint, save_checkpoint
 from common.config import RunConfig
+from common.data import load_prompts, tokenize_prompts
+from common.generation import SamplingParams, sample_responses
 from common.models import load_actor, load_critic, load_tokenizer, resolve_model
 from common.schema import RUN_ID, ExperienceBatch, WeightAnnouncement, new_header
 from common.trainer import Experience, PPOTrainer
@@ -68,6 +72,9 @@ class LearnerService(Service):
             self._restore_metrics(meta["records"])
             log.info("%s: resumed from checkpoint at v%d (%d updates; input offsets %s)", replica_id,
                      self.trainer.version, self.updates, self.offsets)
+        self.before_path = self.run_dir / "generations_before.jsonl"
+        if self.trainer.version == 0 and config.data.eval_prompts:
+            self.before_path.write_text("".join(json.dumps(row) + "\n" for row in self.answer_eval_prompts()))
 
     def _append_metrics(self, record: dict) -> None:
         with open(self.metrics_path, "a") as fh:
@@ -116,8 +123,11 @@ class LearnerService(Service):
         started = time.perf_counter()
         stats = self.trainer.train(Experience.from_message(message))
         self.updates += 1
+        stage_seconds = {f"seconds_{k.removeprefix('seconds.')}": v for k, v in message.lineage.items()
+                         if k.startswith("seconds.")}
         record = {"step": self.updates, "batch_id": message.batch_id, "time": time.time() - self.started,
-                  "train_seconds": time.perf_counter() - started, "dropped_stale": self.dropped_stale, **stats}
+                  "train_seconds": time.perf_counter() - started, "sequences": len(message.response_lengths),
+                  "dropped_stale": self.dropped_stale, **stage_seconds, **stats}
         self.applied.add(message.batch_id)
         self.since_checkpoint += 1
         self.unsaved_records.append(record)
@@ -165,8 +175,39 @@ class LearnerService(Service):
             ))
         return announcements
 
+    def answer_eval_prompts(self) -> list[dict]:
+        """The actor's answers to the first ``data.eval_prompts`` prompts (sampled with a fixed seed)."""
+        data, gen = self.config.data, self.config.generation
+        texts = load_prompts(data.prompts)[: data.eval_prompts]
+        tokens, lengths = tokenize_prompts(self.tokenizer, texts, data.max_prompt_tokens, data.chat_template)
+        params = SamplingParams(n=1, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
+                                top_k=gen.top_k, seed=self.config.run.seed)
+        samples = sample_responses(self.trainer.actor, torch.from_numpy(tokens), torch.from_numpy(lengths), params,
+                                   self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        answers = self.tokenizer.batch_decode(samples.response_tokens, skip_special_tokens=True)
+        return [{"prompt": p, "response": a, "policy_version": self.trainer.version} for p, a in zip(texts, answers)]
+
+    def write_generations(self) -> Path | None:
+        """``generations.md``: each eval prompt with the answer before training and after, side by side."""
+        if not self.config.data.eval_prompts or not self.before_path.exists():
+            return None
+        before = [json.loads(line) for line in self.before_path.read_text().splitlines()]
+        after = self.answer_eval_prompts()
+        cell = lambda text: " ".join(text.split()).replace("|", "\\|") or "(empty)"  # noqa: E731
+        lines = [f"# Generations before (v0) and after (v{self.trainer.version}) training", "",
+                 "| prompt | before | after |", "|---|---|---|"]
+        lines += [f"| {cell(b['prompt'])} | {cell(b['response'])} | {cell(a['response'])} |" for b, a in zip(before, after)]
+        path = self.run_dir / "generations.md"
+        path.write_text("\n".join(lines) + "\n")
+        (self.run_dir / "generations.jsonl").write_text("".join(
+            json.dumps({"prompt": b["prompt"], "before": b["response"], "after": a["response"]}) + "\n"
+            for b, a in zip(before, after)))
+        return path
+
     def save_final(self) -> Path:
-        """Save the trained actor (with its tokenizer) and critic as ordinary transformers folders."""
+        """Save the trained actor (with its tokenizer) and critic as ordinary transformers folders, and the
+        before/after generations."""
+        self.write_generations()
         final = self.run_dir / "final"
         self.trainer.actor.save_pretrained(final / "actor")
         self.tokenizer.save_pretrained(final / "actor")

