@@ -6,7 +6,9 @@ from pathlib import Path
 
 
 def _f(x, digits=2) -> str:
-    if isinstance(x, (int, float)):
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float):
         if abs(x) >= 1000:
             return f"{x:,.0f}"
         if abs(x) >= 1 or x == 0:
@@ -24,8 +26,10 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 def write_markdown(results: dict, path: Path) -> None:
     s = results["sections"]
     out = ["# Benchmark results", "",
-           f"- date: {results.get('date')}", f"- machine: {results.get('machine')}",
-           f"- command: `{results.get('command')}`", "",
+           f"- written: {results.get('date')}", f"- machine: {results.get('machine')}",
+           "- command: `python -m benchmarks.run` (all sections; `--only a,b` re-measures some and keeps the rest)", "",
+           "| section | measured | by |", "|---|---|---|",
+           *[f"| {name} | {sec.get('measured', '?')} | `{sec.get('command', '?')}` |" for name, sec in s.items()], "",
            "Every figure is measured in the same run as what it is compared with. Numbers from a 2-core machine are "
            "about the shape of the costs, not absolute speed.", ""]
 
@@ -58,6 +62,13 @@ def write_markdown(results: dict, path: Path) -> None:
                              st["weight_load_share"], st["wait_share"]])
         out += _table(["run", "service", "model compute", "decode+encode+send+commit", "checkpoint", "weight load",
                        "wait"], rows)
+        parts = {"decode+encode+send+commit": "serialise_and_send_share", "checkpoint": "checkpoint_share",
+                 "weight load": "weight_load_share", "wait (transport hops, on-policy dependency, idle)": "wait_share"}
+        stages = [st for v in runs.values() for st in v["stages"].values()]
+        means = {label: sum(st[key] for st in stages) / len(stages) for label, key in parts.items()}
+        largest = max(means, key=means.get)
+        out += [f"Largest cost outside model compute: **{largest}**, {means[largest]:.0%} of a service's time on "
+                f"average; serialisation and sending take {means['decode+encode+send+commit']:.1%}.", ""]
     if "generation" in s:
         g = s["generation"]
         out += ["## 4. Generation: vLLM vs transformers", ""]
@@ -82,7 +93,9 @@ def write_markdown(results: dict, path: Path) -> None:
         reps = {k: v for k, v in sc["replicas"].items() if k.endswith("(s)")}
         out += _table(["replicas", "batches", "seconds", "responses/s"],
                       [[k, v["batches"], v["seconds"], v["responses_per_s"]] for k, v in reps.items()])
-        out += [f"Speed-up of 2 replicas over 1: **{_f(sc['replicas']['speedup_2_vs_1'])}×**", ""]
+        out += [f"Speed-up of 2 replicas over 1: **{_f(sc['replicas']['speedup_2_vs_1'])}×**", "",
+                "Replicas only help when each gets cores of its own: on a machine with fewer cores than replicas × "
+                "torch threads they compete for the same cores, so this ratio is what scaling buys on this machine.", ""]
     out += ["## 7. GPU", ""]
     if "gpu" in s:
         g = s["gpu"]

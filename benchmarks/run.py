@@ -344,7 +344,8 @@ def bench_scaling(batches: int = 24) -> dict:
             seen = set()
             deadline = time.monotonic() + 900
             while len(seen) < batches and time.monotonic() < deadline:
-                seen |= {decode(r.value).batch_id for r in sink.poll(0.2, 100)}
+                # Topics outlive runs: count only this run's batches.
+                seen |= {b for b in (decode(r.value).batch_id for r in sink.poll(0.2, 100)) if b.startswith(run_id)}
             seconds = time.perf_counter() - started
             for p in procs:
                 p.terminate()
@@ -374,22 +375,24 @@ def machine() -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help="comma-separated sections; the others keep their last results (--only '' rewrites RESULTS.md)")
     parser.add_argument("--gpu-results", type=Path, default=None, help="JSON written by benchmarks/gpu.py")
     parser.add_argument("--out", type=Path, default=HERE)
     args = parser.parse_args(argv)
     results_path = args.out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {"sections": {}}
-    for name in args.only.split(","):
+    now = lambda: datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")  # noqa: E731
+    command = "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:])
+    for name in filter(None, args.only.split(",")):
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         results["sections"][name] = SECTIONS[name]()
-        results["sections"][name]["bench_seconds"] = time.perf_counter() - started
+        results["sections"][name].update(bench_seconds=time.perf_counter() - started, measured=now(), command=command)
         results_path.write_text(json.dumps(results, indent=2) + "\n")
     if args.gpu_results is not None:
-        results["sections"]["gpu"] = json.loads(args.gpu_results.read_text())
-    results.update(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), machine=machine(),
-                   command="python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]))
+        results["sections"]["gpu"] = json.loads(args.gpu_results.read_text()) | {"measured": now()}
+    results.update(date=now(), machine=machine())
     results_path.write_text(json.dumps(results, indent=2) + "\n")
     from benchmarks.report import write_markdown
 
