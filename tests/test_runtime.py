@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 import torch
 
 from common.schema import DeadLetter, RolloutBatch, decode, encode
@@ -135,6 +136,24 @@ def test_the_generator_holds_a_batch_until_the_weights_allow_it(bus, config):
     assert runner.poll_once()
     rollouts = [decode(v) for v in read_all(bus, "rollouts")]
     assert [r.policy_version for r in rollouts] == [0, 1]
+
+
+def test_a_replica_that_starts_late_catches_up_to_the_newest_weights(bus, config, caplog):
+    """Announcements v1 and v2 are on the weights topic before the generator starts: it loads v2 only."""
+    import logging
+
+    publish(bus, "weights", *[encode(a) for a in announce_v1(config, version=1)])
+    newest = announce_v1(config, version=2)
+    publish(bus, "weights", *[encode(a) for a in newest])
+    generator = GeneratorService(config)
+    runner = ServiceRunner(generator, bus, "generator")
+    with caplog.at_level(logging.INFO):
+        runner.poll_once()
+    assert generator.policy_version == 2
+    assert "actor weights v2 loaded" in caplog.text and "actor weights v1 loaded" not in caplog.text
+    actor = next(a for a in newest if a.model == "actor")
+    with safe_open(actor.uri, "pt") as snapshot:
+        assert torch.equal(generator.sampler.model.model.norm.weight, snapshot.get_tensor("model.norm.weight"))
 
 
 def test_a_corrupted_snapshot_is_rejected_and_the_old_weights_kept(bus, config, caplog):
