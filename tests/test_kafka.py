@@ -154,3 +154,26 @@ def test_streamppo_up_runs_the_pipeline_as_processes(kafka_broker, kafka_config,
                 scored[message.batch_id] = message.lineage["scorer.replica"]
     assert len(scored) == steps
     assert set(scored.values()) == {"scorer-0", "scorer-1"}, "both scorer replicas did work"
+
+
+def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path):
+    """What compose's `topics` job runs: every data topic with its partitions, its .dlq, and `weights`."""
+    from kafka import KafkaConsumer
+
+    from services.runtime import pipeline_topics
+    from services.transport.local_broker import LocalBroker
+
+    with LocalBroker() as broker:
+        result = subprocess.run(
+            [sys.executable, "-m", "services.cli", "topics", "--config", str(EXAMPLE / "config.yaml"), "--bootstrap",
+             broker.bootstrap, "--set", "kafka.partitions=3", "--set", "kafka.idempotent_producer=false"],
+            cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        probe = KafkaConsumer(bootstrap_servers=broker.bootstrap)
+        try:
+            existing = probe.topics()
+            for spec in pipeline_topics(3):
+                assert spec.name in existing, spec.name
+                assert len(probe.partitions_for_topic(spec.name)) == spec.partitions, spec.name
+        finally:
+            probe.close()
