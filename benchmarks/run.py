@@ -238,17 +238,13 @@ def _prompts(vocab: int, batch: int = 16, length: int = 32):
 
 
 def _sampler(backend: str, path: Path):
-    from common.config import VllmOptions
-    from common.generation import TransformersSampler
+    """The generator's own sampler for ``path``, as a run config with that backend makes it."""
+    from common.config import load_config
+    from common.generation import make_sampler
     from common.models import load_tokenizer
 
-    tokenizer = load_tokenizer(path)
-    if backend == "vllm":
-        from common.vllm_sampler import VllmSampler
-
-        return VllmSampler(path, "float32", False, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                           VllmOptions(kv_cache_gib=1.0))
-    return TransformersSampler(path, "float32", False, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    config = load_config(EXAMPLE, [f"model.actor={path}", f"generation.backend={backend}"])
+    return make_sampler(config, path, load_tokenizer(path))
 
 
 def bench_generation() -> dict:

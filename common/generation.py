@@ -54,6 +54,7 @@ class Samples:
 
 class Sampler(Protocol):
     backend: str
+    skeleton: torch.nn.Module  # the actor's module tree, for name/shape/vocabulary checks (may be on meta)
 
     def sample(self, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, params: SamplingParams) -> Samples:
         """``params.n`` responses for each of the ``B`` right-padded prompts ``(B, P)`` with lengths ``(B,)``."""
@@ -116,6 +117,7 @@ class TransformersSampler:
     def __init__(self, model_dir: Path, dtype: str, trust_remote_code: bool, eos_token_id: int, pad_token_id: int,
                  device: str = "cpu"):
         self.model = load_actor(model_dir, dtype, trust_remote_code, device=device)
+        self.skeleton = self.model
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
 
     def sample(self, prompt_tokens, prompt_lengths, params):

@@ -23,11 +23,15 @@ def config(make_config):
     return make_config("data.batch_size=2", "generation.n=2", "generation.max_new_tokens=4", "learner.mini_batch_size=4")
 
 
-def test_counters_latency_lag_and_dead_letters_move(config):
+def generator_with_metrics(config):
     bus = MemoryBus()
     bus.create_topics(pipeline_topics())
     metrics = ServiceMetrics("generator")
-    runner = ServiceRunner(GeneratorService(config), bus, "generator", metrics=metrics)
+    return bus, metrics, ServiceRunner(GeneratorService(config), bus, "generator", metrics=metrics)
+
+
+def test_counters_latency_lag_and_dead_letters_move(config):
+    bus, metrics, runner = generator_with_metrics(config)
     feeder = FeederService(config)
     producer = bus.producer("test")
     for payload in (encode(feeder.batch(0)), b"junk", encode(feeder.batch(1))):
@@ -66,10 +70,7 @@ def test_metrics_are_served_over_http():
 def test_the_policy_version_gauge_follows_the_weights_actually_loaded(config):
     import torch
 
-    bus = MemoryBus()
-    bus.create_topics(pipeline_topics())
-    metrics = ServiceMetrics("generator")
-    runner = ServiceRunner(GeneratorService(config), bus, "generator", metrics=metrics)
+    bus, metrics, runner = generator_with_metrics(config)
     learner = LearnerService(config)
     learner.trainer.version = 1
     good = next(a for a in learner.announce() if a.model == "actor")

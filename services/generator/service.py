@@ -8,7 +8,7 @@ import torch
 
 from common.config import RunConfig
 from common.generation import SamplingParams, make_sampler
-from common.models import actor_skeleton, load_tokenizer, resolve_model
+from common.models import load_tokenizer, resolve_model
 from common.schema import PromptBatch, RolloutBatch, WeightAnnouncement, new_header
 from services.runtime import Service, check_token_ids, load_announced_weights
 
@@ -25,7 +25,6 @@ class GeneratorService(Service):
         self.config, self.replica_id, self.run_id = config, replica_id, config.run.run_id
         path = resolve_model(config.model.actor, config.model.cache_dir)
         self.tokenizer = load_tokenizer(path, config.model.trust_remote_code)
-        self.skeleton = actor_skeleton(path, config.model.trust_remote_code)  # vocabulary checks, no weights
         self.sampler = make_sampler(config, path, self.tokenizer)
         log.info("%s: sampling with the %s backend", replica_id, self.sampler.backend)
         self.model_id = str(path)
@@ -46,7 +45,7 @@ class GeneratorService(Service):
         return f"prompt batch {message.step} waits for actor v{needed} (has v{self.policy_version})"
 
     def process(self, message: PromptBatch) -> list[RolloutBatch]:
-        check_token_ids(message, self.skeleton, "actor")
+        check_token_ids(message, self.sampler.skeleton, "actor")
         gen = self.config.generation
         params = SamplingParams(
             n=gen.n, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
