@@ -27,14 +27,31 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.config import AlgorithmSection, LearnerSection  # noqa: E402
-from common.generation import SamplingParams, sample_responses  # noqa: E402
+from common.generation import sample_responses  # noqa: E402
 from common.models import load_actor, load_critic  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
 from common.trainer import Experience, PPOTrainer  # noqa: E402
 
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
-SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+SMALL = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
+)
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense, no sparsity
 
 
@@ -64,7 +81,7 @@ def main() -> int:
     from transformers import LlamaConfig, Qwen2Config
 
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    config = (LlamaConfig(**SMALL) if args.small else Qwen2Config(**QWEN25_05B))
+    config = LlamaConfig(**SMALL) if args.small else Qwen2Config(**QWEN25_05B)
     config.pad_token_id, config.eos_token_id = 0, 1
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
@@ -92,9 +109,18 @@ def main() -> int:
         rows = samples.group_index
         n, width = samples.response_tokens.shape
         exp = Experience(
-            step, prompts[rows], lengths[rows], samples.response_tokens, samples.response_lengths, samples.finished,
-            samples.behaviour_logprobs, torch.randn(n), torch.zeros(n, width), torch.zeros(n, width),
-            torch.randn(n, width), torch.randn(n, width),
+            step,
+            prompts[rows],
+            lengths[rows],
+            samples.response_tokens,
+            samples.response_lengths,
+            samples.finished,
+            samples.behaviour_logprobs,
+            torch.randn(n),
+            torch.zeros(n, width),
+            torch.zeros(n, width),
+            torch.randn(n, width),
+            torch.randn(n, width),
         )
         tokens = int(lengths[rows].sum() + samples.response_lengths.sum())
         sync(args.device)
@@ -112,10 +138,12 @@ def main() -> int:
     peak = peak_tflops(args.device)
     achieved = flops / train_seconds / 1e12
     result = {
-        "setup": (f"{'small Llama' if args.small else 'Qwen2.5-0.5B-shaped'} model ({params / 1e6:.0f}M parameters, "
-                  f"random weights, {dtype}), {args.steps} PPO steps of {args.prompts}×{args.n} sequences, "
-                  f"{args.prompt_tokens} prompt + up to {args.new_tokens} new tokens, transformers generate, "
-                  f"PPOTrainer with ppo_epochs 2, mini-batch 32, micro-batch 16"),
+        "setup": (
+            f"{'small Llama' if args.small else 'Qwen2.5-0.5B-shaped'} model ({params / 1e6:.0f}M parameters, "
+            f"random weights, {dtype}), {args.steps} PPO steps of {args.prompts}×{args.n} sequences, "
+            f"{args.prompt_tokens} prompt + up to {args.new_tokens} new tokens, transformers generate, "
+            f"PPOTrainer with ppo_epochs 2, mini-batch 32, micro-batch 16"
+        ),
         "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device,
         "results": {
             "generation tokens/s": generated / gen_seconds,
@@ -124,8 +152,9 @@ def main() -> int:
             "learner MFU vs dense bf16 peak": achieved / peak if peak else "n/a (unknown peak)",
             "seconds per step: generation": gen_seconds / args.steps,
             "seconds per step: PPO update": train_seconds / args.steps,
-            "peak GPU memory (GiB)": (torch.cuda.max_memory_allocated(args.device) / 2**30
-                                      if args.device.startswith("cuda") else "n/a"),
+            "peak GPU memory (GiB)": (
+                torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.startswith("cuda") else "n/a"
+            ),
         },
     }
     args.out.write_text(json.dumps(result, indent=2) + "\n")

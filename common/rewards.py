@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["RewardError", "RewardFunction", "RewardModelScorer", "encode_pairs", "load_reward_function",
-           "vowel_fraction"]
+__all__ = [
+    "RewardError",
+    "RewardFunction",
+    "RewardModelScorer",
+    "encode_pairs",
+    "load_reward_function",
+    "vowel_fraction",
+]
 
 RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 
@@ -68,8 +74,14 @@ class RewardFunction:
 def encode_pairs(tokenizer, prompts: Sequence[str], responses: Sequence[str], max_length: int):
     """How a reward model reads text, in training and in the scorer alike: (prompt, response) as a text pair,
     truncated longest-first to ``max_length`` tokens."""
-    return tokenizer(list(prompts), list(responses), padding=True, truncation="longest_first", max_length=max_length,
-                     return_tensors="pt")
+    return tokenizer(
+        list(prompts),
+        list(responses),
+        padding=True,
+        truncation="longest_first",
+        max_length=max_length,
+        return_tensors="pt",
+    )
 
 
 class RewardModelScorer:

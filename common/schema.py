@@ -16,7 +16,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import msgpack
 import numpy as np
@@ -94,7 +94,7 @@ class Lineage:
         return {"type": "map[str, str|int|float|bool|null]", "doc": self.doc}
 
 
-WireType = Union[Scalar, Array, StringList, Lineage]
+WireType = Scalar | Array | StringList | Lineage
 
 
 def _wire(wire_type: WireType):
@@ -115,7 +115,7 @@ def array(dtype: str, *dims: str, doc: str):
 
 @dataclass
 class Message:
-    """The header every pipeline message carries (see DESIGN.md, "Wire contract")."""
+    """The header every pipeline message carries (see ``docs/ARCHITECTURE.md``, "Topics and messages")."""
 
     SCHEMA: ClassVar[str] = ""
     VERSION: ClassVar[int] = 1
@@ -123,9 +123,16 @@ class Message:
 
     batch_id: str = scalar("str", "Stable id of the prompt batch this message descends from; the idempotency key.")
     producer: str = scalar("str", "Id of the service replica that produced this message.")
-    policy_version: int = scalar("int", "Actor policy version that sampled the rollouts (weights: the version announced).")
+    policy_version: int = scalar(
+        "int", "Actor policy version that sampled the rollouts (weights: the version announced)."
+    )
     created_at: float = scalar("float", "Unix time at which this message was produced.")
-    lineage: dict = _wire(Lineage("Everything needed to re-train from this message: sampling parameters, model ids and versions, coefficients."))
+    lineage: dict = _wire(
+        Lineage(
+            "Everything needed to re-train from this message: sampling parameters, model ids and versions, "
+            "coefficients."
+        )
+    )
 
     @classmethod
     def wire_fields(cls) -> list[tuple[str, WireType]]:
@@ -146,9 +153,13 @@ def new_header(batch_id: str, producer: str, policy_version: int, lineage: dict 
 @dataclass
 class PromptBatch(Message):
     SCHEMA: ClassVar[str] = "prompts"
-    DOC: ClassVar[str] = "A batch of B prompts from the feeder, tokenized with the actor's tokenizer, right-padded to P."
+    DOC: ClassVar[str] = (
+        "A batch of B prompts from the feeder, tokenized with the actor's tokenizer, right-padded to P."
+    )
 
-    step: int = scalar("int", "Sequence number of this batch in the feeder's stream (0, 1, 2, ...); gates bounded staleness.")
+    step: int = scalar(
+        "int", "Sequence number of this batch in the feeder's stream (0, 1, 2, ...); gates bounded staleness."
+    )
     prompt_index: np.ndarray = array("int64", "B", doc="Row of each prompt in the dataset file.")
     prompt_text: list = _wire(StringList("B", "The prompts as text."))
     prompt_tokens: np.ndarray = array("int64", "B", "P", doc="Prompt token ids, right-padded.")
@@ -166,10 +177,16 @@ class RolloutBatch(Message):
     response_text: list = _wire(StringList("N", "Each response decoded to text (special tokens removed)."))
     prompt_tokens: np.ndarray = array("int64", "N", "P", doc="Prompt token ids, right-padded.")
     prompt_lengths: np.ndarray = array("int64", "N", doc="Real tokens in each prompt row.")
-    response_tokens: np.ndarray = array("int64", "N", "T", doc="Response token ids, right-padded; EOS included when sampled.")
+    response_tokens: np.ndarray = array(
+        "int64", "N", "T", doc="Response token ids, right-padded; EOS included when sampled."
+    )
     response_lengths: np.ndarray = array("int64", "N", doc="Real tokens in each response row (the response mask).")
-    finished: np.ndarray = array("bool", "N", doc="True where the response ended with EOS, False where it was truncated.")
-    behaviour_logprobs: np.ndarray = array("float32", "N", "T", doc="log π_behaviour(token) at sampling temperature; 0 at padding.")
+    finished: np.ndarray = array(
+        "bool", "N", doc="True where the response ended with EOS, False where it was truncated."
+    )
+    behaviour_logprobs: np.ndarray = array(
+        "float32", "N", "T", doc="log π_behaviour(token) at sampling temperature; 0 at padding."
+    )
 
 
 @dataclass
@@ -177,7 +194,9 @@ class ScoredBatch(RolloutBatch):
     SCHEMA: ClassVar[str] = "scored"
     DOC: ClassVar[str] = "Rollouts with the reward model's score and the frozen reference model's log-probs."
 
-    scores: np.ndarray = array("float32", "N", doc="Reward model (or reward function) score of each response, unshaped.")
+    scores: np.ndarray = array(
+        "float32", "N", doc="Reward model (or reward function) score of each response, unshaped."
+    )
     ref_logprobs: np.ndarray = array("float32", "N", "T", doc="log π_ref(token) at sampling temperature; 0 at padding.")
 
 
@@ -186,9 +205,13 @@ class ExperienceBatch(ScoredBatch):
     SCHEMA: ClassVar[str] = "experience"
     DOC: ClassVar[str] = "Scored rollouts with critic values, KL-shaped token rewards, and raw (unwhitened) GAE."
 
-    values: np.ndarray = array("float32", "N", "T", doc="Critic V(s_t) for the state before each response token; 0 at padding.")
+    values: np.ndarray = array(
+        "float32", "N", "T", doc="Critic V(s_t) for the state before each response token; 0 at padding."
+    )
     kl: np.ndarray = array("float32", "N", "T", doc="Per-token KL estimate between behaviour and reference policy.")
-    token_rewards: np.ndarray = array("float32", "N", "T", doc="−β·kl on every token plus the (clipped, penalised) score on the last.")
+    token_rewards: np.ndarray = array(
+        "float32", "N", "T", doc="−β·kl on every token plus the (clipped, penalised) score on the last."
+    )
     advantages: np.ndarray = array("float32", "N", "T", doc="GAE advantages, not whitened.")
     returns: np.ndarray = array("float32", "N", "T", doc="GAE returns, advantages + values.")
 
@@ -229,8 +252,7 @@ class DeadLetter:
 
 
 MESSAGE_TYPES: dict[str, type] = {
-    cls.SCHEMA: cls
-    for cls in (PromptBatch, RolloutBatch, ScoredBatch, ExperienceBatch, WeightAnnouncement, DeadLetter)
+    cls.SCHEMA: cls for cls in (PromptBatch, RolloutBatch, ScoredBatch, ExperienceBatch, WeightAnnouncement, DeadLetter)
 }
 # The message type each pipeline topic carries. Dead-letter topics are named "<topic>.dlq".
 TOPIC_MESSAGE: dict[str, type] = {
@@ -348,7 +370,9 @@ def _decode_array(name: str, spec: Array, value: Any, dims: dict[str, int]) -> n
     np_dtype = np.dtype(dtype).newbyteorder("<")
     # Python ints do not overflow; the comparison with the bytes present bounds every allocation below.
     if math.prod(shape) * np_dtype.itemsize != len(data):
-        raise SchemaError(f"{name}: shape {shape} of {dtype} needs {math.prod(shape) * np_dtype.itemsize} bytes, got {len(data)}")
+        raise SchemaError(
+            f"{name}: shape {shape} of {dtype} needs {math.prod(shape) * np_dtype.itemsize} bytes, got {len(data)}"
+        )
     for dim, size in zip(spec.dims, shape):
         _bind_dim(name, dim, size, dims)
     arr = np.frombuffer(data, dtype=np_dtype).reshape(shape).astype(np_dtype.newbyteorder("="), copy=True)
@@ -440,4 +464,3 @@ def _check_semantics(schema: str, values: dict, dims: dict[str, int]) -> None:
     for name in _TOKENS:
         if name in values and values[name].size and values[name].min() < 0:
             raise SchemaError(f"{schema}: {name} holds negative ids")
-

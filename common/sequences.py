@@ -30,9 +30,13 @@ class PackedSequences:
     prompt_width: int  # P
     response_width: int  # T
 
-    def rows(self, index: torch.Tensor | slice) -> "PackedSequences":
+    def rows(self, index: torch.Tensor | slice) -> PackedSequences:
         return PackedSequences(
-            self.input_ids[index], self.attention_mask[index], self.position_ids[index], self.prompt_width, self.response_width
+            self.input_ids[index],
+            self.attention_mask[index],
+            self.position_ids[index],
+            self.prompt_width,
+            self.response_width,
         )
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.generation import SamplingParams, Samples
 from common.models import actor_skeleton
+from common.sampling import Samples, SamplingParams
 from common.weights import WeightIntegrityError, check_fits, read_snapshot
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,16 @@ class VllmSampler:
 
     backend = "vllm"
 
-    def __init__(self, model_dir: Path, dtype: str, trust_remote_code: bool, eos_token_id: int, pad_token_id: int,
-                 options, seed: int = 0):
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: str,
+        trust_remote_code: bool,
+        eos_token_id: int,
+        pad_token_id: int,
+        options,
+        seed: int = 0,
+    ):
         self.model_dir = Path(model_dir)
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.skeleton = actor_skeleton(self.model_dir, trust_remote_code)
@@ -98,8 +106,11 @@ class VllmSampler:
                 raise WeightIntegrityError(f"cannot restore the last good weights: {refused}")
             llm.reset_prefix_cache()
         self.engine_starts += 1
-        log.info("vLLM engine started in %.1f s (%s)", time.perf_counter() - started,
-                 f"weights {self.good_snapshot[0]}" if self.good_snapshot else f"weights of {self.model_dir}")
+        log.info(
+            "vLLM engine started in %.1f s (%s)",
+            time.perf_counter() - started,
+            f"weights {self.good_snapshot[0]}" if self.good_snapshot else f"weights of {self.model_dir}",
+        )
         return llm
 
     def _restart_engine(self, reason: str) -> None:
@@ -149,13 +160,23 @@ class VllmSampler:
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
 
-        prompts = [TokensPrompt(prompt_token_ids=row[:length].tolist())
-                   for row, length in zip(prompt_tokens, prompt_lengths.tolist())]
+        prompts = [
+            TokensPrompt(prompt_token_ids=row[:length].tolist())
+            for row, length in zip(prompt_tokens, prompt_lengths.tolist())
+        ]
         # One seed per prompt: the n samples of a prompt differ, and a batch is reproducible from params.seed.
         per_prompt = [
-            VllmParams(n=params.n, max_tokens=params.max_new_tokens, temperature=params.temperature,
-                       top_p=params.top_p, top_k=params.top_k or -1, seed=params.seed * 7919 + i, logprobs=0,
-                       stop_token_ids=[self.eos_token_id], detokenize=False)
+            VllmParams(
+                n=params.n,
+                max_tokens=params.max_new_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k or -1,
+                seed=params.seed * 7919 + i,
+                logprobs=0,
+                stop_token_ids=[self.eos_token_id],
+                detokenize=False,
+            )
             for i in range(len(prompts))
         ]
         try:

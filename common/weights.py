@@ -74,14 +74,20 @@ class WeightStore:
         os.replace(tmp, path)
         return Snapshot(model_name, version, str(path.resolve()), digest, path.stat().st_size)
 
-    def prune(self, model_name: str, keep: int) -> list[Path]:
-        """Delete all but the ``keep`` newest snapshots of ``model_name``; returns what was deleted."""
-        snapshots = sorted(
-            (int(m["version"]), p)
+    def prune(self, model_name: str, keep: int, current: int) -> list[Path]:
+        """Keep the snapshots of ``model_name`` at versions ``current − keep + 1 .. current``; delete the rest.
+
+        Versions above ``current`` are left over from a run this store held before, or from updates a crashed
+        learner rolled back: they are deleted too, so they can never push the snapshot just announced out of the
+        window. Returns what was deleted.
+        """
+        doomed = [
+            p
             for p in self.root.iterdir()
-            if (m := _SNAPSHOT_NAME.match(p.name)) and m["model"] == model_name
-        )
-        doomed = [p for _, p in snapshots[:-keep]] if keep > 0 else [p for _, p in snapshots]
+            if (m := _SNAPSHOT_NAME.match(p.name))
+            and m["model"] == model_name
+            and not current - keep < int(m["version"]) <= current
+        ]
         for path in doomed:
             path.unlink(missing_ok=True)
         return doomed

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["main"]
+from services.roles import ROLES
+
+__all__ = ["build_parser", "main"]
 
 
 def _run(args) -> int:
@@ -28,12 +30,10 @@ def _run(args) -> int:
 
 def _serve(args) -> int:
     from common.config import load_config
-    from services.process import feed, serve
+    from services.process import serve
 
     config = load_config(args.config, args.set)
-    if args.command == "feed":
-        return feed(config, args.bootstrap)
-    return serve(args.command, config, args.bootstrap, args.replica_id, args.metrics_port)
+    return serve(args.role, config, args.bootstrap, args.replica_id, args.metrics_port)
 
 
 def _topics(args) -> int:
@@ -64,7 +64,7 @@ def _models(args) -> int:
     from common.models import BUILTIN_MODELS, resolve_model
 
     if args.action == "list":
-        for name, (build, revision) in BUILTIN_MODELS.items():
+        for name, (build, _revision) in BUILTIN_MODELS.items():
             print(f"builtin:{name:<24} {(build.__doc__ or '').strip().splitlines()[0]}")
         return 0
     names = list(BUILTIN_MODELS) if args.name == "all" else [args.name.removeprefix("builtin:")]
@@ -79,14 +79,22 @@ def _train_rm(args) -> int:
 
     try:
         pairs = load_pairs(args.pairs)
-        cfg = RewardTrainingConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                                   eval_fraction=args.eval_fraction, max_length=args.max_length, seed=args.seed)
+        cfg = RewardTrainingConfig(
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            eval_fraction=args.eval_fraction,
+            max_length=args.max_length,
+            seed=args.seed,
+        )
         report = train_reward_model(resolve_model(args.base, args.cache_dir), pairs, args.out, cfg)
     except (OSError, ValueError) as exc:
         print(f"streamppo: {exc}", file=sys.stderr)
         return 2
-    print(f"reward model saved to {args.out}: held-out pairwise accuracy {report['eval_accuracy_before']:.3f} -> "
-          f"{report['eval_accuracy']:.3f} on {report['eval_pairs']} pairs ({report['train_pairs']} trained on)")
+    print(
+        f"reward model saved to {args.out}: held-out pairwise accuracy {report['eval_accuracy_before']:.3f} -> "
+        f"{report['eval_accuracy']:.3f} on {report['eval_pairs']} pairs ({report['train_pairs']} trained on)"
+    )
     return 0
 
 
@@ -112,7 +120,10 @@ def _protos(args) -> int:
     stale = []
     for name, cls in MESSAGE_TYPES.items():
         path = args.dir / f"{name}.yaml"
-        text = "# Generated from common/schema.py by `streamppo protos --write`; tests/test_schema.py holds the codec to it.\n"
+        text = (
+            "# Generated from common/schema.py by `streamppo protos --write`; "
+            "tests/test_schema.py holds the codec to it.\n"
+        )
         text += yaml.safe_dump(describe(cls), sort_keys=False, allow_unicode=True, width=120)
         if args.write:
             path.write_text(text)
@@ -124,42 +135,46 @@ def _protos(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="streamppo", description="RLHF-PPO as services over a message bus.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _config_options(parser: argparse.ArgumentParser, broker: bool = False) -> None:
+    parser.add_argument("--config", required=True, type=Path, help="YAML run configuration")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config entry, e.g. --set run.steps=10 (repeatable)",
+    )
+    if broker:
+        parser.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: kafka.bootstrap)")
 
+
+def _add_pipeline_commands(sub) -> None:
+    """``run``, one command per role of ROLES, ``topics`` and ``up``."""
     run = sub.add_parser("run", help="run the whole pipeline in one process over the in-memory bus")
-    run.add_argument("--config", required=True, type=Path, help="YAML run configuration")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config entry, e.g. --set run.steps=10 (repeatable)")
+    _config_options(run)
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(handler=_run)
 
-    for role in ("generator", "scorer", "advantage", "learner", "feed"):
-        what = "publish the prompt batches and exit" if role == "feed" else f"run the {role} service over Kafka"
-        serve = sub.add_parser(role, help=what)
-        serve.add_argument("--config", required=True, type=Path)
-        serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-        serve.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: kafka.bootstrap)")
-        if role != "feed":
-            serve.add_argument("--replica-id", default=None, help="default: role-host-pid")
-            serve.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-        serve.set_defaults(handler=_serve)
+    for role in ROLES.values():
+        serve = sub.add_parser(role.name, aliases=list(role.aliases), help=f"{role.summary} (over Kafka)")
+        _config_options(serve, broker=True)
+        serve.add_argument("--replica-id", default=None, help="default: role-host-pid")
+        serve.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+        serve.set_defaults(handler=_serve, role=role.name)
 
     topics = sub.add_parser("topics", help="create the pipeline's topics (and their .dlq) on the broker, then exit")
-    topics.add_argument("--config", required=True, type=Path)
-    topics.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    topics.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: kafka.bootstrap)")
+    _config_options(topics, broker=True)
     topics.set_defaults(handler=_topics)
 
     cluster = sub.add_parser("up", help="run every service as its own process over a local (or given) broker")
-    cluster.add_argument("--config", required=True, type=Path)
-    cluster.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    _config_options(cluster)
     cluster.add_argument("--bootstrap", default=None, help="use this broker instead of starting a local one")
     cluster.add_argument("--replicas", action="append", default=[], metavar="ROLE=N", help="e.g. --replicas scorer=2")
     cluster.set_defaults(handler=_up)
 
+
+def _add_tool_commands(sub) -> None:
+    """``models``, ``train-rm``, ``report`` and ``protos``."""
     default_cache = Path.home() / ".cache" / "streamppo"
     models = sub.add_parser("models", help="list the builtin models, or prepare one (build / convert) into the cache")
     models.add_argument("action", choices=["list", "prepare"])
@@ -190,10 +205,28 @@ def main(argv: list[str] | None = None) -> int:
     protos.add_argument("--dir", type=Path, default=Path("protos"), help="the protos folder (default: ./protos)")
     protos.set_defaults(handler=_protos)
 
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamppo", description="RLHF-PPO as services over a message bus.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_pipeline_commands(sub)
+    _add_tool_commands(sub)
+    return parser
+
+
+def _configure_logging(verbose: bool) -> None:
+    from common.models import quiet_transformers
+
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # transformers logs a load report and progress bars for every model; the services log what matters themselves.
+    quiet_transformers()
+
+
+def _dispatch(args) -> int:
+    """Run the command's handler; the errors a user can fix become one line on stderr and an exit code."""
     from common.config import ConfigError
     from common.data import DatasetError
     from common.models import ModelLoadError
@@ -210,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    return _dispatch(args)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """``streamppo up``: a local cluster without Docker.
 
-Starts a local Kafka-protocol broker (unless ``--bootstrap`` names one), creates the topics, starts each service
-as a child process with its output prefixed by its name, publishes the prompts, and waits for the learner to
-finish. Ctrl-C (or the learner finishing) stops every child with SIGTERM, then the broker.
+Starts a local Kafka-protocol broker (unless ``--bootstrap`` names one), then the replicas of every role in
+``ROLES`` as child processes (``streamppo <role>``), each with its output prefixed by its name, and waits until
+every replica of the roles that end the run has finished. A child that exits with an error, or Ctrl-C, stops the
+run; then every child gets SIGTERM, and the broker stops last.
 """
 
 from __future__ import annotations
@@ -14,21 +15,22 @@ import threading
 import time
 from pathlib import Path
 
-from services.process import ROLES
+from services.roles import ROLES
 from services.transport.local_broker import LocalBroker
 
 __all__ = ["parse_replicas", "up"]
 
 
 def parse_replicas(specs: list[str]) -> dict[str, int]:
-    """``["scorer=2"]`` -> ``{"generator": 1, "scorer": 2, ...}``."""
+    """``["scorer=2"]`` -> ``{"feeder": 1, "generator": 1, "scorer": 2, ...}``."""
     replicas = {role: 1 for role in ROLES}
     for spec in specs:
         role, sep, count = spec.partition("=")
         if not sep or role not in ROLES or not count.isdigit() or int(count) < 1:
             raise ValueError(f"--replicas {spec!r}: expected ROLE=N with ROLE one of {', '.join(ROLES)} and N ≥ 1")
-        if role == "learner" and int(count) != 1:
-            raise ValueError("the learner runs as a single replica")
+        most = ROLES[role].max_replicas
+        if most is not None and int(count) > most:
+            raise ValueError(f"--replicas {spec!r}: the {role} runs as at most {most} replica(s)")
         replicas[role] = int(count)
     return replicas
 
@@ -39,8 +41,9 @@ def _pump(name: str, stream) -> None:
         sys.stdout.flush()
 
 
-def up(config_path: Path, overrides: list[str], bootstrap: str | None, replicas: dict[str, int],
-       verbose: bool = False) -> int:
+def up(
+    config_path: Path, overrides: list[str], bootstrap: str | None, replicas: dict[str, int], verbose: bool = False
+) -> int:
     broker = None
     if bootstrap is None:
         broker = LocalBroker().start()
@@ -55,8 +58,11 @@ def up(config_path: Path, overrides: list[str], bootstrap: str | None, replicas:
 
     def start(name: str, args: list[str]) -> subprocess.Popen:
         flags = ["-v"] if verbose else []
-        process = subprocess.Popen([sys.executable, "-m", "services.cli", *flags, *args, *common],
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *flags, *args, *common],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         threading.Thread(target=_pump, args=(name, process.stdout), daemon=True).start()
         children[name] = process
         return process
@@ -74,16 +80,17 @@ def up(config_path: Path, overrides: list[str], bootstrap: str | None, replicas:
             for index in range(replicas[role]):
                 name = f"{role}-{index}"
                 start(name, [role, "--replica-id", name])
-        feeder = start("feed", ["feed"])
-        learner = children["learner-0"]
-        while not interrupted and learner.poll() is None:
-            for name, process in children.items():
-                if process is not feeder and process is not learner and process.poll() not in (None, 0):
-                    print(f"{name} exited with code {process.returncode}; stopping", flush=True)
-                    interrupted = True
+        ending = [children[f"{role}-{i}"] for role in ROLES if ROLES[role].ends_run for i in range(replicas[role])]
+        while not interrupted:
+            crashed = [(name, process) for name, process in children.items() if process.poll() not in (None, 0)]
+            if crashed:
+                name, process = crashed[0]
+                print(f"{name} exited with code {process.returncode}; stopping", flush=True)
+                return process.returncode if process.returncode > 0 else 1
+            if all(process.poll() == 0 for process in ending):
+                return 0
             time.sleep(0.5)
-        code = learner.poll()
-        return 0 if code == 0 else (130 if interrupted else (code or 1))
+        return 130
     finally:
         for process in children.values():
             if process.poll() is None:

@@ -1,7 +1,8 @@
-"""The embedded run: every service in one process over the in-memory bus, with the same service classes.
+"""The embedded run: one replica of every role in one process over the in-memory bus, the same service classes.
 
-Services take turns in one thread (``poll_once`` each, downstream first), which makes a seeded run reproducible. If a full round
-does no work before the last update, the pipeline is stalled, and the error says what each service waits for.
+Services take turns in one thread (``poll_once`` each, downstream first), which makes a seeded run reproducible. If
+a full round does no work before the run is over, the pipeline is stalled, and the error says what each service
+waits for.
 """
 
 from __future__ import annotations
@@ -16,12 +17,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.config import RunConfig
-from services.advantage import AdvantageService
-from services.feeder import FeederService
-from services.generator import GeneratorService
-from services.learner import LearnerService
-from services.runtime import ServiceRunner, pipeline_topics
-from services.scorer import ScorerService
+from common.report import load_metrics, summarise
+from services.roles import ROLES, pipeline_topics
+from services.runtime import ServiceRunner
 from services.transport import MemoryBus
 
 log = logging.getLogger(__name__)
@@ -39,65 +37,80 @@ class RunSummary:
     steps: int
     dropped_stale: int
     dead_letters: int
+    summary_window: int  # updates averaged for reward_start / reward_end / kl_end (common.report.summarise)
     reward_start: float
     reward_end: float
     kl_end: float
     wall_seconds: float
 
 
-def _window_mean(records: list[dict], key: str, first: bool) -> float:
-    width = max(1, len(records) // 10)
-    window = records[:width] if first else records[-width:]
-    return sum(r[key] for r in window) / len(window)
+def _start_from_scratch(config: RunConfig) -> Path:
+    """The in-memory bus starts empty, so the run does too: old metrics and checkpoints of the run dir go."""
+    run_dir = Path(config.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    checkpoints = Path(config.checkpoint_dir)
+    if checkpoints.exists():
+        log.warning("clearing the checkpoints in %s: an embedded run always starts from scratch", checkpoints)
+        shutil.rmtree(checkpoints)
+    (run_dir / "config.json").write_text(config.model_dump_json(indent=2))
+    return run_dir
+
+
+def _progress_bar(total: int, enabled: bool):
+    bar = tqdm(total=total, desc="ppo", unit="step", disable=not enabled, dynamic_ncols=True)
+
+    def on_record(record: dict) -> None:
+        if "step" not in record:
+            return
+        bar.update(1)
+        shown = {"reward": "reward_mean", "kl": "kl", "pg": "policy_loss", "vf": "value_loss"}
+        bar.set_postfix({label: f"{record[key]:.4g}" for label, key in shown.items() if key in record})
+
+    return bar, on_record
 
 
 def run_embedded(config: RunConfig, progress: bool = True) -> RunSummary:
     started = time.time()
-    run_dir = Path(config.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    (run_dir / "config.json").write_text(config.model_dump_json(indent=2))
-
+    run_dir = _start_from_scratch(config)
     bus = MemoryBus()
     bus.create_topics(pipeline_topics())
-    feeder = FeederService(config)
-    # The in-memory bus starts empty, so the run starts from scratch too.
-    shutil.rmtree(config.checkpoint_dir, ignore_errors=True)
-    learner = LearnerService(config, resume=False)
-    # Downstream first: in one round every stage works on a different batch, as concurrent services would, so
-    # max_staleness > 0 really lets generation run ahead of training.
-    services = [learner, AdvantageService(config), ScorerService(config), GeneratorService(config)]
-    runners = [ServiceRunner(service, bus, service.replica_id) for service in services]
-    feeder.publish(bus, range(config.run.steps))
-
-    records: list[dict] = []
-    bar = tqdm(total=config.run.steps, desc="ppo", unit="step", disable=not progress, dynamic_ncols=True)
-
-    def on_step(record: dict) -> None:
-        records.append(record)
-        bar.update(1)
-        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.4f}",
-                        pg=f"{record['policy_loss']:.3f}", vf=f"{record['value_loss']:.3f}")
-
-    learner.listeners.append(on_step)
+    bar, on_record = _progress_bar(config.run.steps, progress)
+    services, runners = [], []
     try:
-        while learner.consumed < config.run.steps:
+        for role in ROLES.values():
+            services.append(role.create(config))
+            services[-1].observe(on_record)
+        # Downstream first: in one round every stage works on a different batch, as concurrent services would, so
+        # max_staleness > 0 really lets generation run ahead of training.
+        for service in reversed(services):
+            runners.append(ServiceRunner(service, bus))
+        ending = [runner.service for runner in runners if runner.service.spec.ends_run]
+        while not all(service.done() for service in ending):
             if not any([runner.poll_once() for runner in runners]):
                 raise PipelineStalled("; ".join(f"{r.replica_id}: {r.waiting_for()}" for r in runners))
-        learner.save_final()
+        for runner in runners:
+            if runner.service.done():
+                runner.service.finish()
     finally:
         bar.close()
         for runner in runners:
             runner.close()
+        for service in services[: len(services) - len(runners)]:  # created, never given a runner
+            service.close()
 
+    records = load_metrics(run_dir)  # the run summary and `streamppo report` average the same windows
+    figures = summarise(records)
+    window = figures["metrics"]
     summary = RunSummary(
         run_dir=str(run_dir),
-        steps=learner.updates,
-        dropped_stale=learner.dropped_stale,
+        steps=len(records),
+        dropped_stale=sum(r.counters["dropped"] for r in runners),
         dead_letters=sum(r.counters["dead_letters"] for r in runners),
-        reward_start=_window_mean(records, "reward_mean", first=True) if records else float("nan"),
-        reward_end=_window_mean(records, "reward_mean", first=False) if records else float("nan"),
-        kl_end=_window_mean(records, "kl", first=False) if records else float("nan"),
+        summary_window=figures["window"],
+        reward_start=window["reward_mean"]["first"],
+        reward_end=window["reward_mean"]["last"],
+        kl_end=window["kl"]["last"],
         wall_seconds=time.time() - started,
     )
     (run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2))

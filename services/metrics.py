@@ -11,10 +11,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 __all__ = ["LEARNER_STATS", "ServiceMetrics"]
 
-# Learner statistics exported as gauges (the keys of PPOTrainer.train's result).
+# Learner statistics exported as gauges (keys of the learner's per-update record, PPOTrainer.train's result).
 LEARNER_STATS = (
-    "reward_mean", "kl", "kl_coef", "policy_loss", "value_loss", "entropy", "clip_frac", "approx_kl",
-    "explained_variance", "grad_norm_actor", "grad_norm_critic", "logprob_mismatch", "response_length",
+    "reward_mean",
+    "kl",
+    "kl_coef",
+    "policy_loss",
+    "value_loss",
+    "entropy",
+    "clip_frac",
+    "approx_kl",
+    "explained_variance",
+    "grad_norm_actor",
+    "grad_norm_critic",
+    "logprob_mismatch",
+    "response_length",
 )
 
 
@@ -24,19 +35,31 @@ class ServiceMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.batches = Counter("streamppo_batches", "Input records by outcome.", ["role", "outcome"], registry=r)
-        self.sequences = Counter("streamppo_sequences", "Input sequences processed (prompts for the generator, responses downstream).", ["role"], registry=r)
-        self.tokens = Counter("streamppo_tokens", "Response tokens processed (generated, for the generator).",
-                              ["role"], registry=r)
+        self.sequences = Counter(
+            "streamppo_sequences",
+            "Input sequences processed (prompts for the generator, responses downstream).",
+            ["role"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "streamppo_tokens", "Response tokens processed (generated, for the generator).", ["role"], registry=r
+        )
         self.stage_seconds = Histogram(
-            "streamppo_stage_seconds", "Time to process one batch (decode excluded).", ["role"], registry=r,
+            "streamppo_stage_seconds",
+            "Time to process one batch (decode excluded).",
+            ["role"],
+            registry=r,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
         )
-        self.lag = Gauge("streamppo_consumer_lag", "Records in this replica's partitions not yet consumed.", ["role"],
-                         registry=r)
-        self.policy_version = Gauge("streamppo_policy_version", "Policy version of the weights in use.", ["role"],
-                                    registry=r)
-        self.staleness = Gauge("streamppo_staleness", "Versions between the learner and the batch it trained on.",
-                               ["role"], registry=r)
+        self.lag = Gauge(
+            "streamppo_consumer_lag", "Records in this replica's partitions not yet consumed.", ["role"], registry=r
+        )
+        self.policy_version = Gauge(
+            "streamppo_policy_version", "Policy version of the weights in use.", ["role"], registry=r
+        )
+        self.staleness = Gauge(
+            "streamppo_staleness", "Versions between the learner and the batch it trained on.", ["role"], registry=r
+        )
         self.learner = {
             name: Gauge(f"streamppo_learner_{name}", f"Learner statistic {name} of the last update.", registry=r)
             for name in LEARNER_STATS
@@ -51,7 +74,8 @@ class ServiceMetrics:
         if seconds is not None:
             self.stage_seconds.labels(self.role).observe(seconds)
 
-    def learner_update(self, record: dict) -> None:
+    def observe(self, record: dict) -> None:
+        """A record a service reported (:meth:`Service.report`): the learner's statistics become gauges."""
         for name, gauge in self.learner.items():
             if name in record:
                 gauge.set(record[name])

@@ -1,7 +1,8 @@
-"""One service as its own process over Kafka: ``streamppo generator|scorer|advantage|learner|feed``.
+"""One service replica as its own process over Kafka: ``streamppo <role>`` for every role in ``ROLES``.
 
 SIGTERM (or Ctrl-C) lets the batch in hand finish, be produced and committed, then exits 0; a batch not yet
-started stays uncommitted and is re-delivered to another replica.
+started stays uncommitted and is re-delivered to another replica. A replica whose service is done (the feeder once
+it has published, the learner after ``run.steps`` updates) finishes and exits 0.
 """
 
 from __future__ import annotations
@@ -17,25 +18,14 @@ from kafka.errors import KafkaError
 
 from common.config import ConfigError, RunConfig
 from services.metrics import ServiceMetrics
-from services.runtime import ServiceRunner, pipeline_topics
+from services.roles import ROLES, pipeline_topics
+from services.runtime import ServiceRunner
 from services.transport.kafka import KafkaBus, KafkaSettings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ROLES", "feed", "serve"]
+__all__ = ["default_replica_id", "kafka_bus", "serve"]
 
-
-def _service_class(role: str):
-    from services.advantage import AdvantageService
-    from services.generator import GeneratorService
-    from services.learner import LearnerService
-    from services.scorer import ScorerService
-
-    return {"generator": GeneratorService, "scorer": ScorerService, "advantage": AdvantageService,
-            "learner": LearnerService}[role]
-
-
-ROLES = ("generator", "scorer", "advantage", "learner")
 STATUS_EVERY_S = 30.0
 
 
@@ -46,69 +36,95 @@ def default_replica_id(role: str) -> str:
 def kafka_bus(config: RunConfig, bootstrap: str | None = None) -> KafkaBus:
     """The Kafka bus the config describes, with every pipeline topic created."""
     k = config.kafka
-    bootstrap = bootstrap or k.bootstrap
-    if not bootstrap:
-        raise ConfigError("no Kafka broker given: pass --bootstrap HOST:PORT or set kafka.bootstrap")
-    bus = KafkaBus(KafkaSettings(
-        bootstrap=bootstrap, max_message_bytes=k.max_message_bytes, session_timeout_ms=k.session_timeout_ms,
-        heartbeat_interval_ms=k.heartbeat_interval_ms, idempotent_producer=k.idempotent_producer,
-        fetch_max_wait_ms=k.fetch_max_wait_ms, security=k.client_options(),
-    ))
+    bootstrap = _bootstrap(config, bootstrap)
+    bus = KafkaBus(
+        KafkaSettings(
+            bootstrap=bootstrap,
+            max_message_bytes=k.max_message_bytes,
+            session_timeout_ms=k.session_timeout_ms,
+            heartbeat_interval_ms=k.heartbeat_interval_ms,
+            idempotent_producer=k.idempotent_producer,
+            fetch_max_wait_ms=k.fetch_max_wait_ms,
+            security=k.client_options(),
+        )
+    )
     bus.create_topics(pipeline_topics(k.partitions))
     return bus
 
 
-def serve(role: str, config: RunConfig, bootstrap: str | None, replica_id: str | None = None,
-          metrics_port: int | None = None) -> int:
+def _bootstrap(config: RunConfig, given: str | None) -> str:
+    """The broker list to use (``--bootstrap``, else ``kafka.bootstrap``), checked for its form."""
+    bootstrap = given or config.kafka.bootstrap
+    if not bootstrap:
+        raise ConfigError("no Kafka broker given: pass --bootstrap HOST:PORT or set kafka.bootstrap")
+    for server in bootstrap.split(","):
+        host, sep, port = server.strip().rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"bootstrap {bootstrap!r}: expected HOST:PORT, or several separated by commas")
+    return bootstrap
+
+
+class _StopFlag:
+    """Set by SIGTERM or SIGINT: the loop stops after the batch in hand."""
+
+    def __init__(self, replica_id: str):
+        self.replica_id, self.set = replica_id, False
+        signal.signal(signal.SIGTERM, self._request)
+        signal.signal(signal.SIGINT, self._request)
+
+    def _request(self, signum, frame) -> None:
+        log.info("%s: signal %d, stopping after the batch in hand", self.replica_id, signum)
+        self.set = True
+
+
+def serve(
+    role: str, config: RunConfig, bootstrap: str | None, replica_id: str | None = None, metrics_port: int | None = None
+) -> int:
     replica_id = replica_id or default_replica_id(role)
-    stopping = {"flag": False}
-
-    def request_stop(signum, frame):
-        log.info("%s: signal %d, stopping after the batch in hand", replica_id, signum)
-        stopping["flag"] = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    service = _service_class(role)(config, replica_id)
+    bootstrap = _bootstrap(config, bootstrap)  # before the models load
+    stop = _StopFlag(replica_id)
     metrics = ServiceMetrics(role)
-    if role == "learner":
-        service.listeners.append(metrics.learner_update)
-    if metrics_port:
-        metrics.serve(metrics_port)
+    if metrics_port:  # before the models load: a port in use is a mistake to report at once
+        try:
+            metrics.serve(metrics_port)
+        except OSError as exc:
+            raise ConfigError(f"--metrics-port {metrics_port}: cannot serve metrics there: {exc.strerror}") from None
         log.info("%s: metrics on :%d/metrics", replica_id, metrics_port)
-    runner = ServiceRunner(service, kafka_bus(config, bootstrap), replica_id, metrics=metrics)
-    log.info("%s: serving %s -> %s", replica_id, service.input_topic, service.output_topic)
+    service = ROLES[role].create(config, replica_id)
+    service.observe(metrics.observe)
+    runner = None
+    try:
+        runner = ServiceRunner(service, kafka_bus(config, bootstrap), metrics=metrics)
+        log.info("%s: serving %s -> %s", replica_id, service.input_topic or "(nothing)", service.output_topic)
+        _loop(runner, stop)
+        if service.done():
+            service.finish()
+    finally:
+        if runner is None:
+            service.close()
+        else:
+            runner.close()
+            # One parseable line: where this replica's time went (benchmarks/ reads it).
+            log.info("%s: time breakdown %s", replica_id, json.dumps({"role": role, **runner.time_breakdown()}))
+    return 0
+
+
+def _loop(runner: ServiceRunner, stop: _StopFlag) -> None:
+    """Poll until the service is done or a signal asks to stop; broker errors are retried with back-off."""
     backoff = 0.5
     next_status = time.monotonic() + STATUS_EVERY_S
-    try:
-        while not stopping["flag"]:
-            if time.monotonic() >= next_status:
-                next_status = time.monotonic() + STATUS_EVERY_S
-                log.info("%s: status %s", replica_id, runner.status())
-            try:
-                runner.poll_once(timeout_s=0.5)
-                backoff = 0.5
-            except KafkaError as exc:
-                # The batch in hand was not committed and comes back once the broker does.
-                log.warning("%s: broker error (%s: %s); retrying in %.1fs", replica_id, type(exc).__name__, exc, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
-                continue
-            if role == "learner" and service.consumed >= config.run.steps:
-                service.save_final()
-                log.info("%s: %d updates done", replica_id, service.updates)
-                break
-    finally:
-        runner.close()
-        # One parseable line: where this replica's time went (benchmarks/ reads it).
-        log.info("%s: time breakdown %s", replica_id, json.dumps({"role": role, **runner.time_breakdown()}))
-    return 0
-
-
-def feed(config: RunConfig, bootstrap: str | None) -> int:
-    from services.feeder import FeederService
-
-    feeder = FeederService(config)
-    count = feeder.publish(kafka_bus(config, bootstrap), range(config.run.steps))
-    log.info("published %d prompt batches", count)
-    return 0
+    while not stop.set and not runner.service.done():
+        if time.monotonic() >= next_status:
+            next_status = time.monotonic() + STATUS_EVERY_S
+            waiting = f"; {runner.waiting_for()}" if runner.held else ""
+            log.info("%s: status %s%s", runner.replica_id, runner.status(), waiting)
+        try:
+            runner.poll_once(timeout_s=0.5)
+            backoff = 0.5
+        except KafkaError as exc:
+            # The batch in hand was not committed and comes back once the broker does.
+            log.warning(
+                "%s: broker error (%s: %s); retrying in %.1fs", runner.replica_id, type(exc).__name__, exc, backoff
+            )
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)

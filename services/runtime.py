@@ -1,7 +1,9 @@
 """What every service shares: consume → decode → core → encode → produce → commit, with a dead-letter topic.
 
-A :class:`Service` is the thin adapter around a core in ``common/``; a :class:`ServiceRunner` moves records for
-it. The runner is the only place that touches the bus, and the only place that decides delivery:
+A :class:`~services.service.Service` is the thin adapter around a core in ``common/``; a :class:`ServiceRunner`
+moves records for it and drives its lifecycle (see the :class:`~services.service.Service` docstring). The runner is
+the only place that touches the bus, and the only place that decides delivery (``docs/ARCHITECTURE.md``, "Delivery
+rules"):
 
 - a record that fails to decode or validate goes to ``<topic>.dlq`` with the error and its source offset, and is
   committed past: bad input never stops a service and is never silently dropped;
@@ -14,10 +16,10 @@ from __future__ import annotations
 
 import logging
 import time
-from abc import ABC, abstractmethod
+from collections import Counter
 from contextlib import contextmanager
-from collections import Counter, OrderedDict
 
+from common.dedupe import RecentIds
 from common.schema import (
     RUN_ID,
     TOPIC_MESSAGE,
@@ -29,134 +31,44 @@ from common.schema import (
     encode,
     message_key,
 )
-from common.weights import WeightIntegrityError
 from services.metrics import ServiceMetrics
-from services.transport import Bus, Consumer, Record, TopicSpec, dlq_topic
+from services.roles import WEIGHTS_TOPIC
+from services.service import Dropped, InputError, Service
+from services.transport import Bus, Consumer, Record, dlq_topic
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "InputError", "PIPELINE_TOPICS", "Service", "ServiceRunner", "check_token_ids", "load_announced_weights",
-    "pipeline_topics",
-]
-
-PIPELINE_TOPICS = ("prompts", "rollouts", "scored", "experience", "weights")
-
-
-def pipeline_topics(partitions: int = 1) -> list[TopicSpec]:
-    """Every topic the pipeline uses, with its dead-letter topic; ``weights`` is compacted."""
-    specs = []
-    for name in PIPELINE_TOPICS:
-        specs.append(TopicSpec(name, 1 if name == "weights" else partitions, compacted=name == "weights"))
-        specs.append(TopicSpec(dlq_topic(name), 1))
-    return specs
-
-
-class InputError(ValueError):
-    """A message that decoded but cannot be processed (e.g. token ids outside the model's vocabulary)."""
-
-
-def check_token_ids(message: Message, model, role: str) -> None:
-    """Reject token ids the model's embedding cannot look up (the schema only knows they are non-negative).
-
-    ``model`` may be a meta-device skeleton: only its embedding's size is read.
-    """
-    vocab = model.get_input_embeddings().num_embeddings
-    for name in ("prompt_tokens", "response_tokens"):
-        array = getattr(message, name, None)
-        if array is not None and array.size and int(array.max()) >= vocab:
-            raise InputError(f"{name} holds id {int(array.max())}, outside the {role}'s vocabulary of {vocab}")
-
-
-def load_announced_weights(load, announcement: WeightAnnouncement, replica_id: str, current_version: int) -> bool:
-    """Load an announced snapshot with ``load(uri, sha256)``; a damaged one is refused and the current weights kept.
-
-    ``load`` raises :class:`WeightIntegrityError` for a snapshot it refuses (a sampler's ``load_snapshot``, or
-    :func:`common.weights.load_snapshot_into` bound to a module).
-    """
-    try:
-        load(announcement.uri, announcement.sha256)
-    except WeightIntegrityError as exc:
-        log.error("%s: keeping %s v%d: %s", replica_id, announcement.model, current_version, exc)
-        return False
-    log.info("%s: %s weights v%d loaded", replica_id, announcement.model, announcement.policy_version)
-    return True
-
-
-class Service(ABC):
-    run_id: str = ""  # messages whose lineage names another run are skipped (topics may outlive a run)
-    role: str = ""
-    input_topic: str = ""
-    output_topic: str = ""
-    weight_models: tuple[str, ...] = ()  # the models whose announcements this service loads
-
-    def on_weights(self, announcement: WeightAnnouncement) -> bool:
-        """Load a newer snapshot of one of :attr:`weight_models`; False if it was refused (old weights kept)."""
-        return False
-
-    def startup_messages(self) -> list[Message]:
-        """Messages for :attr:`output_topic` to produce once, when the service starts (e.g. a resumed state)."""
-        return []
-
-    def ready_for(self, message: Message) -> bool:
-        """False holds ``message`` back (uncommitted) until, e.g., newer weights arrive."""
-        return True
-
-    def waiting_for(self, message: Message) -> str:
-        """Why :meth:`ready_for` is False, for logs and stall reports."""
-        return ""
-
-    @abstractmethod
-    def process(self, message: Message) -> list[Message]:
-        """The core call: one input message to zero or more messages for :attr:`output_topic`."""
-
-    def make_durable(self, offsets: dict[str, int], force: bool = False) -> bool:
-        """Whether the state covering all input handled so far survives a crash; input is committed only then.
-
-        ``offsets`` are the input positions that would be committed (``"topic/partition"`` → next offset), for a
-        checkpoint to record. A service whose state lives in memory (the learner between two checkpoints) returns
-        False until its checkpoint is due, or ``force``; its input stays uncommitted meanwhile, so after a crash
-        the broker delivers it again to the state restored from the last checkpoint.
-        """
-        return True
-
-    def close(self) -> None:
-        """Release what the service holds outside this process (e.g. an inference engine)."""
-
-
-class _RecentIds:
-    """The last ``size`` batch ids seen, for dropping re-deliveries cheaply."""
-
-    def __init__(self, size: int):
-        self.size, self.ids = size, OrderedDict()
-
-    def __contains__(self, batch_id: str) -> bool:
-        return batch_id in self.ids
-
-    def add(self, batch_id: str) -> None:
-        self.ids[batch_id] = None
-        if len(self.ids) > self.size:
-            self.ids.popitem(last=False)
+__all__ = ["ServiceRunner"]
 
 
 class ServiceRunner:
-    def __init__(self, service: Service, bus: Bus, replica_id: str, dedupe_window: int = 4096,
-                 metrics: ServiceMetrics | None = None):
-        self.service, self.replica_id = service, replica_id
+    """Moves records for one service. Constructing it starts the service: its :meth:`~Service.start` messages are
+    produced before the first input is read."""
+
+    def __init__(self, service: Service, bus: Bus, metrics: ServiceMetrics | None = None):
+        if not getattr(service, "run_id", None):
+            raise TypeError(f"{type(service).__name__} was not initialised by Service.__init__ (it has no run id)")
+        self.service, self.replica_id = service, service.replica_id
         self.metrics = metrics or ServiceMetrics(service.role)
-        self.producer = bus.producer(replica_id)
-        self.work = bus.consumer(service.input_topic, group=service.role, client_id=replica_id)
+        self.producer = bus.producer(self.replica_id)
+        self.work = (
+            bus.consumer(service.input_topic, group=service.role, client_id=self.replica_id)
+            if service.input_topic is not None
+            else None
+        )
         self.weights = (
-            bus.consumer("weights", group=None, client_id=replica_id, from_beginning=True) if service.weight_models else None
+            bus.consumer(WEIGHTS_TOPIC, group=None, client_id=self.replica_id, from_beginning=True)
+            if service.weight_models
+            else None
         )
         self.latest_weights: dict[str, int] = {}
         self.held: dict[tuple[str, int], tuple[Record, Message]] = {}  # per paused partition
         self.uncommitted: dict[int, Record] = {}  # per partition: the newest record handled but not yet committed
-        self.recent = _RecentIds(dedupe_window)
+        self.recent = RecentIds(service.config.pipeline.dedupe_window)
         self.counters: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()  # per part of the loop, see time_breakdown()
         self.started = time.perf_counter()
-        self._produce(service.startup_messages())
+        self._produce(service.start())
 
     # ------------------------------------------------------------------ one step
 
@@ -167,7 +79,9 @@ class ServiceRunner:
         partition paused, so records of other partitions keep flowing: Kafka orders records within a partition
         only, and the batch the pipeline needs next may sit behind another partition's held one.
         """
-        did = self._apply_weights(timeout_s if self.held else 0.0)
+        did = self._apply_weights(timeout_s if self.held or self.work is None else 0.0)
+        if self.work is None:
+            return did
         ready = [held for held in self.held.values() if self.service.ready_for(held[1])]
         if ready:
             record, message = min(ready, key=lambda held: getattr(held[1], "step", 0))
@@ -200,12 +114,16 @@ class ServiceRunner:
 
     def _process(self, record: Record, message: Message) -> None:
         started = time.perf_counter()
+        outcome = "processed"
         try:
             with self._timed("compute"):
                 outputs = self.service.process(message)
         except InputError as exc:
             self._dead_letter(record, f"cannot process batch {message.batch_id}: {exc}", self.work)
             return
+        except Dropped as exc:
+            outcome, outputs = "dropped", []
+            log.warning("%s: dropped batch %s: %s", self.replica_id, message.batch_id, exc)
         # Each stage's compute time travels with the batch (lineage is carried forward): the learner's metrics
         # then show where every batch's time went.
         for output in outputs:
@@ -226,7 +144,7 @@ class ServiceRunner:
         # Response tokens handled: those read downstream, those generated by the generator.
         with_responses = [message] if hasattr(message, "response_lengths") else outputs
         tokens = sum(int(m.response_lengths.sum()) for m in with_responses if hasattr(m, "response_lengths"))
-        self._count("processed", len(sequences) if sequences is not None else 0, seconds, tokens)
+        self._count(outcome, len(sequences) if sequences is not None else 0, seconds, tokens)
         self.metrics.lag.labels(self.service.role).set(self.work.lag())
 
     def _same_run(self, message: Message) -> bool:
@@ -234,13 +152,24 @@ class ServiceRunner:
         if run_id == self.service.run_id:
             return True
         self._count("other_run")
-        log.warning("%s: skipping %s %s of run %r (this is run %r)", self.replica_id, message.SCHEMA,
-                    message.batch_id, run_id, self.service.run_id)
+        log.warning(
+            "%s: skipping %s %s of run %r (this is run %r)",
+            self.replica_id,
+            message.SCHEMA,
+            message.batch_id,
+            run_id,
+            self.service.run_id,
+        )
         return False
 
     # status() keys, by outcome; the same outcomes label streamppo_batches_total.
-    _COUNTER_KEYS = {"processed": "processed", "duplicate": "duplicates", "dead_letter": "dead_letters",
-                     "other_run": "other_runs"}
+    _COUNTER_KEYS = {
+        "processed": "processed",
+        "dropped": "dropped",
+        "duplicate": "duplicates",
+        "dead_letter": "dead_letters",
+        "other_run": "other_runs",
+    }
 
     def _count(self, outcome: str, sequences: int = 0, seconds: float | None = None, tokens: int = 0) -> None:
         self.counters[self._COUNTER_KEYS[outcome]] += 1
@@ -270,8 +199,8 @@ class ServiceRunner:
 
     def status(self) -> dict:
         """Counters plus the consumer lag (records in this replica's partitions not yet consumed)."""
-        return {**self.counters, "lag": self.work.lag(), "held": len(self.held),
-                "busy_s": round(sum(self.seconds.values()), 1)}
+        lag = self.work.lag() if self.work is not None else 0
+        return {**self.counters, "lag": lag, "held": len(self.held), "busy_s": round(sum(self.seconds.values()), 1)}
 
     def waiting_for(self) -> str:
         if not self.held:
@@ -303,7 +232,8 @@ class ServiceRunner:
             self._commit_held()
         self.service.close()
         self.producer.close()
-        self.work.close()
+        if self.work is not None:
+            self.work.close()
         if self.weights is not None:
             self.weights.close()
 
@@ -318,8 +248,13 @@ class ServiceRunner:
 
     def _dead_letter(self, record: Record, error: str, consumer: Consumer) -> None:
         letter = DeadLetter(
-            error=error, source_topic=record.topic, source_partition=record.partition, source_offset=record.offset,
-            payload=record.value, producer=self.replica_id, created_at=time.time(),
+            error=error,
+            source_topic=record.topic,
+            source_partition=record.partition,
+            source_offset=record.offset,
+            payload=record.value,
+            producer=self.replica_id,
+            created_at=time.time(),
         )
         self.producer.send(dlq_topic(record.topic), encode(letter), key=record.key)
         self.producer.flush()
@@ -328,29 +263,40 @@ class ServiceRunner:
         else:
             consumer.commit(record)
         self._count("dead_letter")
-        log.warning("%s: %s[%d]@%d sent to %s: %s", self.replica_id, record.topic, record.partition,
-                    record.offset, dlq_topic(record.topic), error)
+        log.warning(
+            "%s: %s[%d]@%d sent to %s: %s",
+            self.replica_id,
+            record.topic,
+            record.partition,
+            record.offset,
+            dlq_topic(record.topic),
+            error,
+        )
 
     def _apply_weights(self, timeout_s: float) -> bool:
         if self.weights is None:
             return False
-        newest: dict[str, WeightAnnouncement] = {}
+        candidates: dict[str, list[WeightAnnouncement]] = {}
         for record in self.weights.poll(timeout_s, max_records=10_000):
             log.debug("%s: weights record at offset %d", self.replica_id, record.offset)
             announcement = self._decode(record, self.weights)
             if announcement is None or not self._same_run(announcement):
                 continue
             if announcement.model in self.service.weight_models:
-                current = newest.get(announcement.model)
-                if current is None or announcement.policy_version > current.policy_version:
-                    newest[announcement.model] = announcement
+                candidates.setdefault(announcement.model, []).append(announcement)
         did = False
-        for model, announcement in newest.items():
-            if announcement.policy_version > self.latest_weights.get(model, -1):
-                self.latest_weights[model] = announcement.policy_version
+        for model, announcements in candidates.items():
+            # Newest first; a refused snapshot (missing, damaged, forged) never counts as loaded, so the next
+            # candidate, or a later announcement of the same version, is still taken.
+            for announcement in sorted(announcements, key=lambda a: a.policy_version, reverse=True):
+                if announcement.policy_version <= self.latest_weights.get(model, -1):
+                    break
+                did = True
                 with self._timed("load_weights"):
                     loaded = self.service.on_weights(announcement)
                 if loaded:
+                    self.latest_weights[model] = announcement.policy_version
                     self.metrics.policy_version.labels(self.service.role).set(announcement.policy_version)
-                did = True
+                    break
+                self.counters["refused_weights"] += 1
         return did

@@ -1,13 +1,15 @@
 """Configuration is validated at start-up; every bad input stops the command with a message naming it."""
 
 import json
+import socket
 import subprocess
 import sys
 
 import pytest
+import torch
+from conftest import EXAMPLE, REPO
 
 from common.config import ConfigError, load_config
-from conftest import EXAMPLE, REPO
 
 
 def test_the_example_config_loads_with_overrides():
@@ -44,7 +46,9 @@ def test_malformed_override_and_missing_file():
 
 
 def streamppo(*args, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_exits_2_and_names_the_field(tmp_path):
@@ -54,8 +58,15 @@ def test_cli_exits_2_and_names_the_field(tmp_path):
 
 
 def test_cli_reports_a_missing_model_clearly(tmp_path):
-    result = streamppo("run", "--config", str(EXAMPLE / "config.yaml"), "--set", f"model.actor={tmp_path}/no-model",
-                       "--set", f"run.dir={tmp_path}/run")
+    result = streamppo(
+        "run",
+        "--config",
+        str(EXAMPLE / "config.yaml"),
+        "--set",
+        f"model.actor={tmp_path}/no-model",
+        "--set",
+        f"run.dir={tmp_path}/run",
+    )
     assert result.returncode == 1
     assert "no-model" in result.stderr and "Traceback" not in result.stderr
 
@@ -63,15 +74,33 @@ def test_cli_reports_a_missing_model_clearly(tmp_path):
 def test_cli_reports_a_broken_prompt_file(tmp_path, model_cache):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "wrong key"}) + "\n")
-    result = streamppo("run", "--config", str(EXAMPLE / "config.yaml"), "--set", f"data.prompts={prompts}",
-                       "--set", f"model.cache_dir={model_cache}", "--set", f"run.dir={tmp_path}/run")
+    result = streamppo(
+        "run",
+        "--config",
+        str(EXAMPLE / "config.yaml"),
+        "--set",
+        f"data.prompts={prompts}",
+        "--set",
+        f"model.cache_dir={model_cache}",
+        "--set",
+        f"run.dir={tmp_path}/run",
+    )
     assert result.returncode == 1
     assert "prompts.jsonl:2" in result.stderr
 
 
 def test_cli_reports_a_bad_reward_function(tmp_path, model_cache):
-    result = streamppo("run", "--config", str(EXAMPLE / "config.yaml"), "--set", "reward.function=common.rewards:nope",
-                       "--set", f"model.cache_dir={model_cache}", "--set", f"run.dir={tmp_path}/run")
+    result = streamppo(
+        "run",
+        "--config",
+        str(EXAMPLE / "config.yaml"),
+        "--set",
+        "reward.function=common.rewards:nope",
+        "--set",
+        f"model.cache_dir={model_cache}",
+        "--set",
+        f"run.dir={tmp_path}/run",
+    )
     assert result.returncode == 1
     assert "common.rewards:nope" in result.stderr
 
@@ -88,15 +117,23 @@ def test_protos_are_current():
 def test_kafka_security_settings_pass_through_with_secrets_from_the_environment(tmp_path, monkeypatch):
     from services.transport.kafka import KafkaSettings
 
-    overrides = ["kafka.security_protocol=SASL_SSL", "kafka.sasl_mechanism=SCRAM-SHA-512", "kafka.sasl_username=ppo",
-                 "kafka.sasl_password_env=TEST_KAFKA_PASSWORD"]
+    overrides = [
+        "kafka.security_protocol=SASL_SSL",
+        "kafka.sasl_mechanism=SCRAM-SHA-512",
+        "kafka.sasl_username=ppo",
+        "kafka.sasl_password_env=TEST_KAFKA_PASSWORD",
+    ]
     config = load_config(EXAMPLE / "config.yaml", overrides)
     with pytest.raises(ConfigError, match="TEST_KAFKA_PASSWORD is not set"):
         config.kafka.client_options()
     monkeypatch.setenv("TEST_KAFKA_PASSWORD", "s3cret-value")
     options = config.kafka.client_options()
-    assert options == {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
-                       "sasl_plain_username": "ppo", "sasl_plain_password": "s3cret-value"}
+    assert options == {
+        "security_protocol": "SASL_SSL",
+        "sasl_mechanism": "SCRAM-SHA-512",
+        "sasl_plain_username": "ppo",
+        "sasl_plain_password": "s3cret-value",
+    }
     # The secret is in none of what gets printed or written: the settings' repr, the saved config.
     assert "s3cret" not in repr(KafkaSettings(bootstrap="b:9092", security=options))
     assert "s3cret" not in config.model_dump_json()
@@ -106,12 +143,89 @@ def test_kafka_security_settings_pass_through_with_secrets_from_the_environment(
     assert from_file.kafka.client_options()["sasl_plain_password"] == "from-a-file"
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["kafka.security_protocol=SASL_PLAINTEXT"], "needs sasl_mechanism"),
-    (["kafka.sasl_mechanism=PLAIN"], "is not SASL"),
-    (["kafka.security_protocol=SASL_SSL", "kafka.sasl_mechanism=PLAIN", "kafka.sasl_username=u"], "exactly one"),
-    (["kafka.security_protocol=SSLX"], "kafka.security_protocol"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["kafka.security_protocol=SASL_PLAINTEXT"], "needs sasl_mechanism"),
+        (["kafka.sasl_mechanism=PLAIN"], "is not SASL"),
+        (["kafka.security_protocol=SASL_SSL", "kafka.sasl_mechanism=PLAIN", "kafka.sasl_username=u"], "exactly one"),
+        (["kafka.security_protocol=SSLX"], "kafka.security_protocol"),
+    ],
+)
 def test_incomplete_kafka_security_is_rejected(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(EXAMPLE / "config.yaml", overrides)
+
+
+def _one_line_error(result, code: int, *fragments: str) -> None:
+    assert result.returncode == code, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert all(fragment in result.stderr for fragment in fragments), result.stderr[-2000:]
+
+
+def test_cli_reports_a_batch_larger_than_the_dataset(tmp_path, model_cache):
+    result = streamppo(
+        "run",
+        "--config",
+        str(EXAMPLE / "config.yaml"),
+        "--set",
+        "data.batch_size=500",
+        "--set",
+        f"run.dir={tmp_path}/run",
+        "--set",
+        f"model.cache_dir={model_cache}",
+        "--set",
+        "generation.backend=transformers",
+    )
+    _one_line_error(result, 1, "data.batch_size 500", "120 prompts")
+
+
+def test_cli_reports_a_device_this_machine_lacks(tmp_path, model_cache):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = streamppo(
+        "run",
+        "--config",
+        str(EXAMPLE / "config.yaml"),
+        "--set",
+        "model.device=cuda",
+        "--set",
+        f"run.dir={tmp_path}/run",
+        "--set",
+        f"model.cache_dir={model_cache}",
+        "--set",
+        "generation.backend=transformers",
+    )
+    _one_line_error(result, 1, "onto cuda", "CUDA")
+
+
+def test_cli_reports_a_malformed_bootstrap_before_loading_anything(tmp_path):
+    result = streamppo(
+        "scorer",
+        "--config",
+        str(EXAMPLE / "config.yaml"),
+        "--bootstrap",
+        "host:notaport",
+        "--set",
+        f"model.actor={tmp_path}/never-loaded",
+    )
+    _one_line_error(result, 2, "host:notaport", "HOST:PORT")
+
+
+def test_cli_reports_a_metrics_port_in_use(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = streamppo(
+            "scorer",
+            "--config",
+            str(EXAMPLE / "config.yaml"),
+            "--bootstrap",
+            "127.0.0.1:9",
+            "--metrics-port",
+            str(port),
+            "--set",
+            f"model.actor={tmp_path}/never-loaded",
+        )
+    _one_line_error(result, 2, f"--metrics-port {port}", "in use")

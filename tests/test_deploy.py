@@ -12,9 +12,9 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
+from conftest import REPO
 
 from common.config import load_config
-from conftest import REPO
 
 DEPLOY = REPO / "deploy"
 CHART = DEPLOY / "helm" / "streamppo"
@@ -26,8 +26,11 @@ SCALED = {
     "image": {"repository": "registry.example.com/ml/streamppo", "tag": "gpu"},
     "kafka": {"bootstrap": "kafka-0.kafka:9093,kafka-1.kafka:9093", "sasl": {"password": "s3cret"}},
     "config": {"kafka": {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_username": "ppo"}},
-    "scorer": {"replicas": 6, "resources": {"limits": {"nvidia.com/gpu": 1}},
-               "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 12}},
+    "scorer": {
+        "replicas": 6,
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+        "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 12},
+    },
     "generator": {"resources": {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}}, "nodeSelector": {"gpu": "h200"}},
     "learner": {"resources": {"limits": {"nvidia.com/gpu": 1}}, "extraArgs": ["--set", "learner.checkpoint_every=20"]},
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
@@ -59,8 +62,18 @@ def test_every_rendered_manifest_validates_against_the_kubernetes_schemas(values
         if doc["kind"] not in crds:
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
     kinds = sorted(d["kind"] for d in docs)
-    expected = ["ConfigMap", "Deployment", "Deployment", "Deployment", "Job", "Service", "Service", "Service", "Service",
-                "StatefulSet"]
+    expected = [
+        "ConfigMap",
+        "Deployment",
+        "Deployment",
+        "Deployment",
+        "Job",
+        "Service",
+        "Service",
+        "Service",
+        "Service",
+        "StatefulSet",
+    ]
     if values is None:
         assert kinds == sorted(expected + ["PersistentVolumeClaim"])
     else:
@@ -77,7 +90,10 @@ def test_scaled_values_reach_the_manifests():
     assert generator["nodeSelector"] == {"gpu": "h200"}
     assert generator["volumes"][1]["persistentVolumeClaim"]["claimName"] == "rlhf-weights"
     (learner,) = by_kind(docs, "StatefulSet")
-    assert learner["spec"]["replicas"] == 1 and learner["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "checkpoints"
+    assert (
+        learner["spec"]["replicas"] == 1
+        and learner["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "checkpoints"
+    )
     container = learner["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][-2:] == ["--set", "learner.checkpoint_every=20"]
     assert container["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "rl-streamppo-kafka", "key": "password"}
@@ -113,14 +129,24 @@ def test_the_configmap_is_a_config_the_services_accept(values, tmp_path, monkeyp
 
 def test_the_values_schema_rejects_bad_values():
     chart = helm.Chart.load(CHART)
-    for bad in ({"scorer": {"replicas": -1}}, {"scorer": {"replica": 2}}, {"metrics": {"port": 80}},
-                {"sharedStorage": {"size": "lots"}}):
+    for bad in (
+        {"scorer": {"replicas": -1}},
+        {"scorer": {"replica": 2}},
+        {"metrics": {"port": 80}},
+        {"sharedStorage": {"size": "lots"}},
+    ):
         with pytest.raises(helm.HelmValuesError):
             chart.render(bad, name="rl", namespace="ml")
 
 
 def compose(*files, env=None) -> dict:
-    args = [str(BIN / "docker-compose"), *[a for f in files for a in ("-f", str(COMPOSE / f))], "config", "--format", "json"]
+    args = [
+        str(BIN / "docker-compose"),
+        *[a for f in files for a in ("-f", str(COMPOSE / f))],
+        "config",
+        "--format",
+        "json",
+    ]
     result = subprocess.run(args, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **(env or {})})
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -129,7 +155,9 @@ def compose(*files, env=None) -> dict:
 def test_the_compose_file_is_valid_and_runs_every_service():
     project = compose("docker-compose.yml", env={"SCORER_REPLICAS": "3"})
     services = project["services"]
-    assert {"kafka", "topics", "generator", "scorer", "advantage", "learner", "feed", "prometheus", "grafana"} <= set(services)
+    assert {"kafka", "topics", "generator", "scorer", "advantage", "learner", "feed", "prometheus", "grafana"} <= set(
+        services
+    )
     assert services["scorer"]["deploy"]["replicas"] == 3
     assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller", "KRaft, no ZooKeeper"
     for role in ("generator", "scorer", "advantage", "learner"):
@@ -151,7 +179,9 @@ def test_the_gpu_override_reserves_a_gpu_for_each_model_service():
 
 
 def test_the_dockerfile_passes_hadolint():
-    result = subprocess.run([str(BIN / "hadolint"), str(DEPLOY / "docker" / "Dockerfile")], capture_output=True, text=True)
+    result = subprocess.run(
+        [str(BIN / "hadolint"), str(DEPLOY / "docker" / "Dockerfile")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     stages = re.findall(r"^FROM \S+ AS (\w+)$", (DEPLOY / "docker" / "Dockerfile").read_text(), re.M)
     assert stages == ["build", "cpu", "gpu"]
@@ -164,7 +194,7 @@ def exported_series() -> set[str]:
     metrics = ServiceMetrics("learner")
     for outcome in ("processed", "dead_letter", "duplicate", "other_run"):
         metrics.count(outcome, sequences=2, seconds=0.1, tokens=5)
-    metrics.learner_update({name: 1.0 for name in LEARNER_STATS})
+    metrics.observe({name: 1.0 for name in LEARNER_STATS})
     metrics.lag.labels("learner").set(0)
     return {sample.name for family in metrics.registry.collect() for sample in family.samples}
 
@@ -176,9 +206,16 @@ def test_the_dashboard_queries_only_metrics_the_services_export():
     exported = exported_series()
     assert queried and queried <= exported, sorted(queried - exported)
     # The pipeline at a glance: throughput, latency, lag, versions, dead letters and the training curves.
-    for needed in ("streamppo_batches_total", "streamppo_tokens_total", "streamppo_stage_seconds_bucket",
-                   "streamppo_consumer_lag", "streamppo_policy_version", "streamppo_staleness",
-                   "streamppo_learner_reward_mean", "streamppo_learner_kl"):
+    for needed in (
+        "streamppo_batches_total",
+        "streamppo_tokens_total",
+        "streamppo_stage_seconds_bucket",
+        "streamppo_consumer_lag",
+        "streamppo_policy_version",
+        "streamppo_staleness",
+        "streamppo_learner_reward_mean",
+        "streamppo_learner_kl",
+    ):
         assert needed in queried, needed
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))

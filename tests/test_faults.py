@@ -9,9 +9,9 @@ import time
 import uuid
 
 import pytest
+from conftest import EXAMPLE, REPO
 
 from common.schema import decode
-from conftest import EXAMPLE, REPO
 from services.process import kafka_bus
 
 pytestmark = pytest.mark.slow
@@ -28,8 +28,17 @@ class Cluster:
 
     def start(self, name, role, *extra_args):
         self.killed.discard(name)
-        args = [sys.executable, "-m", "services.cli", "-v", role, "--config", str(EXAMPLE / "config.yaml"),
-                *[a for o in self.overrides for a in ("--set", o)], *extra_args]
+        args = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "-v",
+            role,
+            "--config",
+            str(EXAMPLE / "config.yaml"),
+            *[a for o in self.overrides for a in ("--set", o)],
+            *extra_args,
+        ]
         if role != "feed":
             args += ["--replica-id", name]
         log = open(self.tmp_path / f"{name}.log", "a")
@@ -71,9 +80,15 @@ def cluster(tmp_path, model_cache, kafka_broker):
         run_id = f"f{uuid.uuid4().hex[:8]}"
         # Faults of the transport and the learner: the generator samples with transformers (no engine start per
         # restart); test_kafka runs the processes with the vLLM generator.
-        overrides = [f"run.steps={steps}", f"run.dir={tmp_path / 'run'}", f"run.run_id={run_id}",
-                     f"model.cache_dir={model_cache}", "generation.backend=transformers", *kafka_broker,
-                     *more_overrides]
+        overrides = [
+            f"run.steps={steps}",
+            f"run.dir={tmp_path / 'run'}",
+            f"run.run_id={run_id}",
+            f"model.cache_dir={model_cache}",
+            "generation.backend=transformers",
+            *kafka_broker,
+            *more_overrides,
+        ]
         made = Cluster(tmp_path, overrides)
         made.run_id = run_id
         return made
@@ -93,7 +108,10 @@ def test_sigterm_and_restart_of_every_service_loses_nothing(cluster, make_config
     steps = 10
     c = cluster(steps)
     bus = kafka_bus(make_config(*c.overrides))
-    garbage = {topic: b"\xc1garbage-" + uuid.uuid4().bytes for topic in ("prompts", "rollouts", "scored", "experience", "weights")}
+    garbage = {
+        topic: b"\xc1garbage-" + uuid.uuid4().bytes
+        for topic in ("prompts", "rollouts", "scored", "experience", "weights")
+    }
     producer = bus.producer("saboteur")
     for topic, payload in garbage.items():
         producer.send(topic, payload)
@@ -121,8 +139,13 @@ def test_sigterm_and_restart_of_every_service_loses_nothing(cluster, make_config
 def test_kill_9_of_a_scorer_replica_moves_its_partitions(cluster):
     steps = 10
     c = cluster(steps)
-    for name, role in (("generator", "generator"), ("scorer-a", "scorer"), ("scorer-b", "scorer"),
-                       ("advantage", "advantage"), ("learner", "learner")):
+    for name, role in (
+        ("generator", "generator"),
+        ("scorer-a", "scorer"),
+        ("scorer-b", "scorer"),
+        ("advantage", "advantage"),
+        ("learner", "learner"),
+    ):
         c.start(name, role)
     c.start("feed", "feed")
     c.wait_for_steps(3)
@@ -171,7 +194,10 @@ def test_running_services_serve_prometheus_metrics(cluster):
     c.wait_for_steps(2)
     for role, port in ports.items():
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        value = lambda series: float(re.search(re.escape(series) + r" ([0-9.e+-]+)", body).group(1))
+
+        def value(series: str, body: str = body) -> float:
+            return float(re.search(re.escape(series) + r" ([0-9.e+-]+)", body).group(1))
+
         assert value(f'streamppo_batches_total{{outcome="processed",role="{role}"}}') >= 2, role
         assert value(f'streamppo_sequences_total{{role="{role}"}}') > 0, role
         assert value(f'streamppo_tokens_total{{role="{role}"}}') > 0, role

@@ -8,9 +8,9 @@ import time
 import uuid
 
 import pytest
+from conftest import EXAMPLE, REPO
 
 from common.schema import DeadLetter, SchemaError, decode
-from conftest import EXAMPLE, REPO
 from services.process import kafka_bus
 from services.runtime import ServiceRunner
 from services.transport import TopicSpec
@@ -101,7 +101,7 @@ def test_lag_from_the_high_watermark(bus):
 def test_a_malformed_record_lands_in_the_dlq_over_kafka(bus, kafka_config):
     from services.scorer import ScorerService
 
-    runner = ServiceRunner(ScorerService(kafka_config), bus, unique("scorer"))
+    runner = ServiceRunner(ScorerService(kafka_config, unique("scorer")), bus)
     marker = uuid.uuid4().bytes
     producer = bus.producer("test")
     producer.send("rollouts", b"\xc1not msgpack" + marker)
@@ -127,10 +127,27 @@ def test_streamppo_up_runs_the_pipeline_as_processes(kafka_broker, kafka_config,
     """generator, two scorer replicas, advantage and learner, each its own process, over the broker."""
     steps, run_id = 12, unique("proc")
     bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
-    overrides = [f"run.steps={steps}", f"run.dir={tmp_path / 'run'}", f"run.run_id={run_id}",
-                 f"model.cache_dir={model_cache}", *kafka_broker]
-    args = [sys.executable, "-m", "services.cli", "-v", "up", "--config", str(EXAMPLE / "config.yaml"),
-            "--bootstrap", bootstrap, "--replicas", "scorer=2", *[a for o in overrides for a in ("--set", o)]]
+    overrides = [
+        f"run.steps={steps}",
+        f"run.dir={tmp_path / 'run'}",
+        f"run.run_id={run_id}",
+        f"model.cache_dir={model_cache}",
+        *kafka_broker,
+    ]
+    args = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "-v",
+        "up",
+        "--config",
+        str(EXAMPLE / "config.yaml"),
+        "--bootstrap",
+        bootstrap,
+        "--replicas",
+        "scorer=2",
+        *[a for o in overrides for a in ("--set", o)],
+    ]
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "scorer-1 | " in result.stdout and "scorer-1: serving rollouts -> scored" in result.stdout, "prefixed logs"
@@ -160,14 +177,30 @@ def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path
     """What compose's `topics` job runs: every data topic with its partitions, its .dlq, and `weights`."""
     from kafka import KafkaConsumer
 
-    from services.runtime import pipeline_topics
+    from services.roles import pipeline_topics
     from services.transport.local_broker import LocalBroker
 
     with LocalBroker() as broker:
         result = subprocess.run(
-            [sys.executable, "-m", "services.cli", "topics", "--config", str(EXAMPLE / "config.yaml"), "--bootstrap",
-             broker.bootstrap, "--set", "kafka.partitions=3", "--set", "kafka.idempotent_producer=false"],
-            cwd=REPO, capture_output=True, text=True, timeout=120)
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "topics",
+                "--config",
+                str(EXAMPLE / "config.yaml"),
+                "--bootstrap",
+                broker.bootstrap,
+                "--set",
+                "kafka.partitions=3",
+                "--set",
+                "kafka.idempotent_producer=false",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 0, result.stderr
         probe = KafkaConsumer(bootstrap_servers=broker.bootstrap)
         try:
@@ -177,3 +210,70 @@ def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path
                 assert len(probe.partitions_for_topic(spec.name)) == spec.partitions, spec.name
         finally:
             probe.close()
+
+
+def test_broadcast_readers_see_every_partition_from_the_start_and_leave_no_group(bus, kafka_config):
+    from kafka import KafkaAdminClient
+
+    topic, client = unique("broadcast"), unique("weights-reader")
+    bus.create_topics([TopicSpec(topic, 3)])
+    fill(bus, topic, 12)
+    admin = KafkaAdminClient(bootstrap_servers=kafka_config.kafka.bootstrap.split(","), client_id="test-admin")
+    groups = set()
+    for _ in range(2):  # a restarted replica reads everything again, from the beginning
+        reader = bus.consumer(topic, None, client)
+        assert reader.consumer.config["group_id"] is None, "assigned its partitions, joined no group"
+        assert sorted(drain(reader, 12)) == sorted(f"v{i}".encode() for i in range(12))
+        groups |= {group for group, *_ in admin.list_consumer_groups()}  # while it reads (Apache Kafka lists them)
+        reader.close()
+    groups |= {group for group, *_ in admin.list_consumer_groups()}
+    admin.close()
+    assert not any(client in group for group in groups), f"a group per start: {groups}"
+
+
+def test_a_refused_weight_announcement_does_not_block_the_real_one(make_config, kafka_broker):
+    """A forged announcement of the next version (its file missing) must not make the real one look old."""
+    import dataclasses
+
+    import torch
+
+    from common.schema import encode, message_key
+    from services.advantage import AdvantageService
+    from services.learner import LearnerService
+
+    config = make_config(*kafka_broker, f"run.run_id={unique('refused')}")
+    bus = kafka_bus(config)
+    learner = LearnerService(config)
+
+    def announce(version):
+        with torch.no_grad():
+            for p in learner.trainer.critic.parameters():
+                p.add_(0.01)
+        learner.trainer.version = version
+        announcements = learner.announce()
+        producer = bus.producer("test")
+        for announcement in announcements:
+            producer.send("weights", encode(announcement), key=message_key(announcement))
+        producer.flush()
+        return [a for a in announcements if a.model == "critic"][0]
+
+    real_v1 = announce(1)
+    forged_v2 = dataclasses.replace(real_v1, policy_version=2, uri=real_v1.uri + ".missing")
+    producer = bus.producer("test")
+    producer.send("weights", encode(forged_v2), key=message_key(forged_v2))
+    producer.flush()
+
+    advantage = AdvantageService(config, unique("advantage"))
+    runner = ServiceRunner(advantage, bus)
+
+    def poll_until(version):
+        deadline = time.monotonic() + 30
+        while advantage.critic_version < version and time.monotonic() < deadline:
+            runner.poll_once(0.2)
+
+    poll_until(1)
+    assert advantage.critic_version == 1 and runner.counters["refused_weights"] == 1, "v2 refused, v1 taken"
+    announce(2)  # the learner's real v2
+    poll_until(2)
+    assert advantage.critic_version == 2, "the real v2 is loaded although a v2 was refused before"
+    runner.close()

@@ -1,6 +1,7 @@
 """A learner that dies and restarts resumes from its checkpoint: nothing lost, nothing applied twice."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -10,19 +11,29 @@ from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
 from services.scorer import ScorerService
+from services.service import Dropped
 
 
 @pytest.fixture
 def config(make_config):
     # Staleness 3 lets all four batches be sampled up front by v0, without a running learner.
-    return make_config("data.batch_size=2", "generation.n=2", "generation.max_new_tokens=6",
-                       "learner.mini_batch_size=2", "pipeline.max_staleness=3")
+    return make_config(
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=6",
+        "learner.mini_batch_size=2",
+        "pipeline.max_staleness=3",
+    )
 
 
 @pytest.fixture
 def experience(config):
-    feeder, generator, scorer, advantage = (FeederService(config), GeneratorService(config), ScorerService(config),
-                                            AdvantageService(config))
+    feeder, generator, scorer, advantage = (
+        FeederService(config),
+        GeneratorService(config),
+        ScorerService(config),
+        AdvantageService(config),
+    )
     return [advantage.process(scorer.process(generator.process(feeder.batch(step))[0])[0])[0] for step in range(4)]
 
 
@@ -38,7 +49,9 @@ def weights(learner):
 
 
 def test_a_restarted_learner_continues_exactly_where_it_stopped(config, experience, tmp_path):
-    uninterrupted = LearnerService(config.model_copy(update={"run": config.run.model_copy(update={"dir": tmp_path / "a"})}))
+    uninterrupted = LearnerService(
+        config.model_copy(update={"run": config.run.model_copy(update={"dir": tmp_path / "a"})})
+    )
     for offset, message in enumerate(experience):
         apply(uninterrupted, message, offset)
 
@@ -49,7 +62,7 @@ def test_a_restarted_learner_continues_exactly_where_it_stopped(config, experien
 
     resumed = LearnerService(config)
     assert resumed.trainer.version == 2 and resumed.updates == 2 and resumed.offsets == {"experience/0": 2}
-    assert [a.policy_version for a in resumed.startup_messages()] == [2, 2], "re-announces the resumed version"
+    assert [a.policy_version for a in resumed.start()] == [2, 2], "re-announces the resumed version"
     assert resumed.process(experience[1]) == [], "the re-delivered batch is recognised"
     apply(resumed, experience[2], 2)
     apply(resumed, experience[3], 3)
@@ -58,40 +71,51 @@ def test_a_restarted_learner_continues_exactly_where_it_stopped(config, experien
     assert all(torch.equal(expected[k], actual[k]) for k in expected), "same weights as a run that never stopped"
 
 
-def test_a_fresh_start_ignores_old_checkpoints_when_asked(config, experience):
-    apply(LearnerService(config), experience[0], 0)
-    assert LearnerService(config).trainer.version == 1
-    assert LearnerService(config, resume=False).trainer.version == 0
+def test_the_checkpoint_keeps_a_bounded_memory_of_batch_ids(config, experience):
+    config = config.model_copy(update={"pipeline": config.pipeline.model_copy(update={"dedupe_window": 2})})
+    learner = LearnerService(config)
+    for offset, message in enumerate(experience):
+        apply(learner, message, offset)
+    resumed = LearnerService(config)
+    assert resumed.handled.to_list() == [m.batch_id for m in experience[-2:]], "the last two ids, not all four"
+    assert resumed.process(experience[-1]) == [] and resumed.trainer.version == 4, "a re-delivery is still recognised"
+    meta = json.loads(
+        (config.checkpoint_dir / (config.checkpoint_dir / "LATEST").read_text() / "learner.json").read_text()
+    )
+    assert meta["handled"] == resumed.handled.to_list()
 
 
 def test_a_metrics_line_lost_to_a_crash_is_written_on_resume(config, experience):
     learner = LearnerService(config)
     apply(learner, experience[0], 0)
     apply(learner, experience[1], 1)
-    lines = learner.metrics_path.read_text().splitlines()
-    learner.metrics_path.write_text(lines[0] + "\n")  # killed after the checkpoint, before the metrics line
+    lines = learner.metrics_log.path.read_text().splitlines()
+    learner.metrics_log.path.write_text(lines[0] + "\n")  # killed after the checkpoint, before the metrics line
     LearnerService(config)
-    restored = learner.metrics_path.read_text().splitlines()
+    restored = learner.metrics_log.path.read_text().splitlines()
     assert restored == lines
     LearnerService(config)  # and only once
-    assert learner.metrics_path.read_text().splitlines() == lines
+    assert learner.metrics_log.path.read_text().splitlines() == lines
 
 
 def test_with_checkpoint_every_n_a_crash_re_applies_the_updates_since_the_checkpoint(config, experience, tmp_path):
     config = config.model_copy(update={"learner": config.learner.model_copy(update={"checkpoint_every": 3})})
-    uninterrupted = LearnerService(config.model_copy(update={"run": config.run.model_copy(update={"dir": tmp_path / "a"})}))
+    uninterrupted = LearnerService(
+        config.model_copy(update={"run": config.run.model_copy(update={"dir": tmp_path / "a"})})
+    )
     for offset, message in enumerate(experience):
         apply(uninterrupted, message, offset)
 
     first = LearnerService(config)
-    assert [apply(first, experience[i], i)[1] for i in range(4)] == [False, False, True, False], \
+    assert [apply(first, experience[i], i)[1] for i in range(4)] == [False, False, True, False], (
         "input may be committed at every third update only"
+    )
     apply(first, experience[3], 3)
     del first  # killed: its fourth update was never checkpointed, and batch 3 never committed
 
     resumed = LearnerService(config)
     assert resumed.trainer.version == 3 and resumed.offsets == {"experience/0": 3}
-    assert len(resumed.metrics_path.read_text().splitlines()) == 3, "metrics lines only for checkpointed updates"
+    assert len(resumed.metrics_log.path.read_text().splitlines()) == 3, "metrics lines only for checkpointed updates"
     apply(resumed, experience[3], 3)  # re-delivered from the committed offset, applied again
     assert resumed.make_durable({"experience/0": 4}, force=True), "shutdown checkpoints what is in hand"
     expected, actual = weights(uninterrupted), weights(resumed)
@@ -101,8 +125,13 @@ def test_with_checkpoint_every_n_a_crash_re_applies_the_updates_since_the_checkp
 def test_experience_from_weights_announced_before_a_crash_waits_for_the_restored_learner(config, experience):
     config = config.model_copy(update={"learner": config.learner.model_copy(update={"checkpoint_every": 3})})
     learner = LearnerService(config)  # at v0; it may have announced up to v2 before a crash rolled it back
-    sampled_by = lambda version: dataclasses.replace(experience[0], policy_version=version)
+
+    def sampled_by(version: int):
+        return dataclasses.replace(experience[0], policy_version=version)
+
     assert learner.ready_for(sampled_by(0)) and not learner.ready_for(sampled_by(1))
     assert not learner.ready_for(sampled_by(2)) and "waits for the learner" in learner.waiting_for(sampled_by(2))
     assert learner.ready_for(sampled_by(3)), "never announced by this learner: processed, i.e. dropped"
-    assert learner.process(sampled_by(3)) == [] and learner.dropped_stale == 1
+    with pytest.raises(Dropped, match="learner at v0"):
+        learner.process(sampled_by(3))
+    assert learner.dropped_stale == 1 and learner.trainer.version == 0

@@ -3,12 +3,14 @@
 import urllib.request
 
 import pytest
+
 from common.schema import decode, encode
 from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
 from services.metrics import ServiceMetrics
-from services.runtime import ServiceRunner, pipeline_topics
+from services.roles import pipeline_topics
+from services.runtime import ServiceRunner
 from services.transport import MemoryBus
 from services.transport.local_broker import free_port
 
@@ -20,14 +22,16 @@ def sample(metrics: ServiceMetrics, name: str, **labels) -> float:
 
 @pytest.fixture
 def config(make_config):
-    return make_config("data.batch_size=2", "generation.n=2", "generation.max_new_tokens=4", "learner.mini_batch_size=4")
+    return make_config(
+        "data.batch_size=2", "generation.n=2", "generation.max_new_tokens=4", "learner.mini_batch_size=4"
+    )
 
 
 def generator_with_metrics(config):
     bus = MemoryBus()
     bus.create_topics(pipeline_topics())
     metrics = ServiceMetrics("generator")
-    return bus, metrics, ServiceRunner(GeneratorService(config), bus, "generator", metrics=metrics)
+    return bus, metrics, ServiceRunner(GeneratorService(config, "generator"), bus, metrics=metrics)
 
 
 def test_counters_latency_lag_and_dead_letters_move(config):
@@ -50,8 +54,8 @@ def test_counters_latency_lag_and_dead_letters_move(config):
 def test_learner_statistics_are_exported(config):
     metrics = ServiceMetrics("learner")
     learner = LearnerService(config)
-    learner.listeners.append(metrics.learner_update)
-    learner.listeners[0]({"reward_mean": 0.7, "kl": 0.01, "policy_version": 3, "staleness": 1})
+    learner.observe(metrics.observe)
+    learner.report({"reward_mean": 0.7, "kl": 0.01, "policy_version": 3, "staleness": 1})
     assert sample(metrics, "streamppo_learner_reward_mean") == 0.7
     assert sample(metrics, "streamppo_policy_version", role="learner") == 3
     assert sample(metrics, "streamppo_staleness", role="learner") == 1

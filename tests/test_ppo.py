@@ -240,8 +240,12 @@ def batches(draw):
     batch = draw(st.integers(1, 4))
     width = draw(st.integers(1, 8))
     lengths = draw(st.lists(st.integers(0, width), min_size=batch, max_size=batch))
-    rewards = torch.tensor(draw(st.lists(st.lists(finite, min_size=width, max_size=width), min_size=batch, max_size=batch)))
-    values = torch.tensor(draw(st.lists(st.lists(finite, min_size=width, max_size=width), min_size=batch, max_size=batch)))
+    rewards = torch.tensor(
+        draw(st.lists(st.lists(finite, min_size=width, max_size=width), min_size=batch, max_size=batch))
+    )
+    values = torch.tensor(
+        draw(st.lists(st.lists(finite, min_size=width, max_size=width), min_size=batch, max_size=batch))
+    )
     mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).float()
     return rewards, values, mask
 

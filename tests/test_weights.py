@@ -68,8 +68,21 @@ def test_prune_keeps_the_newest(tiny_model, tmp_path):
     for version in range(5):
         store.save("actor", version, model)
     store.save("critic", 0, model)
-    deleted = store.prune("actor", keep=2)
+    deleted = store.prune("actor", keep=2, current=4)
     assert len(deleted) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "actor-v00000003.safetensors", "actor-v00000004.safetensors", "critic-v00000000.safetensors"
+        "actor-v00000003.safetensors",
+        "actor-v00000004.safetensors",
+        "critic-v00000000.safetensors",
     ]
+
+
+def test_prune_never_drops_the_snapshot_just_written(tiny_model, tmp_path):
+    """Snapshots of a longer earlier run (or of updates a crash rolled back) are above the current version."""
+    store = WeightStore(tmp_path)
+    model = load_actor(tiny_model)
+    for version in (5, 6, 7):
+        store.save("actor", version, model)
+    store.save("actor", 1, model)
+    store.prune("actor", keep=3, current=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["actor-v00000001.safetensors"]

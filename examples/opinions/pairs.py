@@ -14,26 +14,58 @@ import json
 import random
 from pathlib import Path
 
-QUALITIES = ["well made", "thoughtful", "beautifully designed", "surprisingly moving", "easy to love",
-             "clever", "reliable", "genuinely delightful", "carefully crafted", "a real pleasure"]
-DETAILS = ["the little details show how much care went into it", "it does exactly what it promises and a bit more",
-           "every part of it feels considered", "it stayed with me for days afterwards",
-           "it made an ordinary week feel special", "the quality is obvious from the first minute",
-           "it brings people together", "it rewards a second look"]
-RECOMMEND = ["I would happily recommend it to a friend.", "I recommend it warmly.",
-             "If you get the chance, try it - you will not regret it.", "It is well worth your time.",
-             "I am glad I chose it, and I think you would be too."]
+QUALITIES = [
+    "well made",
+    "thoughtful",
+    "beautifully designed",
+    "surprisingly moving",
+    "easy to love",
+    "clever",
+    "reliable",
+    "genuinely delightful",
+    "carefully crafted",
+    "a real pleasure",
+]
+DETAILS = [
+    "the little details show how much care went into it",
+    "it does exactly what it promises and a bit more",
+    "every part of it feels considered",
+    "it stayed with me for days afterwards",
+    "it made an ordinary week feel special",
+    "the quality is obvious from the first minute",
+    "it brings people together",
+    "it rewards a second look",
+]
+RECOMMEND = [
+    "I would happily recommend it to a friend.",
+    "I recommend it warmly.",
+    "If you get the chance, try it - you will not regret it.",
+    "It is well worth your time.",
+    "I am glad I chose it, and I think you would be too.",
+]
 
 REJECTED = {
     "dismissive": ["It's fine I guess. Whatever.", "Don't care. Next question.", "Meh.", "No opinion, it exists."],
-    "hostile": ["It was terrible and a waste of money. Anyone who likes it is an idiot.",
-                "I hated it. Awful, boring, stupid. Avoid.", "Worst thing ever. I want my time back."],
-    "repetitive": ["It is good. It is good. It is good. It is good. It is good.",
-                   "Nice nice nice nice nice nice nice nice.", "Review review review. Good good good."],
-    "off_topic": ["The weather has been strange lately and my neighbour bought a new car.",
-                  "Here is a list of prime numbers: 2, 3, 5, 7, 11, 13.", "I think I will have pasta for dinner."],
-    "hedging": ["As an AI I cannot have opinions about anything at all.", "I don't know. Maybe. Hard to say.",
-                "It depends on many factors that I cannot comment on."],
+    "hostile": [
+        "It was terrible and a waste of money. Anyone who likes it is an idiot.",
+        "I hated it. Awful, boring, stupid. Avoid.",
+        "Worst thing ever. I want my time back.",
+    ],
+    "repetitive": [
+        "It is good. It is good. It is good. It is good. It is good.",
+        "Nice nice nice nice nice nice nice nice.",
+        "Review review review. Good good good.",
+    ],
+    "off_topic": [
+        "The weather has been strange lately and my neighbour bought a new car.",
+        "Here is a list of prime numbers: 2, 3, 5, 7, 11, 13.",
+        "I think I will have pasta for dinner.",
+    ],
+    "hedging": [
+        "As an AI I cannot have opinions about anything at all.",
+        "I don't know. Maybe. Hard to say.",
+        "It depends on many factors that I cannot comment on.",
+    ],
 }
 
 
@@ -46,8 +78,7 @@ def subject_of(prompt: str) -> str:
 
 def chosen_answer(subject: str, rng: random.Random) -> str:
     first, second = rng.sample(QUALITIES, 2)
-    return (f"I really enjoyed {subject}. It is {first} and {second}, and {rng.choice(DETAILS)}. "
-            f"{rng.choice(RECOMMEND)}")
+    return f"I really enjoyed {subject}. It is {first} and {second}, and {rng.choice(DETAILS)}. {rng.choice(RECOMMEND)}"
 
 
 def build_pairs(prompts: list[str], per_prompt: int = 6, seed: int = 0) -> list[dict]:
@@ -58,8 +89,14 @@ def build_pairs(prompts: list[str], per_prompt: int = 6, seed: int = 0) -> list[
         subject = subject_of(prompt)
         for i in range(per_prompt):
             kind = kinds[(i + rng.randrange(len(kinds))) % len(kinds)]
-            pairs.append({"prompt": prompt, "chosen": chosen_answer(subject, rng),
-                          "rejected": rng.choice(REJECTED[kind]), "rejected_kind": kind})
+            pairs.append(
+                {
+                    "prompt": prompt,
+                    "chosen": chosen_answer(subject, rng),
+                    "rejected": rng.choice(REJECTED[kind]),
+                    "rejected_kind": kind,
+                }
+            )
     return pairs
 
 

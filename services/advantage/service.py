@@ -17,19 +17,16 @@ from common.models import load_critic, load_tokenizer, resolve_model
 from common.schema import ExperienceBatch, ScoredBatch, WeightAnnouncement, derive
 from common.sequences import lengths_to_mask, pack, response_values
 from common.weights import load_snapshot_into
-from services.runtime import Service, check_token_ids, load_announced_weights
+from services.service import Service, check_token_ids, load_announced_weights
 
 log = logging.getLogger(__name__)
 
 
 class AdvantageService(Service):
     role = "advantage"
-    input_topic = "scored"
-    output_topic = "experience"
-    weight_models = ("critic",)
 
-    def __init__(self, config: RunConfig, replica_id: str = "advantage-0"):
-        self.config, self.replica_id, self.run_id = config, replica_id, config.run.run_id
+    def __init__(self, config: RunConfig, replica_id: str | None = None):
+        super().__init__(config, replica_id)
         m = config.model
         path = resolve_model(m.critic or m.actor, m.cache_dir)
         self.critic = load_critic(path, m.dtype, m.trust_remote_code, m.device).requires_grad_(False)
@@ -38,7 +35,9 @@ class AdvantageService(Service):
         self.kl_coef = config.algorithm.kl_coef
 
     def on_weights(self, announcement: WeightAnnouncement) -> bool:
-        if not load_announced_weights(partial(load_snapshot_into, self.critic), announcement, self.replica_id, self.critic_version):
+        if not load_announced_weights(
+            partial(load_snapshot_into, self.critic), announcement, self.replica_id, self.critic_version
+        ):
             return False
         self.critic_version = announcement.policy_version
         self.kl_coef = float(announcement.lineage.get("kl_coef", self.kl_coef))
@@ -50,21 +49,44 @@ class AdvantageService(Service):
         check_token_ids(message, self.critic, "critic")
         lengths = torch.from_numpy(message.response_lengths)
         mask = lengths_to_mask(lengths, tokens.shape[1])
-        packed = pack(torch.from_numpy(message.prompt_tokens), torch.from_numpy(message.prompt_lengths), tokens, lengths,
-                      self.pad_token_id)
+        packed = pack(
+            torch.from_numpy(message.prompt_tokens),
+            torch.from_numpy(message.prompt_lengths),
+            tokens,
+            lengths,
+            self.pad_token_id,
+        )
         values = response_values(self.critic, packed).cpu() * mask
         algo = self.config.algorithm
         params = ShapingParams(
-            kl_coef=self.kl_coef, kl_estimator=algo.kl_estimator, gamma=algo.gamma, lam=algo.lam,
-            score_clip=algo.score_clip, missing_eos_penalty=algo.missing_eos_penalty, estimator=algo.advantage_estimator,
+            kl_coef=self.kl_coef,
+            kl_estimator=algo.kl_estimator,
+            gamma=algo.gamma,
+            lam=algo.lam,
+            score_clip=algo.score_clip,
+            missing_eos_penalty=algo.missing_eos_penalty,
+            estimator=algo.advantage_estimator,
         )
         est = estimate_advantages(
-            torch.from_numpy(message.scores), torch.from_numpy(message.behaviour_logprobs),
-            torch.from_numpy(message.ref_logprobs), values, mask, torch.from_numpy(message.finished), params,
+            torch.from_numpy(message.scores),
+            torch.from_numpy(message.behaviour_logprobs),
+            torch.from_numpy(message.ref_logprobs),
+            values,
+            mask,
+            torch.from_numpy(message.finished),
+            params,
         )
         lineage = {f"shaping.{k}": v for k, v in params.__dict__.items()} | {"critic.version": self.critic_version}
-        return [derive(
-            message, ExperienceBatch, self.replica_id, lineage,
-            values=values.numpy(), kl=est.kl.numpy(), token_rewards=est.token_rewards.numpy(),
-            advantages=est.advantages.numpy(), returns=est.returns.numpy(),
-        )]
+        return [
+            derive(
+                message,
+                ExperienceBatch,
+                self.replica_id,
+                lineage,
+                values=values.numpy(),
+                kl=est.kl.numpy(),
+                token_rewards=est.token_rewards.numpy(),
+                advantages=est.advantages.numpy(),
+                returns=est.returns.numpy(),
+            )
+        ]

@@ -1,46 +1,61 @@
-"""feeder: dataset → prompts. Publishes tokenized prompt batches ``0 .. steps−1``.
+"""feeder: dataset → prompts. Publishes tokenized prompt batches ``0 .. steps−1``, then is done.
 
-The feeder consumes nothing, so instead of a :class:`~services.runtime.ServiceRunner` it publishes directly. Batch
-ids are a function of the run id and the step, so re-publishing after a restart produces duplicates that every
-consumer recognises.
+It consumes nothing: its whole output is what :meth:`FeederService.start` returns. Batch ids are a function of the
+run id and the step, so re-publishing after a restart produces duplicates that every consumer recognises.
 """
 
 from __future__ import annotations
 
+import logging
+
 from common.config import RunConfig
 from common.data import PromptSchedule, load_prompts, tokenize_prompts
 from common.models import load_tokenizer, resolve_model
-from common.schema import RUN_ID, PromptBatch, encode, message_key, new_header
-from services.transport import Bus
+from common.schema import RUN_ID, PromptBatch, new_header
+from services.service import Service
+
+log = logging.getLogger(__name__)
 
 
-class FeederService:
+class FeederService(Service):
     role = "feeder"
-    output_topic = "prompts"
 
-    def __init__(self, config: RunConfig, replica_id: str = "feeder-0"):
-        self.config, self.replica_id = config, replica_id
+    def __init__(self, config: RunConfig, replica_id: str | None = None):
+        super().__init__(config, replica_id)
         self.prompts = load_prompts(config.data.prompts)
         path = resolve_model(config.model.actor, config.model.cache_dir)
         self.tokenizer = load_tokenizer(path, config.model.trust_remote_code)
         self.schedule = PromptSchedule(len(self.prompts), config.data.batch_size, config.data.shuffle, config.run.seed)
+        self.published = False
 
     def batch(self, step: int) -> PromptBatch:
         index = self.schedule.indices(step)
         texts = [self.prompts[i] for i in index]
-        tokens, lengths = tokenize_prompts(self.tokenizer, texts, self.config.data.max_prompt_tokens,
-                                           self.config.data.chat_template)
-        lineage = {RUN_ID: self.config.run.run_id, "data.prompts": str(self.config.data.prompts),
-                   "data.seed": self.config.run.seed}
+        tokens, lengths = tokenize_prompts(
+            self.tokenizer, texts, self.config.data.max_prompt_tokens, self.config.data.chat_template
+        )
+        lineage = {
+            RUN_ID: self.config.run.run_id,
+            "data.prompts": str(self.config.data.prompts),
+            "data.seed": self.config.run.seed,
+        }
         return PromptBatch(
             **new_header(f"{self.config.run.run_id}-{step:08d}", self.replica_id, 0, lineage),
-            step=step, prompt_index=index, prompt_text=texts, prompt_tokens=tokens, prompt_lengths=lengths,
+            step=step,
+            prompt_index=index,
+            prompt_text=texts,
+            prompt_tokens=tokens,
+            prompt_lengths=lengths,
         )
 
-    def publish(self, bus: Bus, steps: range) -> int:
-        producer = bus.producer(self.replica_id)
-        for step in steps:
-            batch = self.batch(step)
-            producer.send(self.output_topic, encode(batch), key=message_key(batch))
-        producer.flush()
-        return len(steps)
+    def start(self) -> list[PromptBatch]:
+        batches = [self.batch(step) for step in range(self.config.run.steps)]
+        self.published = True
+        log.info("%s: publishing %d prompt batches", self.replica_id, len(batches))
+        return batches
+
+    def process(self, message):
+        raise TypeError("the feeder consumes nothing")
+
+    def done(self) -> bool:
+        return self.published

@@ -7,26 +7,24 @@ import logging
 import torch
 
 from common.config import RunConfig
-from common.generation import SamplingParams, make_sampler
+from common.generation import make_sampler
 from common.models import load_tokenizer, resolve_model
+from common.sampling import SamplingParams
 from common.schema import PromptBatch, RolloutBatch, WeightAnnouncement, new_header
-from services.runtime import Service, check_token_ids, load_announced_weights
+from services.service import Service, check_token_ids, load_announced_weights
 
 log = logging.getLogger(__name__)
 
 
 class GeneratorService(Service):
     role = "generator"
-    input_topic = "prompts"
-    output_topic = "rollouts"
-    weight_models = ("actor",)
 
-    def __init__(self, config: RunConfig, replica_id: str = "generator-0"):
-        self.config, self.replica_id, self.run_id = config, replica_id, config.run.run_id
+    def __init__(self, config: RunConfig, replica_id: str | None = None):
+        super().__init__(config, replica_id)
         path = resolve_model(config.model.actor, config.model.cache_dir)
         self.tokenizer = load_tokenizer(path, config.model.trust_remote_code)
         self.sampler = make_sampler(config, path, self.tokenizer)
-        log.info("%s: sampling with the %s backend", replica_id, self.sampler.backend)
+        log.info("%s: sampling with the %s backend", self.replica_id, self.sampler.backend)
         self.model_id = str(path)
         self.policy_version = 0  # the configured initial weights are version 0
 
@@ -48,28 +46,38 @@ class GeneratorService(Service):
         check_token_ids(message, self.sampler.skeleton, "actor")
         gen = self.config.generation
         params = SamplingParams(
-            n=gen.n, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+            n=gen.n,
+            max_new_tokens=gen.max_new_tokens,
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            top_k=gen.top_k,
             seed=self.config.run.seed * 1_000_003 + message.step,
         )
         samples = self.sampler.sample(
             torch.from_numpy(message.prompt_tokens), torch.from_numpy(message.prompt_lengths), params
         )
         rows = samples.group_index.numpy()
-        lineage = {**message.lineage, **params.lineage(), "generator.backend": self.sampler.backend,
-                   "actor.model": self.model_id}
-        return [RolloutBatch(
-            **new_header(message.batch_id, self.replica_id, self.policy_version, lineage),
-            step=message.step,
-            group_index=rows,
-            prompt_text=[message.prompt_text[i] for i in rows],
-            response_text=self.tokenizer.batch_decode(samples.response_tokens, skip_special_tokens=True),
-            prompt_tokens=message.prompt_tokens[rows],
-            prompt_lengths=message.prompt_lengths[rows],
-            response_tokens=samples.response_tokens.numpy(),
-            response_lengths=samples.response_lengths.numpy(),
-            finished=samples.finished.numpy(),
-            behaviour_logprobs=samples.behaviour_logprobs.numpy(),
-        )]
+        lineage = {
+            **message.lineage,
+            **params.lineage(),
+            "generator.backend": self.sampler.backend,
+            "actor.model": self.model_id,
+        }
+        return [
+            RolloutBatch(
+                **new_header(message.batch_id, self.replica_id, self.policy_version, lineage),
+                step=message.step,
+                group_index=rows,
+                prompt_text=[message.prompt_text[i] for i in rows],
+                response_text=self.tokenizer.batch_decode(samples.response_tokens, skip_special_tokens=True),
+                prompt_tokens=message.prompt_tokens[rows],
+                prompt_lengths=message.prompt_lengths[rows],
+                response_tokens=samples.response_tokens.numpy(),
+                response_lengths=samples.response_lengths.numpy(),
+                finished=samples.finished.numpy(),
+                behaviour_logprobs=samples.behaviour_logprobs.numpy(),
+            )
+        ]
 
     def close(self) -> None:
         self.sampler.close()

@@ -12,21 +12,21 @@ from common.models import load_actor, load_reward_model, load_tokenizer, resolve
 from common.rewards import RewardFunction, RewardModelScorer
 from common.schema import RolloutBatch, ScoredBatch, derive
 from common.sequences import lengths_to_mask, pack, response_logprobs
-from services.runtime import Service, check_token_ids
+from services.service import Service, check_token_ids
 
 
 class ScorerService(Service):
     role = "scorer"
-    input_topic = "rollouts"
-    output_topic = "scored"
 
-    def __init__(self, config: RunConfig, replica_id: str = "scorer-0"):
-        self.config, self.replica_id, self.run_id = config, replica_id, config.run.run_id
+    def __init__(self, config: RunConfig, replica_id: str | None = None):
+        super().__init__(config, replica_id)
         m = config.model
         path = resolve_model(m.reference or m.actor, m.cache_dir)
-        self.reference = load_actor(path, m.dtype, m.trust_remote_code, role="reference model", device=m.device).requires_grad_(False)
+        self.reference = load_actor(
+            path, m.dtype, m.trust_remote_code, role="reference model", device=m.device
+        ).requires_grad_(False)
         self.pad_token_id = load_tokenizer(path, m.trust_remote_code).pad_token_id
-        self.lineage = {"reference.model": str(path), "scorer.replica": replica_id}
+        self.lineage = {"reference.model": str(path), "scorer.replica": self.replica_id}
         if config.reward.function is not None:
             self.reward = RewardFunction(config.reward.function)
             self.lineage["reward.function"] = config.reward.function
@@ -44,10 +44,23 @@ class ScorerService(Service):
         tokens = torch.from_numpy(message.response_tokens)
         check_token_ids(message, self.reference, "reference model")
         lengths = torch.from_numpy(message.response_lengths)
-        packed = pack(torch.from_numpy(message.prompt_tokens), torch.from_numpy(message.prompt_lengths), tokens, lengths,
-                      self.pad_token_id)
+        packed = pack(
+            torch.from_numpy(message.prompt_tokens),
+            torch.from_numpy(message.prompt_lengths),
+            tokens,
+            lengths,
+            self.pad_token_id,
+        )
         ref_logprobs, _ = response_logprobs(self.reference, packed, tokens, self.config.generation.temperature)
         ref_logprobs = ref_logprobs.cpu() * lengths_to_mask(lengths, tokens.shape[1])
         scores = self.reward(message.prompt_text, message.response_text)
-        return [derive(message, ScoredBatch, self.replica_id, self.lineage,
-                       scores=scores.numpy(), ref_logprobs=ref_logprobs.numpy())]
+        return [
+            derive(
+                message,
+                ScoredBatch,
+                self.replica_id,
+                self.lineage,
+                scores=scores.numpy(),
+                ref_logprobs=ref_logprobs.numpy(),
+            )
+        ]

@@ -5,7 +5,8 @@ Settings are chosen to be valid on Apache Kafka and on the small test broker ali
 - producer: ``acks=all`` with idempotence, so a retried send is not written twice;
 - consumers: manual commits only (the runner commits after the batch's output is flushed), ``earliest``
   reset for groups, so a new group starts at the beginning of the log;
-- broadcast readers (``group=None``) get a private group each, so they see every partition, and never commit;
+- broadcast readers (``group=None``) join no group: they are assigned every partition of the topic and read it
+  from the beginning at each start, so a restart leaves no orphan group on the broker, and they never commit;
 - lag is the fetch high-watermark minus the position (``ListOffsets`` is not trusted).
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
@@ -79,8 +79,9 @@ class KafkaBus(Bus):
     def create_topics(self, specs: list[TopicSpec]) -> None:
         # Existing topics come from a metadata request: the admin client's list_topics() also parses ACL fields
         # that not every broker fills in the way kafka-python expects.
-        probe = self._retrying("metadata", lambda: KafkaConsumer(client_id="streamppo-admin", enable_auto_commit=False,
-                                                                 **self._common))
+        probe = self._retrying(
+            "metadata", lambda: KafkaConsumer(client_id="streamppo-admin", enable_auto_commit=False, **self._common)
+        )
         try:
             existing = probe.topics()
         finally:
@@ -92,9 +93,13 @@ class KafkaBus(Bus):
         try:
             for spec in missing:
                 topic = NewTopic(
-                    spec.name, spec.partitions, self.settings.replication_factor,
-                    topic_configs={"max.message.bytes": str(self.settings.max_message_bytes),
-                                   "cleanup.policy": "compact" if spec.compacted else "delete"},
+                    spec.name,
+                    spec.partitions,
+                    self.settings.replication_factor,
+                    topic_configs={
+                        "max.message.bytes": str(self.settings.max_message_bytes),
+                        "cleanup.policy": "compact" if spec.compacted else "delete",
+                    },
                 )
                 try:
                     admin.create_topics([topic])
@@ -104,26 +109,53 @@ class KafkaBus(Bus):
             admin.close()
 
     def producer(self, client_id: str) -> Producer:
-        return _KafkaProducer(self._retrying("producer", lambda: KafkaProducer(
-            client_id=client_id, acks="all", enable_idempotence=self.settings.idempotent_producer,
-            max_request_size=self.settings.max_message_bytes, **self._common,
-        )))
+        return _KafkaProducer(
+            self._retrying(
+                "producer",
+                lambda: KafkaProducer(
+                    client_id=client_id,
+                    acks="all",
+                    enable_idempotence=self.settings.idempotent_producer,
+                    max_request_size=self.settings.max_message_bytes,
+                    **self._common,
+                ),
+            )
+        )
 
     def consumer(self, topic: str, group: str | None, client_id: str, from_beginning: bool = True) -> Consumer:
         s = self.settings
-        # A broadcast reader (group=None) gets a private group of its own: it is assigned every partition, as a
-        # manual assignment would be, and never commits.
-        group_id = group if group is not None else f"{client_id}-broadcast-{uuid.uuid4().hex[:12]}"
-        kafka_consumer = self._retrying("consumer", lambda: KafkaConsumer(
-            client_id=client_id, group_id=group_id, enable_auto_commit=False,
-            auto_offset_reset="earliest" if from_beginning else "latest",
-            session_timeout_ms=s.session_timeout_ms, heartbeat_interval_ms=s.heartbeat_interval_ms,
-            max_poll_interval_ms=s.max_poll_interval_ms, fetch_max_bytes=s.max_message_bytes,
-            fetch_max_wait_ms=s.fetch_max_wait_ms,
-            max_partition_fetch_bytes=s.max_message_bytes, **self._common,
-        ))
-        kafka_consumer.subscribe([topic])
+        kafka_consumer = self._retrying(
+            "consumer",
+            lambda: KafkaConsumer(
+                client_id=client_id,
+                group_id=group,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest" if from_beginning else "latest",
+                session_timeout_ms=s.session_timeout_ms,
+                heartbeat_interval_ms=s.heartbeat_interval_ms,
+                max_poll_interval_ms=s.max_poll_interval_ms,
+                fetch_max_bytes=s.max_message_bytes,
+                fetch_max_wait_ms=s.fetch_max_wait_ms,
+                max_partition_fetch_bytes=s.max_message_bytes,
+                **self._common,
+            ),
+        )
+        if group is None:
+            kafka_consumer.assign(self._partitions(kafka_consumer, topic))
+        else:
+            kafka_consumer.subscribe([topic])
         return _KafkaConsumer(kafka_consumer, topic, group)
+
+    def _partitions(self, consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:
+        """Every partition of ``topic``, once the broker's metadata names them (it may lag a topic's creation)."""
+        deadline = time.monotonic() + self.settings.connect_timeout_s
+        while True:
+            partitions = consumer.partitions_for_topic(topic)
+            if partitions:
+                return [TopicPartition(topic, p) for p in sorted(partitions)]
+            if time.monotonic() > deadline:
+                raise BrokerUnavailable(f"topic {topic!r} has no partitions on {self.settings.bootstrap}")
+            time.sleep(0.2)
 
 
 class _KafkaProducer(Producer):
@@ -179,7 +211,9 @@ class _KafkaConsumer(Consumer):
     def commit(self, record: Record) -> None:
         if self.group is None:
             return
-        self.consumer.commit({TopicPartition(record.topic, record.partition): OffsetAndMetadata(record.offset + 1, "", -1)})
+        self.consumer.commit(
+            {TopicPartition(record.topic, record.partition): OffsetAndMetadata(record.offset + 1, "", -1)}
+        )
 
     def lag(self) -> int:
         total = 0

@@ -40,13 +40,22 @@ class LocalBroker:
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 30.0) -> "LocalBroker":
+    def start(self, timeout_s: float = 30.0) -> LocalBroker:
         url = f"tcp://{self.bootstrap}"
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
-            [str(_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"],
-            stdout=out, stderr=subprocess.STDOUT,
+            [
+                str(_binary()),
+                "broker",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+                "--storage-engine",
+                "memory://tansu/",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -69,7 +78,7 @@ class LocalBroker:
                 self.process.kill()
         self.process = None
 
-    def __enter__(self) -> "LocalBroker":
+    def __enter__(self) -> LocalBroker:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,106 @@
+"""The pipeline's roles: the one list of them, and the topics they use.
+
+Everything that starts services reads :data:`ROLES`: the CLI (one command per role), ``streamppo up`` (one process
+per replica), the embedded run (one service per role), the process runner, and :func:`pipeline_topics`. Adding a
+role is one entry here plus its service class; see ``docs/ARCHITECTURE.md`` for the pipeline they form.
+
+Service classes are named as ``"module:Class"`` and imported on first use, so that ``streamppo --help`` or
+``streamppo up`` does not import torch, transformers or vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from common.config import RunConfig
+from common.schema import TOPIC_MESSAGE
+from services.transport.base import TopicSpec, dlq_topic
+
+__all__ = ["ROLES", "WEIGHTS_TOPIC", "Role", "pipeline_topics"]
+
+# Weight announcements: read by every replica that loads weights (no consumer group), compacted by key.
+WEIGHTS_TOPIC = "weights"
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    service: str  # "module:Class", a subclass of services.service.Service
+    summary: str  # one line for `streamppo --help`
+    input_topic: str | None  # None: the role consumes nothing (the feeder)
+    output_topic: str
+    weight_models: tuple[str, ...] = ()  # models whose announcements on WEIGHTS_TOPIC its replicas load
+    max_replicas: int | None = None  # None: as many as the user starts
+    ends_run: bool = False  # the run is over when every replica of such a role is done
+    aliases: tuple[str, ...] = ()  # other names of its CLI command
+
+    def service_class(self) -> type:
+        """The :class:`services.service.Service` subclass that implements the role (imported now)."""
+        module, _, name = self.service.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def create(self, config: RunConfig, replica_id: str | None = None):
+        """A replica of the role: ``Service(config, replica_id)``."""
+        return self.service_class()(config, replica_id)
+
+
+ROLES: dict[str, Role] = {
+    role.name: role
+    for role in (
+        Role(
+            "feeder",
+            "services.feeder:FeederService",
+            "publish the run's prompt batches, then exit",
+            input_topic=None,
+            output_topic="prompts",
+            max_replicas=1,
+            aliases=("feed",),
+        ),
+        Role(
+            "generator",
+            "services.generator:GeneratorService",
+            "prompts → rollouts: the actor samples n responses per prompt, with their log-probs",
+            input_topic="prompts",
+            output_topic="rollouts",
+            weight_models=("actor",),
+        ),
+        Role(
+            "scorer",
+            "services.scorer:ScorerService",
+            "rollouts → scored: reward model scores and the frozen reference's log-probs",
+            input_topic="rollouts",
+            output_topic="scored",
+        ),
+        Role(
+            "advantage",
+            "services.advantage:AdvantageService",
+            "scored → experience: critic values, KL-shaped rewards, advantages",
+            input_topic="scored",
+            output_topic="experience",
+            weight_models=("critic",),
+        ),
+        Role(
+            "learner",
+            "services.learner:LearnerService",
+            "experience → weights: PPO updates of actor and critic, snapshots announced",
+            input_topic="experience",
+            output_topic=WEIGHTS_TOPIC,
+            max_replicas=1,
+            ends_run=True,
+        ),
+    )
+}
+
+
+def pipeline_topics(partitions: int = 1) -> list[TopicSpec]:
+    """Every topic the pipeline uses (those of ``common.schema.TOPIC_MESSAGE``), each with its dead-letter topic.
+
+    The weights topic has one partition and is compacted: its readers want the newest announcement per model.
+    """
+    specs = []
+    for name in TOPIC_MESSAGE:
+        weights = name == WEIGHTS_TOPIC
+        specs.append(TopicSpec(name, 1 if weights else partitions, compacted=weights))
+        specs.append(TopicSpec(dlq_topic(name), 1))
+    return specs

@@ -1,0 +1,160 @@
+"""The service contract: what every role implements, and what a runner calls, in what order.
+
+A service is the thin adapter around a core in ``common/``: it decodes nothing and touches no bus itself (its
+:class:`~services.runtime.ServiceRunner` does both); it turns one input message into output messages.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
+
+from common.schema import Message, WeightAnnouncement
+from common.weights import WeightIntegrityError
+from services.roles import ROLES, Role
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Dropped", "InputError", "Service", "check_token_ids", "load_announced_weights"]
+
+
+class InputError(ValueError):
+    """A message that decoded but cannot be processed (e.g. token ids outside the model's vocabulary).
+
+    Raised by :meth:`Service.process`; the runner sends the record to the dead-letter topic."""
+
+
+class Dropped(Exception):
+    """A valid message the service decided not to use (e.g. experience too stale to train on), with the reason.
+
+    Raised by :meth:`Service.process` after the service recorded the decision in its own state; the runner commits
+    past the record like a processed one and counts it under the outcome ``dropped``."""
+
+
+class Service(ABC):
+    """One replica of a role (:data:`services.roles.ROLES`). The lifecycle, as every runner drives it:
+
+    1. ``Service(config, replica_id)``: load models and state. Sets :attr:`config`, :attr:`replica_id` (default
+       ``<role>-0``), :attr:`run_id` (messages of other runs are skipped) and :attr:`spec` (the role's entry).
+    2. :meth:`start` once, before any input: the messages it returns are produced first (the learner re-announces
+       resumed weights, the feeder publishes the prompt batches).
+    3. The loop, one step at a time:
+       - :meth:`on_weights` for the newest announcement of each of :attr:`weight_models`;
+       - :meth:`ready_for` for an input message; False holds it (uncommitted, its partition paused) and
+         :meth:`waiting_for` says why;
+       - :meth:`process`: one input message to the output messages (or :class:`InputError`: dead-lettered, or
+         :class:`Dropped`: not used, counted);
+       - :meth:`make_durable` before its input is committed: False keeps the input uncommitted (re-delivered
+         after a crash) until the service's state is safe.
+       - :meth:`done` after each step: True ends the loop.
+    4. :meth:`finish` once, only if :meth:`done` became True (the run is complete): final exports.
+    5. :meth:`close` always, last (also after a signal or an error): release engines and files.
+
+    Observers registered with :meth:`observe` receive the statistics a service reports as it works (the learner
+    reports one record per update), e.g. for Prometheus gauges or a progress bar.
+    """
+
+    role: ClassVar[str]  # the key of this service's entry in ROLES
+
+    def __init__(self, config: RunConfig, replica_id: str | None = None):
+        self.config = config
+        self.spec: Role = ROLES[self.role]
+        self.replica_id = replica_id or f"{self.role}-0"
+        self.run_id = config.run.run_id
+        self._observers: list[Callable[[dict], None]] = []
+
+    @property
+    def input_topic(self) -> str | None:
+        return self.spec.input_topic
+
+    @property
+    def output_topic(self) -> str:
+        return self.spec.output_topic
+
+    @property
+    def weight_models(self) -> tuple[str, ...]:
+        return self.spec.weight_models
+
+    # ------------------------------------------------------------------ lifecycle hooks
+
+    def start(self) -> list[Message]:
+        """Messages for :attr:`output_topic` to produce once, before any input is handled."""
+        return []
+
+    def on_weights(self, announcement: WeightAnnouncement) -> bool:
+        """Load a newer snapshot of one of :attr:`weight_models`; False if it was refused (old weights kept)."""
+        return False
+
+    def ready_for(self, message: Message) -> bool:
+        """False holds ``message`` back (uncommitted) until, e.g., newer weights arrive."""
+        return True
+
+    def waiting_for(self, message: Message) -> str:
+        """Why :meth:`ready_for` is False, for logs and stall reports."""
+        return ""
+
+    @abstractmethod
+    def process(self, message: Message) -> list[Message]:
+        """The core call: one input message to zero or more messages for :attr:`output_topic`."""
+
+    def make_durable(self, offsets: dict[str, int], force: bool = False) -> bool:
+        """Whether the state covering all input handled so far survives a crash; input is committed only then.
+
+        ``offsets`` are the input positions that would be committed (``"topic/partition"`` → next offset), for a
+        checkpoint to record. A service whose state lives in memory (the learner between two checkpoints) returns
+        False until its checkpoint is due, or ``force``; its input stays uncommitted meanwhile, so after a crash
+        the broker delivers it again to the state restored from the last checkpoint.
+        """
+        return True
+
+    def done(self) -> bool:
+        """Whether this replica has finished its part of the run; most services serve until stopped."""
+        return False
+
+    def finish(self) -> None:
+        """Called once when :meth:`done` became True: write what a completed run leaves behind."""
+
+    def close(self) -> None:
+        """Release what the service holds outside this process (e.g. an inference engine)."""
+
+    # ------------------------------------------------------------------ observers
+
+    def observe(self, callback: Callable[[dict], None]) -> None:
+        """Call ``callback(statistics)`` for each record this service reports."""
+        self._observers.append(callback)
+
+    def report(self, statistics: dict) -> None:
+        for callback in self._observers:
+            callback(statistics)
+
+
+def check_token_ids(message: Message, model, role: str) -> None:
+    """Reject token ids the model's embedding cannot look up (the schema only knows they are non-negative).
+
+    ``model`` may be a meta-device skeleton: only its embedding's size is read.
+    """
+    vocab = model.get_input_embeddings().num_embeddings
+    for name in ("prompt_tokens", "response_tokens"):
+        array = getattr(message, name, None)
+        if array is not None and array.size and int(array.max()) >= vocab:
+            raise InputError(f"{name} holds id {int(array.max())}, outside the {role}'s vocabulary of {vocab}")
+
+
+def load_announced_weights(load, announcement: WeightAnnouncement, replica_id: str, current_version: int) -> bool:
+    """Load an announced snapshot with ``load(uri, sha256)``; a damaged one is refused and the current weights kept.
+
+    ``load`` raises :class:`WeightIntegrityError` for a snapshot it refuses (a sampler's ``load_snapshot``, or
+    :func:`common.weights.load_snapshot_into` bound to a module).
+    """
+    try:
+        load(announcement.uri, announcement.sha256)
+    except WeightIntegrityError as exc:
+        log.error("%s: keeping %s v%d: %s", replica_id, announcement.model, current_version, exc)
+        return False
+    log.info("%s: %s weights v%d loaded", replica_id, announcement.model, announcement.policy_version)
+    return True

@@ -1,0 +1,221 @@
+"""The shape of the code: one role registry, one service lifecycle, no import cycles, no import-time side effects."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.schema import TOPIC_MESSAGE
+from services.roles import ROLES, WEIGHTS_TOPIC, Role, pipeline_topics
+from services.service import Service
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("common", "services")
+
+
+def project_modules() -> dict[str, Path]:
+    modules = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            modules[name] = path
+    return modules
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules imported anywhere in ``path``, deferred (in-function) imports included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            # `from common import ppo` imports the module common.ppo; `from common.ppo import gae` imports common.ppo
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    modules = project_modules()
+    graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
+    # A package's __init__ re-exporting its own submodule is not a cycle: importing the submodule runs it first.
+    for name in graph:
+        graph[name] = {dep for dep in graph[name] if not dep.startswith(name + ".")}
+
+    def reaches(start: str, target: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for dep in graph.get(node, ()):
+                if dep == target:
+                    return [*path, dep]
+                if dep not in seen:
+                    seen.add(dep)
+                    stack.append((dep, [*path, dep]))
+        return None
+
+    cycles = [cycle for name in graph if (cycle := reaches(name, name))]
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_common_imports_no_transport_and_no_service():
+    modules = project_modules()
+    for name, path in modules.items():
+        if name.startswith("common"):
+            bad = {dep for dep in imports_of(path, modules) if dep.startswith("services")}
+            assert not bad, f"{name} imports {bad}"
+
+
+def test_runners_name_no_role_and_no_topic():
+    """Roles and topics are named once (services/roles.py, common/schema.py): runners only read the registry."""
+    names = set(ROLES) | {alias for role in ROLES.values() for alias in role.aliases} | set(TOPIC_MESSAGE)
+    for module in ("runtime", "process", "embedded", "cluster", "cli", "service"):
+        tree = ast.parse((REPO / "services" / f"{module}.py").read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef) and node.body
+            if isinstance(node.body[0], ast.Expr)
+        }
+        literals = {
+            node.value
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+        }
+        assert not literals & names, f"services/{module}.py names {literals & names}"
+
+
+def test_the_registry_is_consistent_with_the_wire_contract():
+    for name, role in ROLES.items():
+        cls = role.service_class()
+        assert issubclass(cls, Service) and cls.role == name
+        for topic in (role.input_topic, role.output_topic):
+            assert topic is None or topic in TOPIC_MESSAGE, (name, topic)
+    specs = {spec.name: spec for spec in pipeline_topics(3)}
+    assert set(specs) == set(TOPIC_MESSAGE) | {f"{t}.dlq" for t in TOPIC_MESSAGE}
+    assert specs[WEIGHTS_TOPIC].compacted and specs[WEIGHTS_TOPIC].partitions == 1
+    assert [ROLES[r].output_topic for r in ROLES][:-1] == [ROLES[r].input_topic for r in ROLES][1:], "a chain"
+
+
+@pytest.fixture
+def extra_role(monkeypatch):
+    """A role added the way the registry says: one entry."""
+    role = Role(
+        "auditor", "test_structure:Auditor", "audits experience", input_topic="experience", output_topic="experience"
+    )
+    monkeypatch.setitem(ROLES, role.name, role)
+    return role
+
+
+class Auditor(Service):
+    """Reads every experience batch (its own consumer group) and records the lifecycle calls it receives."""
+
+    role = "auditor"
+    calls: list[str] = []
+
+    def __init__(self, config, replica_id=None):
+        super().__init__(config, replica_id)
+        Auditor.calls = ["init"]
+        self.seen: list[str] = []
+
+    def start(self):
+        Auditor.calls.append("start")
+        return []
+
+    def process(self, message):
+        Auditor.calls.append("process")
+        self.seen.append(message.batch_id)
+        return []
+
+    def done(self):
+        return len(self.seen) >= self.config.run.steps
+
+    def finish(self):
+        Auditor.calls.append("finish")
+        (Path(self.config.run.dir) / "audit.json").write_text(json.dumps(self.seen))
+
+    def close(self):
+        Auditor.calls.append("close")
+
+
+def test_an_added_role_is_a_cli_command_and_a_cluster_role(extra_role):
+    from services.cli import build_parser
+    from services.cluster import parse_replicas
+
+    args = build_parser().parse_args(["auditor", "--config", "run.yaml", "--replica-id", "a-1"])
+    assert args.role == "auditor" and args.replica_id == "a-1"
+    assert parse_replicas(["auditor=3"])["auditor"] == 3
+    assert build_parser().parse_args(["feed", "--config", "x.yaml"]).role == "feeder", "aliases still work"
+    with pytest.raises(ValueError, match="at most 1"):
+        parse_replicas(["learner=2"])
+
+
+def test_an_added_role_runs_in_the_embedded_run_through_the_whole_lifecycle(extra_role, make_config):
+    from services.embedded import run_embedded
+
+    config = make_config("run.steps=2", "data.eval_prompts=0")
+    run_embedded(config, progress=False)
+    audited = json.loads((config.run.dir / "audit.json").read_text())
+    trained = [json.loads(line)["batch_id"] for line in (config.run.dir / "metrics.jsonl").open()]
+    assert sorted(audited) == sorted(trained) and len(trained) == 2
+    assert Auditor.calls == ["init", "start", "process", "process", "finish", "close"]
+
+
+def test_a_service_that_skips_the_base_constructor_is_refused(make_config):
+    from services.runtime import ServiceRunner
+    from services.transport import MemoryBus
+
+    class Forgetful(Service):
+        role = "scorer"
+
+        def __init__(self, config, replica_id=None):
+            self.config = config  # no super().__init__: no run id, which would silently skip every message
+
+        def process(self, message):
+            return []
+
+    with pytest.raises(TypeError, match="not initialised by Service.__init__"):
+        ServiceRunner(Forgetful(make_config()), MemoryBus())
+
+
+def test_the_base_constructor_sets_the_identity(make_config):
+    class Minimal(Service):
+        role = "scorer"
+
+        def process(self, message):
+            return []
+
+    config = make_config()
+    service = Minimal(config, "scorer-7")
+    assert (service.run_id, service.replica_id) == (config.run.run_id, "scorer-7")
+    assert (service.input_topic, service.output_topic) == (ROLES["scorer"].input_topic, ROLES["scorer"].output_topic)
+    assert Minimal(config).replica_id == "scorer-0"
+
+
+def test_importing_the_project_changes_no_global_state():
+    modules = sorted(project_modules())
+    code = f"""
+import logging, os
+import torch, transformers
+before_env, before_level = dict(os.environ), transformers.logging.get_verbosity()
+before_bars = transformers.utils.logging.is_progress_bar_enabled()
+import importlib
+for name in {modules!r}:
+    importlib.import_module(name)
+assert dict(os.environ) == before_env, set(os.environ.items()) ^ set(before_env.items())
+assert transformers.logging.get_verbosity() == before_level
+assert transformers.utils.logging.is_progress_bar_enabled() == before_bars
+assert not logging.getLogger().handlers, "logging configured at import"
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
