@@ -28,6 +28,7 @@ __all__ = [
     "Message",
     "PromptBatch",
     "RUN_ID",
+    "ReplicaStatus",
     "RolloutBatch",
     "SchemaError",
     "ScoredBatch",
@@ -230,8 +231,16 @@ class WeightAnnouncement(Message):
     num_bytes: int = scalar("int", "Size of the snapshot file in bytes.")
 
 
+class _Record:
+    """A wire type outside the pipeline (no header): its wire fields are all its fields."""
+
+    @classmethod
+    def wire_fields(cls) -> list[tuple[str, WireType]]:
+        return [(f.name, f.metadata["wire"]) for f in dataclasses.fields(cls)]
+
+
 @dataclass
-class DeadLetter:
+class DeadLetter(_Record):
     """Not a pipeline message: what a service writes to ``<topic>.dlq`` for input it could not decode."""
 
     SCHEMA: ClassVar[str] = "dead_letter"
@@ -246,13 +255,38 @@ class DeadLetter:
     producer: str = scalar("str", "The service replica that rejected it.")
     created_at: float = scalar("float", "Unix time of the rejection.")
 
-    @classmethod
-    def wire_fields(cls) -> list[tuple[str, WireType]]:
-        return [(f.name, f.metadata["wire"]) for f in dataclasses.fields(cls)]
+
+@dataclass
+class ReplicaStatus(_Record):
+    """Not a pipeline message: what each service replica says about itself, every 30 s, on the status topic."""
+
+    SCHEMA: ClassVar[str] = "replica_status"
+    VERSION: ClassVar[int] = 1
+    DOC: ClassVar[str] = (
+        "A service replica's state, keyed by replica on a compacted topic, so the latest one per replica survives: "
+        "what `streamppo status` shows."
+    )
+
+    replica: str = scalar("str", "The replica's id.")
+    role: str = scalar("str", "Its role.")
+    run_id: str = scalar("str", "The run it serves.")
+    state: str = scalar("str", "'serving', 'waiting' (it holds input it is not ready for), 'done' or 'stopped'.")
+    waiting_for: str = scalar("str", "What held input waits for, with its partition and for how long; '' if none.")
+    held: int = scalar("int", "Input records held back.")
+    held_seconds: float = scalar("float", "How long the oldest held record has waited.")
+    lag: int = scalar("int", "Records in its partitions not yet consumed.")
+    counters: dict = _wire(
+        Lineage(
+            "Batches by outcome (processed, dropped, duplicates, dead_letters, ...), "
+            "and the weight versions loaded (weights.<model>)."
+        )
+    )
+    created_at: float = scalar("float", "Unix time of this report.")
 
 
 MESSAGE_TYPES: dict[str, type] = {
-    cls.SCHEMA: cls for cls in (PromptBatch, RolloutBatch, ScoredBatch, ExperienceBatch, WeightAnnouncement, DeadLetter)
+    cls.SCHEMA: cls
+    for cls in (PromptBatch, RolloutBatch, ScoredBatch, ExperienceBatch, WeightAnnouncement, DeadLetter, ReplicaStatus)
 }
 # The message type each pipeline topic carries. Dead-letter topics are named "<topic>.dlq".
 TOPIC_MESSAGE: dict[str, type] = {

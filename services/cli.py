@@ -47,6 +47,20 @@ def _topics(args) -> int:
     return 0
 
 
+def _status(args) -> int:
+    from common.config import load_config
+    from services.process import kafka_bus
+    from services.status import format_status, read_status
+
+    config = load_config(args.config, args.set)
+    bus = kafka_bus(config, args.bootstrap)
+    try:
+        print(format_status(read_status(bus, config.run.run_id)))
+    finally:
+        bus.close()
+    return 0
+
+
 def _up(args) -> int:
     from common.config import load_config
     from services.cluster import parse_replicas, up
@@ -165,6 +179,12 @@ def _add_pipeline_commands(sub) -> None:
     topics = sub.add_parser("topics", help="create the pipeline's topics (and their .dlq) on the broker, then exit")
     _config_options(topics, broker=True)
     topics.set_defaults(handler=_topics)
+
+    status = sub.add_parser(
+        "status", help="what each replica of the run does, what it waits for, weights, dead letters"
+    )
+    _config_options(status, broker=True)
+    status.set_defaults(handler=_status)
 
     cluster = sub.add_parser("up", help="run every service as its own process over a local (or given) broker")
     _config_options(cluster)

@@ -54,6 +54,15 @@ class ServiceMetrics:
         self.lag = Gauge(
             "streamppo_consumer_lag", "Records in this replica's partitions not yet consumed.", ["role"], registry=r
         )
+        self.held_records = Gauge(
+            "streamppo_held_records",
+            "Input records held back until the service is ready for them.",
+            ["role"],
+            registry=r,
+        )
+        self.held_seconds = Gauge(
+            "streamppo_held_seconds", "How long the oldest held input record has waited.", ["role"], registry=r
+        )
         self.policy_version = Gauge(
             "streamppo_policy_version", "Policy version of the weights in use.", ["role"], registry=r
         )

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 __all__ = ["default_replica_id", "kafka_bus", "serve"]
 
 STATUS_EVERY_S = 30.0
+STALL_WARNING_S = 120.0
 
 
 def default_replica_id(role: str) -> str:
@@ -103,21 +104,35 @@ def serve(
         if runner is None:
             service.close()
         else:
+            _report_status(runner, "done" if service.done() else "stopped")
             runner.close()
             # One parseable line: where this replica's time went (benchmarks/ reads it).
             log.info("%s: time breakdown %s", replica_id, json.dumps({"role": role, **runner.time_breakdown()}))
     return 0
 
 
+def _report_status(runner: ServiceRunner, state: str | None = None) -> None:
+    """The status line, the status topic, and, while input is held, a warning that says what it waits for."""
+    try:
+        status = runner.publish_status(state)
+    except KafkaError as exc:  # a report is not worth failing over; the next one comes in STATUS_EVERY_S
+        log.warning("%s: status not published (%s)", runner.replica_id, exc)
+        return
+    log.info("%s: status %s", runner.replica_id, runner.status())
+    if status.held:
+        # Holding input for a while is normal (the generator waits for each update); minutes of it are worth a look.
+        level = logging.WARNING if status.held_seconds >= STALL_WARNING_S else logging.INFO
+        log.log(level, "%s: waiting %.0f s: %s", runner.replica_id, status.held_seconds, status.waiting_for)
+
+
 def _loop(runner: ServiceRunner, stop: _StopFlag) -> None:
     """Poll until the service is done or a signal asks to stop; broker errors are retried with back-off."""
     backoff = 0.5
-    next_status = time.monotonic() + STATUS_EVERY_S
+    next_status = time.monotonic()
     while not stop.set and not runner.service.done():
         if time.monotonic() >= next_status:
             next_status = time.monotonic() + STATUS_EVERY_S
-            waiting = f"; {runner.waiting_for()}" if runner.held else ""
-            log.info("%s: status %s%s", runner.replica_id, runner.status(), waiting)
+            _report_status(runner)
         try:
             runner.poll_once(timeout_s=0.5)
             backoff = 0.5

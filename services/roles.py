@@ -17,10 +17,12 @@ from common.config import RunConfig
 from common.schema import TOPIC_MESSAGE
 from services.transport.base import TopicSpec, dlq_topic
 
-__all__ = ["ROLES", "WEIGHTS_TOPIC", "Role", "pipeline_topics"]
+__all__ = ["ROLES", "STATUS_TOPIC", "WEIGHTS_TOPIC", "Role", "pipeline_topics"]
 
 # Weight announcements: read by every replica that loads weights (no consumer group), compacted by key.
 WEIGHTS_TOPIC = "weights"
+# Each replica's latest ReplicaStatus (common.schema), compacted by replica id: what `streamppo status` reads.
+STATUS_TOPIC = "status"
 
 
 @dataclass(frozen=True)
@@ -94,13 +96,16 @@ ROLES: dict[str, Role] = {
 
 
 def pipeline_topics(partitions: int = 1) -> list[TopicSpec]:
-    """Every topic the pipeline uses (those of ``common.schema.TOPIC_MESSAGE``), each with its dead-letter topic.
+    """Every topic the pipeline uses (those of ``common.schema.TOPIC_MESSAGE``), each with its dead-letter topic,
+    and the status topic.
 
-    The weights topic has one partition and is compacted: its readers want the newest announcement per model.
+    The weights and status topics have one partition and are compacted: their readers want the newest record per
+    model, per replica.
     """
     specs = []
     for name in TOPIC_MESSAGE:
         weights = name == WEIGHTS_TOPIC
         specs.append(TopicSpec(name, 1 if weights else partitions, compacted=weights))
         specs.append(TopicSpec(dlq_topic(name), 1))
+    specs.append(TopicSpec(STATUS_TOPIC, 1, compacted=True))
     return specs

@@ -18,6 +18,7 @@ import logging
 import time
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from common.dedupe import RecentIds
 from common.schema import (
@@ -25,6 +26,7 @@ from common.schema import (
     TOPIC_MESSAGE,
     DeadLetter,
     Message,
+    ReplicaStatus,
     SchemaError,
     WeightAnnouncement,
     decode,
@@ -32,13 +34,22 @@ from common.schema import (
     message_key,
 )
 from services.metrics import ServiceMetrics
-from services.roles import WEIGHTS_TOPIC
+from services.roles import STATUS_TOPIC, WEIGHTS_TOPIC
 from services.service import Dropped, InputError, Service
 from services.transport import Bus, Consumer, Record, dlq_topic
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ServiceRunner"]
+
+
+@dataclass(frozen=True)
+class _Held:
+    """An input record the service is not ready for, kept (uncommitted, its partition paused) since ``since``."""
+
+    record: Record
+    message: Message
+    since: float  # time.monotonic()
 
 
 class ServiceRunner:
@@ -62,7 +73,7 @@ class ServiceRunner:
             else None
         )
         self.latest_weights: dict[str, int] = {}
-        self.held: dict[tuple[str, int], tuple[Record, Message]] = {}  # per paused partition
+        self.held: dict[int, _Held] = {}  # per paused partition
         self.uncommitted: dict[int, Record] = {}  # per partition: the newest record handled but not yet committed
         self.recent = RecentIds(service.config.pipeline.dedupe_window)
         self.counters: Counter[str] = Counter()
@@ -82,12 +93,12 @@ class ServiceRunner:
         did = self._apply_weights(timeout_s if self.held or self.work is None else 0.0)
         if self.work is None:
             return did
-        ready = [held for held in self.held.values() if self.service.ready_for(held[1])]
+        ready = [held for held in self.held.values() if self.service.ready_for(held.message)]
         if ready:
-            record, message = min(ready, key=lambda held: getattr(held[1], "step", 0))
-            del self.held[(record.topic, record.partition)]
-            self.work.resume(record.partition)
-            self._process(record, message)
+            held = min(ready, key=lambda held: getattr(held.message, "step", 0))
+            del self.held[held.record.partition]
+            self.work.resume(held.record.partition)
+            self._process(held.record, held.message)
             return True
         records = self.work.poll(0.0 if self.held else timeout_s, max_records=1)
         if not records:
@@ -106,7 +117,7 @@ class ServiceRunner:
             self._commit(record)
             return True
         if not self.service.ready_for(message):
-            self.held[(record.topic, record.partition)] = (record, message)
+            self.held[record.partition] = _Held(record, message, time.monotonic())
             self.work.pause(record.partition)
             return True
         self._process(record, message)
@@ -129,15 +140,16 @@ class ServiceRunner:
         for output in outputs:
             output.lineage[f"seconds.{self.service.role}"] = round(time.perf_counter() - started, 4)
         # Durable state first, then its outputs: a learner's checkpoint precedes the announcement of its weights.
-        self._hold_commit(record)
+        self._defer_commit(record)
         with self._timed("checkpoint"):
             durable = self._durable()
         with self._timed("produce"):
             self._produce(outputs)
         with self._timed("commit"):
             if durable:
-                self._commit_held()
-        self.recent.add(message.batch_id)
+                self._commit_deferred()
+        if outcome == "processed":  # a dropped record must not make the real batch of its id look re-delivered
+            self.recent.add(message.batch_id)
         seconds = time.perf_counter() - started
         self.counters["produced"] += len(outputs)
         sequences = getattr(message, "response_tokens", getattr(message, "prompt_tokens", None))
@@ -205,15 +217,49 @@ class ServiceRunner:
     def waiting_for(self) -> str:
         if not self.held:
             return "waiting for input"
-        return "; ".join(self.service.waiting_for(message) or "holding a message" for _, message in self.held.values())
+        now = time.monotonic()
+        return "; ".join(
+            f"{self.service.input_topic}[{partition}] for {now - held.since:.0f} s: "
+            f"{self.service.waiting_for(held.message) or 'holding a message'}"
+            for partition, held in sorted(self.held.items())
+        )
+
+    def held_seconds(self) -> float:
+        """How long the oldest held record has waited (0 if none)."""
+        return max((time.monotonic() - held.since for held in self.held.values()), default=0.0)
+
+    def publish_status(self, state: str | None = None) -> ReplicaStatus:
+        """Say what this replica is doing on the status topic (and in the held-input gauges); returns the report.
+
+        ``state`` defaults to ``waiting`` while input is held, else ``serving``.
+        """
+        held_seconds = self.held_seconds()
+        self.metrics.held_records.labels(self.service.role).set(len(self.held))
+        self.metrics.held_seconds.labels(self.service.role).set(held_seconds)
+        versions = {f"weights.{model}": version for model, version in self.latest_weights.items()}
+        status = ReplicaStatus(
+            replica=self.replica_id,
+            role=self.service.role,
+            run_id=self.service.run_id,
+            state=state or ("waiting" if self.held else "serving"),
+            waiting_for=self.waiting_for() if self.held else "",
+            held=len(self.held),
+            held_seconds=round(held_seconds, 1),
+            lag=self.work.lag() if self.work is not None else 0,
+            counters={**self.counters, **versions},
+            created_at=time.time(),
+        )
+        self.producer.send(STATUS_TOPIC, encode(status), key=self.replica_id.encode())
+        self.producer.flush()
+        return status
 
     def _commit(self, record: Record) -> None:
         """Commit input, but never past state the service has not made durable (:meth:`Service.make_durable`)."""
-        self._hold_commit(record)
+        self._defer_commit(record)
         if self._durable():
-            self._commit_held()
+            self._commit_deferred()
 
-    def _hold_commit(self, record: Record) -> None:
+    def _defer_commit(self, record: Record) -> None:
         # Offsets commit per partition: a later record's commit would also commit an earlier, not yet durable one,
         # so every input record of the partition waits with it.
         self.uncommitted[record.partition] = record
@@ -222,14 +268,14 @@ class ServiceRunner:
         offsets = {f"{r.topic}/{r.partition}": r.offset + 1 for r in self.uncommitted.values()}
         return not offsets or self.service.make_durable(offsets, force)
 
-    def _commit_held(self) -> None:
+    def _commit_deferred(self) -> None:
         for pending in self.uncommitted.values():
             self.work.commit(pending)
         self.uncommitted.clear()
 
     def close(self) -> None:
         if self._durable(force=True):
-            self._commit_held()
+            self._commit_deferred()
         self.service.close()
         self.producer.close()
         if self.work is not None:

@@ -277,3 +277,123 @@ def test_a_refused_weight_announcement_does_not_block_the_real_one(make_config, 
     poll_until(2)
     assert advantage.critic_version == 2, "the real v2 is loaded although a v2 was refused before"
     runner.close()
+
+
+def test_the_learner_applies_experience_in_step_order_across_partitions(make_config, kafka_broker):
+    """Partitions deliver out of order; trained in arrival order, a batch sampled within max_staleness would be
+    trained outside it (or look newer than the learner and be dropped)."""
+    import dataclasses
+
+    from kafka.partitioner.default import murmur2
+
+    from common.schema import encode
+    from services.advantage import AdvantageService
+    from services.feeder import FeederService
+    from services.generator import GeneratorService
+    from services.learner import LearnerService
+    from services.scorer import ScorerService
+
+    config = make_config(
+        *kafka_broker,
+        f"run.run_id={unique('order')}",
+        "pipeline.max_staleness=1",
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=6",
+        "learner.mini_batch_size=4",
+        "data.eval_prompts=0",
+    )
+    feeder, generator, scorer, advantage = (
+        FeederService(config),
+        GeneratorService(config),
+        ScorerService(config),
+        AdvantageService(config),
+    )
+    batches = [advantage.process(scorer.process(generator.process(feeder.batch(s))[0])[0])[0] for s in range(3)]
+    batches[2] = dataclasses.replace(batches[2], policy_version=1)  # step 2 is sampled once v1 is out (k = 1)
+    # Keys that put the three steps on three different partitions, the last step first in time.
+    keys, used = [], set()
+    for candidate in (f"k{i}".encode() for i in range(1000)):
+        partition = (murmur2(candidate) & 0x7FFFFFFF) % config.kafka.partitions
+        if partition not in used:
+            used.add(partition)
+            keys.append(candidate)
+        if len(keys) == 3:
+            break
+    bus = kafka_bus(config)
+    producer = bus.producer("test")
+    for step in (2, 1, 0):
+        producer.send("experience", encode(batches[step]), key=keys[step])
+    producer.flush()
+
+    learner = LearnerService(config, unique("learner"))
+    runner = ServiceRunner(learner, bus)
+    deadline = time.monotonic() + 60
+    while not learner.done() and learner.updates < 3 and time.monotonic() < deadline:
+        runner.poll_once(0.2)
+    runner.close()
+    lines = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["batch_id"] for line in lines] == [b.batch_id for b in batches], "applied in step order"
+    assert [line["staleness"] for line in lines] == [0, 1, 1] and learner.dropped_stale == 0
+
+
+def test_streamppo_status_shows_what_each_replica_waits_for(make_config, kafka_broker):
+    from common.schema import encode, message_key
+    from services.feeder import FeederService
+    from services.generator import GeneratorService
+
+    run_id = unique("status")
+    config = make_config(
+        *kafka_broker,
+        f"run.run_id={run_id}",
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=4",
+        "data.eval_prompts=0",
+        "learner.mini_batch_size=4",
+    )
+    bus = kafka_bus(config)
+    feeder = FeederService(config)
+    producer = bus.producer("test")
+    for message in (feeder.batch(0), feeder.batch(1)):  # on-policy: batch 1 waits for actor v1
+        producer.send("prompts", encode(message), key=message_key(message))
+    producer.send("prompts.dlq", b"a rejected record")
+    producer.flush()
+    replica = unique("generator")
+    runner = ServiceRunner(GeneratorService(config, replica), bus)
+    deadline = time.monotonic() + 60
+    while not (runner.counters["processed"] == 1 and runner.held) and time.monotonic() < deadline:
+        runner.poll_once(0.2)
+    assert runner.held, "batch 1 is held"
+    runner.publish_status()
+    held_gauge = runner.metrics.registry.get_sample_value("streamppo_held_records", {"role": "generator"})
+    assert held_gauge == 1, "exported as a metric too"
+    bootstrap = config.kafka.bootstrap
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "status",
+            "--config",
+            str(EXAMPLE / "config.yaml"),
+            "--bootstrap",
+            bootstrap,
+            "--set",
+            f"run.run_id={run_id}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    runner.close()
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert f"run {run_id}: 1 replica(s) reporting" in out
+    (row,) = [line for line in out.splitlines() if line.startswith(replica)]
+    assert row.split()[1:4] == ["waiting", "0", "1"], row  # state, lag, held
+    assert "prompt batch 1 waits for actor v1 (has v0)" in out and "prompts[" in out
+    assert "newest weights: none" in out
+    dlq = dict(item.rsplit(" ", 1) for item in out.split("dead letters: ")[1].strip().split(", "))
+    assert int(dlq["prompts.dlq"]) >= 1

@@ -11,7 +11,7 @@ from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
 from services.scorer import ScorerService
-from services.service import Dropped
+from services.service import Dropped, InputError
 
 
 @pytest.fixture
@@ -122,16 +122,24 @@ def test_with_checkpoint_every_n_a_crash_re_applies_the_updates_since_the_checkp
     assert all(torch.equal(expected[k], actual[k]) for k in expected), "same weights as a run that never stopped"
 
 
-def test_experience_from_weights_announced_before_a_crash_waits_for_the_restored_learner(config, experience):
+def test_experience_is_applied_in_step_order_and_impossible_or_forged_batches_never_count(config, experience):
     config = config.model_copy(update={"learner": config.learner.model_copy(update={"checkpoint_every": 3})})
     learner = LearnerService(config)  # at v0; it may have announced up to v2 before a crash rolled it back
 
-    def sampled_by(version: int):
-        return dataclasses.replace(experience[0], policy_version=version)
+    def batch(step: int, sampled_by: int):
+        return dataclasses.replace(experience[0], step=step, policy_version=sampled_by)
 
-    assert learner.ready_for(sampled_by(0)) and not learner.ready_for(sampled_by(1))
-    assert not learner.ready_for(sampled_by(2)) and "waits for the learner" in learner.waiting_for(sampled_by(2))
-    assert learner.ready_for(sampled_by(3)), "never announced by this learner: processed, i.e. dropped"
-    with pytest.raises(Dropped, match="learner at v0"):
-        learner.process(sampled_by(3))
-    assert learner.dropped_stale == 1 and learner.trainer.version == 0
+    assert learner.ready_for(batch(0, 0))
+    assert not learner.ready_for(batch(1, 1)) and not learner.ready_for(batch(2, 2)), "later steps wait"
+    assert "waits for step 0" in learner.waiting_for(batch(2, 2))
+    # v0 + (checkpoint_every − 1) announced at most, + max_staleness 3: step 5 is the last a real batch can have.
+    for impossible in (6, config.run.steps):
+        assert learner.ready_for(batch(impossible, 0)), "let through, so that it does not block its partition"
+        with pytest.raises(InputError, match=f"step {impossible} cannot be real"):
+            learner.process(batch(impossible, 0))
+    forged = batch(0, 1_000_000)  # the id of the real step 0, a version no learner published
+    with pytest.raises(Dropped, match="newer than this learner"):
+        learner.process(forged)
+    assert learner.dropped_stale == 1 and learner.updates == 0 and not learner.done()
+    assert len(learner.process(experience[0])) == 2, "the real batch of that id is still applied and announced"
+    assert learner.updates == 1

@@ -228,14 +228,31 @@ def test_the_learner_refuses_experience_from_a_newer_policy(bus, config):
     message = FeederService(config).batch(0)
     for stage in (GeneratorService, ScorerService, AdvantageService):
         message = stage(config).process(message)[0]
-    message.policy_version = 5  # sampled by weights this learner never published
+    real = encode(message)
+    message.policy_version = 5  # sampled by weights this learner never published, under the real batch's id
     learner = LearnerService(config)
     runner = ServiceRunner(learner, bus)
     publish(bus, "experience", encode(message))
     assert runner.poll_once()
-    assert learner.trainer.version == 0 and learner.dropped_stale == 1
+    assert learner.trainer.version == 0 and learner.dropped_stale == 1 and not learner.done()
     assert runner.counters["dropped"] == 1 and runner.counters["processed"] == 0
     assert read_all(bus, "weights") == [], "nothing announced"
+    publish(bus, "experience", real)
+    assert runner.poll_once()
+    assert runner.counters["processed"] == 1 and runner.counters["duplicates"] == 0, "the forgery took no place"
+    assert learner.trainer.version == 1 and len(read_all(bus, "weights")) == 2
+
+
+def test_a_prompt_batch_outside_the_run_goes_to_the_dlq_instead_of_blocking(bus, config):
+    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    feeder = FeederService(config)
+    forged = feeder.batch(0)
+    forged.step = 10**9  # far in the future: held, it would pause its partition for good
+    publish(bus, "prompts", encode(forged), encode(feeder.batch(0)))
+    assert runner.poll_once() and runner.poll_once()
+    (letter,) = [decode(v) for v in read_all(bus, "prompts.dlq")]
+    assert "outside the run" in letter.error and runner.counters["dead_letters"] == 1
+    assert runner.counters["processed"] == 1 and not runner.held
 
 
 def test_status_reports_counters_and_lag(bus, config):

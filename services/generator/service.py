@@ -11,7 +11,7 @@ from common.generation import make_sampler
 from common.models import load_tokenizer, resolve_model
 from common.sampling import SamplingParams
 from common.schema import PromptBatch, RolloutBatch, WeightAnnouncement, new_header
-from services.service import Service, check_token_ids, load_announced_weights
+from services.service import InputError, Service, check_token_ids, load_announced_weights
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +35,18 @@ class GeneratorService(Service):
         return True
 
     def ready_for(self, message: PromptBatch) -> bool:
-        # Bounded staleness: batch `step` may be sampled by a policy at most max_staleness versions behind it.
-        return message.step - self.policy_version <= self.config.pipeline.max_staleness
+        # Bounded staleness: batch `step` may be sampled by a policy at most max_staleness versions behind it. A step
+        # outside the run is let through for process() to dead-letter: held, it would block its partition for good.
+        in_run = 0 <= message.step < self.config.run.steps
+        return not in_run or message.step - self.policy_version <= self.config.pipeline.max_staleness
 
     def waiting_for(self, message: PromptBatch) -> str:
         needed = message.step - self.config.pipeline.max_staleness
         return f"prompt batch {message.step} waits for actor v{needed} (has v{self.policy_version})"
 
     def process(self, message: PromptBatch) -> list[RolloutBatch]:
+        if not 0 <= message.step < self.config.run.steps:
+            raise InputError(f"step {message.step} is outside the run's steps 0..{self.config.run.steps - 1}")
         check_token_ids(message, self.sampler.skeleton, "actor")
         gen = self.config.generation
         params = SamplingParams(

@@ -1,7 +1,10 @@
 """learner: experience → weights. PPO updates of actor and critic, then new snapshots announced for both.
 
-Experience older than ``max_staleness`` versions is dropped and counted, never trained on. Each update appends
-one line of statistics to ``<run dir>/metrics.jsonl``.
+Batches are applied in step order (update ``v+1`` trains on step ``v``), so a batch sampled within the staleness
+bound is trained within it. Experience older than ``max_staleness`` versions, or sampled by weights this learner
+never published, is dropped and counted, never trained on, and never counts toward ``run.steps``; experience of a
+step no real batch can have goes to the dead-letter topic. Each update appends one line of statistics to
+``<run dir>/metrics.jsonl``.
 
 Every ``learner.checkpoint_every`` updates (and on shutdown) the learner checkpoints itself: models, optimizers,
 KL controller, version, the ids of the batches it handled last and the input offsets they cover; its input is
@@ -28,7 +31,7 @@ from common.models import load_actor, load_critic, load_tokenizer, resolve_model
 from common.schema import RUN_ID, ExperienceBatch, WeightAnnouncement, new_header
 from common.trainer import Experience, PPOTrainer
 from common.weights import WeightStore
-from services.service import Dropped, Service, check_token_ids
+from services.service import Dropped, InputError, Service, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +101,9 @@ class LearnerService(Service):
         # After a restart, announce the resumed version: the announcement of the last update may never have left.
         return self.announce()
 
-    @property
-    def consumed(self) -> int:
-        """Experience batches taken off the topic: trained on or dropped."""
-        return self.updates + self.dropped_stale
-
     def done(self) -> bool:
-        return self.consumed >= self.config.run.steps
+        # Updates applied: a dropped batch (forged, replayed, too stale) never counts toward the run's steps.
+        return self.updates >= self.config.run.steps
 
     def finish(self) -> None:
         """The trained actor and critic under ``final/``, and the eval answers before and after training."""
@@ -116,19 +115,32 @@ class LearnerService(Service):
         log.info("%s: %d updates done; final models in %s", self.replica_id, self.updates, self.run_dir / "final")
 
     def ready_for(self, message: ExperienceBatch) -> bool:
-        # After a crash the learner restarts from its last checkpoint, up to checkpoint_every - 1 updates behind
-        # weights it had already announced; experience sampled by those waits while the re-delivered batches are
-        # applied again. Anything newer was never published by this learner: process() drops it.
-        ahead = message.policy_version - self.trainer.version
-        return not 0 < ahead < self.config.learner.checkpoint_every
+        # Batches are applied in step order: update v+1 trains on step v. Partitions deliver out of order, and a
+        # batch trained after later steps would be staler than max_staleness allows, although its sampler kept the
+        # bound. After a crash rolls the learner back to its checkpoint, the experience of the steps it had already
+        # applied comes again and waits the same way. A step that no real batch can have is let through, for
+        # process() to dead-letter rather than to block its partition.
+        return message.step <= self.trainer.version or not self._possible_step(message.step)
 
     def waiting_for(self, message: ExperienceBatch) -> str:
         return (
-            f"experience {message.batch_id} (sampled by v{message.policy_version}) waits for the learner, "
-            f"restored to v{self.trainer.version}, to re-apply the updates since its checkpoint"
+            f"experience of step {message.step} waits for step {self.trainer.version} (learner at "
+            f"v{self.trainer.version}; batches are applied in step order)"
         )
 
+    def _possible_step(self, step: int) -> bool:
+        """Whether real experience can have ``step``: inside the run, and sampled by weights this learner, or its
+        rolled-back predecessor (up to ``checkpoint_every − 1`` versions further), announced."""
+        cfg = self.config
+        newest_announced = self.trainer.version + cfg.learner.checkpoint_every - 1
+        return 0 <= step < cfg.run.steps and step <= newest_announced + cfg.pipeline.max_staleness
+
     def process(self, message: ExperienceBatch) -> list[WeightAnnouncement]:
+        if not self._possible_step(message.step):
+            raise InputError(
+                f"step {message.step} cannot be real: the run has steps 0..{self.config.run.steps - 1} and the "
+                f"learner, at v{self.trainer.version}, has not published weights that could sample it"
+            )
         if message.batch_id in self.handled:
             log.info("%s: batch %s is already in the checkpoint; not applied again", self.replica_id, message.batch_id)
             return []
@@ -190,9 +202,9 @@ class LearnerService(Service):
     # ------------------------------------------------------------------ internals
 
     def _drop(self, message: ExperienceBatch, why: str) -> Dropped:
+        # Its id is not remembered: a dropped record must not make the real batch of that id look re-delivered.
         self.dropped_stale += 1
         self.since_checkpoint += 1
-        self.handled.add(message.batch_id)  # counted once, even if it comes back
         return Dropped(f"sampled by v{message.policy_version}, learner at v{self.trainer.version}: {why}")
 
     def announce(self) -> list[WeightAnnouncement]:

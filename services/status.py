@@ -1,0 +1,92 @@
+"""``streamppo status``: what a running pipeline is doing, read from the broker alone.
+
+Every replica publishes a :class:`~common.schema.ReplicaStatus` on the status topic every 30 s (and when it stops);
+the weights topic holds the newest announcements, the dead-letter topics what was rejected. This reads the three,
+keeps the run's own records, and prints one table: per replica its state, lag, held input and what it waits for,
+its counters and loaded weight versions; then the newest weight versions and the dead letters per topic.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from common.schema import RUN_ID, TOPIC_MESSAGE, ReplicaStatus, SchemaError, WeightAnnouncement, decode
+from services.roles import ROLES, STATUS_TOPIC, WEIGHTS_TOPIC
+from services.transport import Bus, Record, dlq_topic
+
+__all__ = ["PipelineStatus", "format_status", "read_status"]
+
+
+@dataclass
+class PipelineStatus:
+    run_id: str
+    replicas: dict[str, ReplicaStatus] = field(default_factory=dict)  # newest report per replica
+    weights: dict[str, int] = field(default_factory=dict)  # model -> newest announced version
+    dead_letters: dict[str, int] = field(default_factory=dict)  # "<topic>.dlq" -> records (all runs)
+    read_at: float = field(default_factory=time.time)
+
+
+def _read_all(bus: Bus, topic: str, timeout_s: float) -> list[Record]:
+    """Every record of ``topic`` from the beginning, read without joining a group."""
+    consumer = bus.consumer(topic, None, "streamppo-status", from_beginning=True)
+    records, empty, deadline = [], 0, time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and empty < 2:
+            batch = consumer.poll(0.5, max_records=10_000)
+            records += batch
+            empty = 0 if batch or consumer.lag() else empty + 1
+    finally:
+        consumer.close()
+    return records
+
+
+def read_status(bus: Bus, run_id: str, timeout_s: float = 20.0) -> PipelineStatus:
+    status = PipelineStatus(run_id)
+    for record in _read_all(bus, STATUS_TOPIC, timeout_s):
+        try:
+            report = decode(record.value, expected=ReplicaStatus)
+        except SchemaError:
+            continue
+        current = status.replicas.get(report.replica)
+        if report.run_id == run_id and (current is None or report.created_at >= current.created_at):
+            status.replicas[report.replica] = report
+    for record in _read_all(bus, WEIGHTS_TOPIC, timeout_s):
+        try:
+            announcement = decode(record.value, expected=WeightAnnouncement)
+        except SchemaError:
+            continue
+        if announcement.lineage.get(RUN_ID) == run_id:
+            newest = max(status.weights.get(announcement.model, -1), announcement.policy_version)
+            status.weights[announcement.model] = newest
+    for topic in TOPIC_MESSAGE:
+        status.dead_letters[dlq_topic(topic)] = len(_read_all(bus, dlq_topic(topic), timeout_s))
+    return status
+
+
+def format_status(status: PipelineStatus) -> str:
+    order = {name: i for i, name in enumerate(ROLES)}
+    replicas = sorted(status.replicas.values(), key=lambda r: (order.get(r.role, len(order)), r.replica))
+    lines = [f"run {status.run_id}: {len(replicas)} replica(s) reporting"]
+    header = f"{'replica':<28}{'state':<10}{'lag':>6}{'held':>6}{'processed':>11}{'dropped':>9}{'dlq':>5}  weights"
+    lines.append(header)
+    for r in replicas:
+        counters = r.counters
+        versions = ", ".join(
+            f"{k.removeprefix('weights.')} v{v}" for k, v in counters.items() if k.startswith("weights.")
+        )
+        age = status.read_at - r.created_at
+        lines.append(
+            f"{r.replica:<28}{r.state:<10}{r.lag:>6}{r.held:>6}{counters.get('processed', 0):>11}"
+            f"{counters.get('dropped', 0):>9}{counters.get('dead_letters', 0):>5}  {versions or '-'}"
+            f"  ({age:.0f} s ago)"
+        )
+        if r.waiting_for:
+            lines.append(f"    waiting on {r.waiting_for}")
+    per_role = {}
+    for r in replicas:
+        per_role[r.role] = per_role.get(r.role, 0) + r.lag
+    lines.append("lag per role: " + (", ".join(f"{role} {lag}" for role, lag in per_role.items()) or "-"))
+    lines.append("newest weights: " + (", ".join(f"{m} v{v}" for m, v in sorted(status.weights.items())) or "none"))
+    lines.append("dead letters: " + ", ".join(f"{t} {n}" for t, n in status.dead_letters.items()))
+    return "\n".join(lines)
