@@ -3,7 +3,8 @@
 ``<dir>/ckpt-<version>/trainer.pt`` holds tensors and plain values only (read back with
 ``torch.load(weights_only=True)``, which unpickles no code); ``learner.json`` holds the applied batch ids and
 counters. ``<dir>/LATEST`` names the newest complete checkpoint; it is replaced only after that checkpoint is fully
-written, so a process killed at any moment leaves the previous checkpoint intact.
+written (files and directory fsynced), so a process killed at any moment leaves the previous checkpoint intact; a
+disk without room for the new one raises :class:`common.storage.NoSpaceError` and changes nothing.
 """
 
 from __future__ import annotations
@@ -15,24 +16,38 @@ from pathlib import Path
 
 import torch
 
+from common.storage import fsync_dir, fsync_file, state_nbytes, write_or_explain
+
 __all__ = ["load_latest_checkpoint", "save_checkpoint"]
 
 
 def save_checkpoint(directory: Path, version: int, trainer_state: dict, meta: dict, keep: int = 2) -> Path:
+    """Write checkpoint ``version`` and point ``LATEST`` at it; raises :class:`NoSpaceError` (the previous
+    checkpoint still in place and pointed at) when the disk has no room for it."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     name = f"ckpt-{version:08d}"
     tmp = directory / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save(trainer_state, tmp / "trainer.pt")
-    (tmp / "learner.json").write_text(json.dumps(meta))
+
+    def write() -> None:
+        tmp.mkdir()
+        torch.save(trainer_state, tmp / "trainer.pt")
+        (tmp / "learner.json").write_text(json.dumps(meta))
+        fsync_file(tmp / "trainer.pt")
+        fsync_file(tmp / "learner.json")
+        fsync_dir(tmp)
+
+    needed = state_nbytes(trainer_state) + len(json.dumps(meta)) + (1 << 20)  # + headers and the pickled rest
+    write_or_explain(directory, f"checkpoint v{version}", needed, write, lambda: shutil.rmtree(tmp, True))
     final = directory / name
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     pointer = directory / ".LATEST.tmp"
     pointer.write_text(name)
+    fsync_file(pointer)
     os.replace(pointer, directory / "LATEST")
+    fsync_dir(directory)
     for old in sorted(p for p in directory.glob("ckpt-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

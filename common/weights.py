@@ -18,6 +18,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
+from common.storage import fsync_dir, fsync_file, state_nbytes, write_or_explain
+
 __all__ = ["Snapshot", "WeightIntegrityError", "WeightStore", "check_fits", "load_snapshot_into", "read_snapshot"]
 
 _SNAPSHOT_NAME = re.compile(r"^(?P<model>[a-z0-9_-]+)-v(?P<version>\d{8})\.safetensors$")
@@ -69,9 +71,18 @@ class WeightStore:
     def save(self, model_name: str, version: int, module: torch.nn.Module) -> Snapshot:
         path = self.root / f"{model_name}-v{version:08d}.safetensors"
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(_untied_state(module), str(tmp), metadata={"model": model_name, "version": str(version)})
+        state = _untied_state(module)
+
+        def write() -> None:
+            save_file(state, str(tmp), metadata={"model": model_name, "version": str(version)})
+            os.chmod(tmp, 0o644)  # safetensors writes 0600; readers may run under another uid on a shared volume
+            fsync_file(tmp)
+
+        needed = state_nbytes(state) + (1 << 20)
+        write_or_explain(self.root, f"the {model_name} v{version} snapshot", needed, write, lambda: tmp.unlink(True))
         digest = _sha256(tmp)
         os.replace(tmp, path)
+        fsync_dir(self.root)
         return Snapshot(model_name, version, str(path.resolve()), digest, path.stat().st_size)
 
     def prune(self, model_name: str, keep: int, current: int) -> list[Path]:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 import yaml
 
+from services import exit_codes
 from services.roles import ROLES
 
 __all__ = ["build_parser", "main"]
@@ -71,7 +73,7 @@ def _up(args) -> int:
     except ValueError as exc:
         print(f"streamppo: {exc}", file=sys.stderr)
         return 2
-    return up(args.config, args.set, args.bootstrap, replicas, verbose=args.verbose)
+    return up(args.config, args.set, args.bootstrap, replicas, verbose=args.verbose, restart=args.restart)
 
 
 def _models(args) -> int:
@@ -190,6 +192,12 @@ def _add_pipeline_commands(sub) -> None:
     _config_options(cluster)
     cluster.add_argument("--bootstrap", default=None, help="use this broker instead of starting a local one")
     cluster.add_argument("--replicas", action="append", default=[], metavar="ROLE=N", help="e.g. --replicas scorer=2")
+    cluster.add_argument(
+        "--restart",
+        choices=["on-failure", "never"],
+        default="on-failure",
+        help="restart a crashed service with back-off (default), or stop the run",
+    )
     cluster.set_defaults(handler=_up)
 
 
@@ -241,8 +249,10 @@ def _configure_logging(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # transformers logs a load report and progress bars for every model; the services log what matters themselves.
+    # transformers logs a load report and progress bars for every model, vLLM every engine step; the services log
+    # what matters themselves. vLLM reads its level from the environment when it is imported (in the generator).
     quiet_transformers()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
 
 
 def _dispatch(args) -> int:
@@ -251,18 +261,22 @@ def _dispatch(args) -> int:
     from common.data import DatasetError
     from common.models import ModelLoadError
     from common.rewards import RewardError
+    from common.storage import NoSpaceError
     from services.transport.kafka import BrokerUnavailable
 
     try:
         return args.handler(args)
     except ConfigError as exc:
         print(f"streamppo: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.CONFIG
     except (ModelLoadError, RewardError, DatasetError, BrokerUnavailable) as exc:
         print(f"streamppo: {exc}", file=sys.stderr)
-        return 1
+        return exit_codes.ERROR
+    except NoSpaceError as exc:
+        print(f"streamppo: {exc.strerror}", file=sys.stderr)
+        return exit_codes.NO_SPACE
     except KeyboardInterrupt:
-        return 130
+        return exit_codes.INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> int:

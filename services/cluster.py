@@ -2,8 +2,9 @@
 
 Starts a local Kafka-protocol broker (unless ``--bootstrap`` names one), then the replicas of every role in
 ``ROLES`` as child processes (``streamppo <role>``), each with its output prefixed by its name, and waits until
-every replica of the roles that end the run has finished. A child that exits with an error, or Ctrl-C, stops the
-run; then every child gets SIGTERM, and the broker stops last.
+every replica of the roles that end the run has finished. A child that exits with an error is restarted after a
+back-off (``--restart on-failure``, the default, as Kubernetes would) or stops the run (``--restart never``);
+Ctrl-C stops the run. Then every child gets SIGTERM, and the broker stops last.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from services import exit_codes
 from services.roles import ROLES
 from services.transport.local_broker import LocalBroker
 
@@ -41,9 +44,35 @@ def _pump(name: str, stream) -> None:
         sys.stdout.flush()
 
 
+RESTART_DELAYS_S = (1, 2, 4, 8, 16, 30)  # back-off between restarts of one child, as Kubernetes does
+QUICK_FAILURE_S = 30.0  # a child that fails sooner after its start counts toward giving up
+MAX_QUICK_FAILURES = 5  # then the failure is not transient (a missing model, a bad setting): the run stops
+
+
+@dataclass
+class _Child:
+    name: str
+    args: list[str]
+    process: subprocess.Popen | None = None
+    started: float = 0.0
+    quick_failures: int = 0
+    restart_at: float | None = None  # when a restart is due
+
+
 def up(
-    config_path: Path, overrides: list[str], bootstrap: str | None, replicas: dict[str, int], verbose: bool = False
+    config_path: Path,
+    overrides: list[str],
+    bootstrap: str | None,
+    replicas: dict[str, int],
+    verbose: bool = False,
+    restart: str = "on-failure",
 ) -> int:
+    """Run the pipeline; returns 0 once every replica of the roles that end the run has finished.
+
+    With ``restart="on-failure"`` a child that exits with an error (or is killed) is restarted after a back-off;
+    after ``MAX_QUICK_FAILURES`` failures in a row, each within ``QUICK_FAILURE_S`` of its start, the run stops
+    with that child's exit code. With ``restart="never"`` the first failure stops the run.
+    """
     broker = None
     if bootstrap is None:
         broker = LocalBroker().start()
@@ -54,18 +83,13 @@ def up(
         print(f"local broker listening on {bootstrap} (memory storage; idempotent producer off)", flush=True)
     common = ["--config", str(config_path), "--bootstrap", bootstrap]
     common += [arg for override in overrides for arg in ("--set", override)]
-    children: dict[str, subprocess.Popen] = {}
-
-    def start(name: str, args: list[str]) -> subprocess.Popen:
-        flags = ["-v"] if verbose else []
-        process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *flags, *args, *common],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        threading.Thread(target=_pump, args=(name, process.stdout), daemon=True).start()
-        children[name] = process
-        return process
+    flags = ["-v"] if verbose else []
+    children = {
+        f"{role}-{i}": _Child(f"{role}-{i}", [*flags, role, "--replica-id", f"{role}-{i}", *common])
+        for role in ROLES
+        for i in range(replicas[role])
+    }
+    ending = [children[f"{role}-{i}"] for role in ROLES if ROLES[role].ends_run for i in range(replicas[role])]
 
     interrupted = False
 
@@ -76,29 +100,63 @@ def up(
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        for role in ROLES:
-            for index in range(replicas[role]):
-                name = f"{role}-{index}"
-                start(name, [role, "--replica-id", name])
-        ending = [children[f"{role}-{i}"] for role in ROLES if ROLES[role].ends_run for i in range(replicas[role])]
+        for child in children.values():
+            _spawn(child)
         while not interrupted:
-            crashed = [(name, process) for name, process in children.items() if process.poll() not in (None, 0)]
-            if crashed:
-                name, process = crashed[0]
-                print(f"{name} exited with code {process.returncode}; stopping", flush=True)
-                return process.returncode if process.returncode > 0 else 1
-            if all(process.poll() == 0 for process in ending):
+            for child in children.values():
+                code = _supervise(child, restart)
+                if code is not None:
+                    return code
+            if all(child.process.poll() == 0 for child in ending):
                 return 0
             time.sleep(0.5)
-        return 130
+        return exit_codes.INTERRUPTED
     finally:
-        for process in children.values():
+        running = [child.process for child in children.values() if child.process is not None]
+        for process in running:
             if process.poll() is None:
                 process.terminate()
-        for process in children.values():
+        for process in running:
             try:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
         if broker is not None:
             broker.stop()
+
+
+def _spawn(child: _Child) -> None:
+    child.process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *child.args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    child.started, child.restart_at = time.monotonic(), None
+    threading.Thread(target=_pump, args=(child.name, child.process.stdout), daemon=True).start()
+
+
+def _supervise(child: _Child, restart: str) -> int | None:
+    """Restart ``child`` when it failed and its back-off is over; the exit code that stops the run, or None."""
+    now = time.monotonic()
+    if child.restart_at is not None:
+        if now >= child.restart_at:
+            _spawn(child)
+        return None
+    code = child.process.poll()
+    if code is None or code == 0:
+        return None
+    failed = code if code > 0 else 1  # killed by a signal
+    if restart == "never" or code in exit_codes.PERMANENT:
+        why = exit_codes.PERMANENT.get(code)
+        print(f"{child.name} exited with code {code}{f' ({why})' if why else ''}; stopping", flush=True)
+        return failed
+    child.quick_failures = child.quick_failures + 1 if now - child.started < QUICK_FAILURE_S else 1
+    if child.quick_failures > MAX_QUICK_FAILURES:
+        print(
+            f"{child.name} failed {MAX_QUICK_FAILURES} times in a row, each within {QUICK_FAILURE_S:.0f} s of "
+            f"its start (last exit code {code}); stopping",
+            flush=True,
+        )
+        return failed
+    delay = RESTART_DELAYS_S[min(child.quick_failures, len(RESTART_DELAYS_S)) - 1]
+    print(f"{child.name} exited with code {code}; restarting it in {delay} s", flush=True)
+    child.restart_at = now + delay
+    return None

@@ -64,3 +64,26 @@ def kafka_broker(tmp_path_factory):
 
         with LocalBroker(log_path=tmp_path_factory.mktemp("broker") / "broker.log") as broker:
             yield [f"kafka.bootstrap={broker.bootstrap}", "kafka.idempotent_producer=false"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(kib)``: a real filesystem of that size (a tmpfs), for running out of space for real."""
+    import subprocess
+
+    mounted = []
+
+    def mount(kib: int) -> Path:
+        path = tmp_path / f"disk-{kib}k-{len(mounted)}"
+        path.mkdir()
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(path)], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -229,3 +229,24 @@ def test_cli_reports_a_metrics_port_in_use(tmp_path):
             f"model.actor={tmp_path}/never-loaded",
         )
     _one_line_error(result, 2, f"--metrics-port {port}", "in use")
+
+
+def test_cli_reports_a_full_weight_store_in_one_line(tmp_path, model_cache, small_disk):
+    disk = small_disk(64)  # smaller than one snapshot of the tiny model
+    result = streamppo(
+        "run",
+        "--config",
+        str(EXAMPLE / "config.yaml"),
+        "--set",
+        "run.steps=2",
+        "--set",
+        f"run.dir={tmp_path}/run",
+        "--set",
+        f"model.cache_dir={model_cache}",
+        "--set",
+        "generation.backend=transformers",
+        "--set",
+        f"pipeline.weight_store={disk}",
+    )
+    _one_line_error(result, 3, f"no space left on {disk}", "snapshot", "MB free")
+    assert not list(disk.iterdir()), "no partial snapshot left behind"

@@ -2,6 +2,8 @@
 
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -397,3 +399,47 @@ def test_streamppo_status_shows_what_each_replica_waits_for(make_config, kafka_b
     assert "newest weights: none" in out
     dlq = dict(item.rsplit(" ", 1) for item in out.split("dead letters: ")[1].strip().split(", "))
     assert int(dlq["prompts.dlq"]) >= 1
+
+
+@pytest.mark.slow
+def test_streamppo_up_restarts_a_crashed_service(kafka_broker, tmp_path, model_cache):
+    steps, run_id = 8, unique("sup")
+    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
+    overrides = [
+        f"run.steps={steps}",
+        f"run.dir={tmp_path / 'run'}",
+        f"run.run_id={run_id}",
+        f"model.cache_dir={model_cache}",
+        "generation.backend=transformers",
+        *kafka_broker,
+    ]
+    args = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--config",
+        str(EXAMPLE / "config.yaml"),
+        "--bootstrap",
+        bootstrap,
+        *[a for o in overrides for a in ("--set", o)],
+    ]
+    output = tmp_path / "up.log"
+    with open(output, "w") as log:
+        up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline and up.poll() is None, output.read_text()[-3000:]
+            time.sleep(0.2)
+        killed = subprocess.run(["pkill", "-9", "-f", f"replica-id scorer-0 .*run.run_id={run_id}"])
+        assert killed.returncode == 0, "the scorer was running"
+        assert up.wait(timeout=600) == 0, output.read_text()[-3000:]
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGTERM)
+    text = output.read_text()
+    assert "scorer-0 exited with code -9; restarting it in 1 s" in text
+    records = [json.loads(line) for line in metrics.open()]
+    assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)], "each batch once"

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from common.storage import NoSpaceError, write_or_explain
 from services.advantage import AdvantageService
 from services.feeder import FeederService
 from services.generator import GeneratorService
@@ -143,3 +144,30 @@ def test_experience_is_applied_in_step_order_and_impossible_or_forged_batches_ne
     assert learner.dropped_stale == 1 and learner.updates == 0 and not learner.done()
     assert len(learner.process(experience[0])) == 2, "the real batch of that id is still applied and announced"
     assert learner.updates == 1
+
+
+def test_a_full_disk_fails_the_checkpoint_clearly_and_keeps_the_last_good_one(config, experience, small_disk):
+    sized = LearnerService(config)
+    apply(sized, experience[0], 0)
+    one = sum(f.stat().st_size for f in config.checkpoint_dir.rglob("*") if f.is_file())
+    disk = small_disk(int(one * 1.6) // 1024)  # room for one checkpoint, not for two
+    config = config.model_copy(update={"learner": config.learner.model_copy(update={"checkpoint_dir": disk})})
+    learner = LearnerService(config)
+    apply(learner, experience[0], 0)
+    with pytest.raises(NoSpaceError, match=rf"no space left on {disk} for checkpoint v2 \(needs [0-9.]+ MB"):
+        apply(learner, experience[1], 1)
+    assert (disk / "LATEST").read_text() == "ckpt-00000001" and not list(disk.glob(".*.tmp"))
+    assert LearnerService(config).trainer.version == 1, "a restart resumes from the last good checkpoint"
+
+
+def test_a_write_that_runs_out_of_space_is_explained_and_cleaned_up(small_disk):
+    disk = small_disk(256)
+    partial = disk / "snapshot.tmp"
+
+    def write():
+        with open(partial, "wb") as fh:
+            fh.write(b"x" * (1 << 20))  # 1 MB on a 256 KB disk: ENOSPC from the kernel
+
+    with pytest.raises(NoSpaceError, match="no space left on .* for a test file"):
+        write_or_explain(disk, "a test file", 1, write, lambda: partial.unlink(missing_ok=True))
+    assert not partial.exists()

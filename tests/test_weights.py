@@ -1,6 +1,7 @@
 """The weight store: snapshots round-trip, tied weights survive, and bad snapshots are rejected untouched."""
 
 import hashlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,3 +87,8 @@ def test_prune_never_drops_the_snapshot_just_written(tiny_model, tmp_path):
     store.save("actor", 1, model)
     store.prune("actor", keep=3, current=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["actor-v00000001.safetensors"]
+
+
+def test_snapshots_are_readable_by_other_users(tiny_model, tmp_path):
+    snapshot = WeightStore(tmp_path).save("actor", 1, load_actor(tiny_model))
+    assert Path(snapshot.uri).stat().st_mode & 0o777 == 0o644

@@ -1,0 +1,9 @@
+"""Exit codes of ``streamppo`` commands: what a supervisor (``streamppo up``, Kubernetes) may restart."""
+
+OK = 0
+ERROR = 1  # any other failure: a model that does not load, a broker that stays away, a crash
+CONFIG = 2  # a bad setting or argument: a restart cannot cure it
+NO_SPACE = 3  # a disk without room for a checkpoint or snapshot: neither can a restart
+INTERRUPTED = 130
+
+PERMANENT = {CONFIG: "a configuration error", NO_SPACE: "no space left on a disk"}
