@@ -185,7 +185,22 @@ def write_markdown(results: dict, path: Path) -> None:
             "torch threads they compete for the same cores, so this ratio is what scaling buys on this machine.",
             "",
         ]
-    out += ["## 7. GPU", ""]
+    if "recovery" in s:
+        rc = s["recovery"]
+        out += ["## 7. Recovery from kill -9", "", rc["setup"], ""]
+        out += _table(
+            ["consumer sessions", "killed", "median gap (s)", "longest gap after (s)", "pause (s)"],
+            [
+                [t["sessions"], t["role"], t["median_gap_s"], t["longest_gap_after_kill_s"], t["stall_s"]]
+                for t in rc["trials"]
+            ],
+        )
+        out += [
+            "The pause of a killed scorer is the broker noticing the dead member (the session timeout) plus the "
+            "rebalance; a killed generator or learner is restarted by `up` (1 s back-off) and loads its models again.",
+            "",
+        ]
+    out += ["## 8. GPU", ""]
     if "gpu" in s:
         g = s["gpu"]
         out += [f"{g['setup']} (GPU: {g['device']})", ""]

@@ -450,6 +450,13 @@ def bench_scaling(batches: int = 24) -> dict:
 
 # ------------------------------------------------------------------------------------------------------ report
 
+
+def bench_recovery() -> dict:
+    from benchmarks.recovery import bench_recovery as run
+
+    return run()
+
+
 SECTIONS = {
     "codec": bench_codec,
     "bus": bench_bus,
@@ -457,6 +464,7 @@ SECTIONS = {
     "generation": bench_generation,
     "weights": bench_weights,
     "scaling": bench_scaling,
+    "recovery": bench_recovery,
 }
 
 

@@ -146,7 +146,8 @@ def pipeline_latency(
 CHILD = """
 import sys, time
 from services.transport.kafka import KafkaBus, KafkaSettings
-bus = KafkaBus(KafkaSettings(bootstrap=sys.argv[1], idempotent_producer=False))
+bus = KafkaBus(KafkaSettings(bootstrap=sys.argv[1], idempotent_producer=False, session_timeout_ms=int(sys.argv[4]),
+                             heartbeat_interval_ms=int(sys.argv[5])))
 consumer = bus.consumer(sys.argv[2], sys.argv[3], "victim")
 while True:
     for record in consumer.poll(0.2, 10):
@@ -154,13 +155,19 @@ while True:
 """
 
 
-def rebalance_time(bootstrap: str) -> dict:
-    bus = KafkaBus(KafkaSettings(bootstrap=bootstrap, idempotent_producer=False))
+def rebalance_time(bootstrap: str, session_timeout_ms: int = 6000, heartbeat_interval_ms: int = 1000) -> dict:
+    settings = KafkaSettings(
+        bootstrap=bootstrap,
+        idempotent_producer=False,
+        session_timeout_ms=session_timeout_ms,
+        heartbeat_interval_ms=heartbeat_interval_ms,
+    )
+    bus = KafkaBus(settings)
     topic, group = f"rebalance-{uuid.uuid4().hex[:6]}", f"g-{uuid.uuid4().hex[:6]}"
     bus.create_topics([TopicSpec(topic, 4)])
     survivor = bus.consumer(topic, group, "survivor")
     victim = subprocess.Popen(
-        [sys.executable, "-c", CHILD, bootstrap, topic, group],
+        [sys.executable, "-c", CHILD, bootstrap, topic, group, str(session_timeout_ms), str(heartbeat_interval_ms)],
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).resolve().parent.parent,
@@ -184,7 +191,8 @@ def rebalance_time(bootstrap: str) -> dict:
             return {
                 "partitions_before": sorted(own),
                 "seconds_to_take_over": time.perf_counter() - killed,
-                "session_timeout_ms": KafkaSettings("x").session_timeout_ms,
+                "session_timeout_ms": session_timeout_ms,
+                "heartbeat_interval_ms": heartbeat_interval_ms,
             }
 
 

@@ -18,7 +18,7 @@ import torch
 
 from common.storage import fsync_dir, fsync_file, state_nbytes, write_or_explain
 
-__all__ = ["load_latest_checkpoint", "save_checkpoint"]
+__all__ = ["latest_checkpoint_version", "load_latest_checkpoint", "next_epoch", "save_checkpoint"]
 
 
 def save_checkpoint(directory: Path, version: int, trainer_state: dict, meta: dict, keep: int = 2) -> Path:
@@ -53,6 +53,14 @@ def save_checkpoint(directory: Path, version: int, trainer_state: dict, meta: di
     return final
 
 
+def latest_checkpoint_version(directory: Path) -> int | None:
+    """The version of the newest complete checkpoint in ``directory`` (read from its name), or None."""
+    pointer = Path(directory) / "LATEST"
+    if not pointer.is_file():
+        return None
+    return int(pointer.read_text().strip().removeprefix("ckpt-"))
+
+
 def load_latest_checkpoint(directory: Path) -> tuple[dict, dict] | None:
     """``(trainer_state, meta)`` of the newest complete checkpoint, or None if there is none."""
     pointer = Path(directory) / "LATEST"
@@ -62,3 +70,21 @@ def load_latest_checkpoint(directory: Path) -> tuple[dict, dict] | None:
     state = torch.load(path / "trainer.pt", weights_only=True)
     meta = json.loads((path / "learner.json").read_text())
     return state, meta
+
+
+def next_epoch(directory: Path) -> int:
+    """One more than the last epoch started from ``directory`` (1 for the first), made durable before it is used.
+
+    A learner takes a new epoch at each start; its announcements carry it, so readers can tell a learner that was
+    replaced (a zombie, still running somewhere) from the one that replaced it.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "EPOCH"
+    epoch = int(path.read_text()) + 1 if path.is_file() else 1
+    tmp = directory / ".EPOCH.tmp"
+    tmp.write_text(str(epoch))
+    fsync_file(tmp)
+    os.replace(tmp, path)
+    fsync_dir(directory)
+    return epoch

@@ -30,6 +30,11 @@ class RunSection(_Section):
     seed: int = 0
     steps: int = Field(20, gt=0, description="PPO updates to run (one per prompt batch).")
     run_id: str = Field("run", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="Prefix of every batch_id.")
+    resume: bool = Field(
+        False,
+        description="Continue from the learner's last checkpoint (`--resume`): the feeder "
+        "publishes only the steps after it, e.g. on a new, empty broker.",
+    )
 
 
 class ModelSection(_Section):
@@ -159,8 +164,19 @@ class KafkaSection(_Section):
     bootstrap: str | None = Field(None, description="HOST:PORT[,HOST:PORT]")
     partitions: int = Field(4, gt=0, description="Partitions of the data topics when streamppo creates them.")
     max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
-    session_timeout_ms: int = Field(6000, gt=0)
+    session_timeout_ms: int = Field(
+        6000,
+        gt=0,
+        description="How long a silent consumer keeps its partitions; "
+        "Apache Kafka accepts ≥ 6000 unless its group.min.session.timeout.ms is lowered.",
+    )
     heartbeat_interval_ms: int = Field(1000, gt=0)
+    connect_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long a service waits for an unreachable broker "
+        "(one that is still starting) before it stops with an error.",
+    )
     fetch_max_wait_ms: int = Field(
         100,
         ge=0,

@@ -24,6 +24,7 @@ import numpy as np
 __all__ = [
     "DeadLetter",
     "ExperienceBatch",
+    "LEARNER_EPOCH",
     "MESSAGE_TYPES",
     "Message",
     "PromptBatch",
@@ -50,6 +51,9 @@ MAX_LINEAGE_ENTRIES = 256
 
 # Lineage key naming the run a message belongs to; topics can outlive a run, so consumers check it.
 RUN_ID = "run.id"
+# Lineage key of a weight announcement: the epoch of the learner that wrote it, which rises at each learner start,
+# so a reader can ignore a zombie learner (an older epoch) that still announces.
+LEARNER_EPOCH = "learner.epoch"
 
 
 class SchemaError(ValueError):

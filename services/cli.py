@@ -34,7 +34,7 @@ def _serve(args) -> int:
     from common.config import load_config
     from services.process import serve
 
-    config = load_config(args.config, args.set)
+    config = load_config(args.config, [*args.set, *(["run.resume=true"] if args.resume else [])])
     return serve(args.role, config, args.bootstrap, args.replica_id, args.metrics_port)
 
 
@@ -43,7 +43,7 @@ def _topics(args) -> int:
     from services.process import kafka_bus
 
     config = load_config(args.config, args.set)
-    bus = kafka_bus(config, args.bootstrap)  # creates every pipeline topic that is missing
+    bus = kafka_bus(config, args.bootstrap, replace_wrong_topics=True)  # creates (or replaces) what is missing
     bus.close()
     print(f"topics ready ({config.kafka.partitions} partitions each; weights compacted)")
     return 0
@@ -67,13 +67,14 @@ def _up(args) -> int:
     from common.config import load_config
     from services.cluster import parse_replicas, up
 
-    load_config(args.config, args.set)  # fail here, once, rather than in every child
+    overrides = [*args.set, *(["run.resume=true"] if args.resume else [])]
+    load_config(args.config, overrides)  # fail here, once, rather than in every child
     try:
         replicas = parse_replicas(args.replicas)
     except ValueError as exc:
         print(f"streamppo: {exc}", file=sys.stderr)
-        return 2
-    return up(args.config, args.set, args.bootstrap, replicas, verbose=args.verbose, restart=args.restart)
+        return exit_codes.CONFIG
+    return up(args.config, overrides, args.bootstrap, replicas, verbose=args.verbose, restart=args.restart)
 
 
 def _models(args) -> int:
@@ -176,6 +177,7 @@ def _add_pipeline_commands(sub) -> None:
         _config_options(serve, broker=True)
         serve.add_argument("--replica-id", default=None, help="default: role-host-pid")
         serve.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+        serve.add_argument("--resume", action="store_true", help="continue from the learner's last checkpoint")
         serve.set_defaults(handler=_serve, role=role.name)
 
     topics = sub.add_parser("topics", help="create the pipeline's topics (and their .dlq) on the broker, then exit")
@@ -192,6 +194,9 @@ def _add_pipeline_commands(sub) -> None:
     _config_options(cluster)
     cluster.add_argument("--bootstrap", default=None, help="use this broker instead of starting a local one")
     cluster.add_argument("--replicas", action="append", default=[], metavar="ROLE=N", help="e.g. --replicas scorer=2")
+    cluster.add_argument(
+        "--resume", action="store_true", help="continue from the learner's last checkpoint (e.g. on a new broker)"
+    )
     cluster.add_argument(
         "--restart",
         choices=["on-failure", "never"],
@@ -253,6 +258,8 @@ def _configure_logging(verbose: bool) -> None:
     # what matters themselves. vLLM reads its level from the environment when it is imported (in the generator).
     quiet_transformers()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    if not verbose:  # kafka-python logs every failed connection attempt; the services report broker trouble once
+        logging.getLogger("kafka").setLevel(logging.CRITICAL)
 
 
 def _dispatch(args) -> int:
@@ -262,11 +269,12 @@ def _dispatch(args) -> int:
     from common.models import ModelLoadError
     from common.rewards import RewardError
     from common.storage import NoSpaceError
+    from services.transport import TopicMismatch
     from services.transport.kafka import BrokerUnavailable
 
     try:
         return args.handler(args)
-    except ConfigError as exc:
+    except (ConfigError, TopicMismatch) as exc:
         print(f"streamppo: {exc}", file=sys.stderr)
         return exit_codes.CONFIG
     except (ModelLoadError, RewardError, DatasetError, BrokerUnavailable) as exc:

@@ -34,8 +34,12 @@ def default_replica_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
-def kafka_bus(config: RunConfig, bootstrap: str | None = None) -> KafkaBus:
-    """The Kafka bus the config describes, with every pipeline topic created."""
+def kafka_bus(config: RunConfig, bootstrap: str | None = None, replace_wrong_topics: bool = False) -> KafkaBus:
+    """The Kafka bus the config describes, with every pipeline topic created.
+
+    A weights topic that is not what the pipeline needs (a new broker made it with its defaults) is refused
+    (``TopicMismatch``), or with ``replace_wrong_topics`` (``streamppo topics``, ``streamppo up``) replaced.
+    """
     k = config.kafka
     bootstrap = _bootstrap(config, bootstrap)
     bus = KafkaBus(
@@ -46,10 +50,11 @@ def kafka_bus(config: RunConfig, bootstrap: str | None = None) -> KafkaBus:
             heartbeat_interval_ms=k.heartbeat_interval_ms,
             idempotent_producer=k.idempotent_producer,
             fetch_max_wait_ms=k.fetch_max_wait_ms,
+            connect_timeout_s=k.connect_timeout_s,
             security=k.client_options(),
         )
     )
-    bus.create_topics(pipeline_topics(k.partitions))
+    bus.create_topics(pipeline_topics(k.partitions), replace_wrong=replace_wrong_topics)
     return bus
 
 

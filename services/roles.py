@@ -105,7 +105,7 @@ def pipeline_topics(partitions: int = 1) -> list[TopicSpec]:
     specs = []
     for name in TOPIC_MESSAGE:
         weights = name == WEIGHTS_TOPIC
-        specs.append(TopicSpec(name, 1 if weights else partitions, compacted=weights))
+        specs.append(TopicSpec(name, 1 if weights else partitions, compacted=weights, verify=weights))
         specs.append(TopicSpec(dlq_topic(name), 1))
     specs.append(TopicSpec(STATUS_TOPIC, 1, compacted=True))
     return specs

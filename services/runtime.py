@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from common.dedupe import RecentIds
 from common.schema import (
+    LEARNER_EPOCH,
     RUN_ID,
     TOPIC_MESSAGE,
     DeadLetter,
@@ -72,8 +73,10 @@ class ServiceRunner:
             if service.weight_models
             else None
         )
-        self.latest_weights: dict[str, int] = {}
+        self.latest_weights: dict[str, int] = {}  # per model: the version loaded
+        self.weights_epoch: dict[str, int] = {}  # per model: the learner epoch of the weights loaded
         self.held: dict[int, _Held] = {}  # per paused partition
+        self.log_ends: dict[int, int] = {}  # per input partition: the highest end offset seen
         self.uncommitted: dict[int, Record] = {}  # per partition: the newest record handled but not yet committed
         self.recent = RecentIds(service.config.pipeline.dedupe_window)
         self.counters: Counter[str] = Counter()
@@ -101,6 +104,7 @@ class ServiceRunner:
             self._process(held.record, held.message)
             return True
         records = self.work.poll(0.0 if self.held else timeout_s, max_records=1)
+        self._check_log_continuity()
         if not records:
             return did
         record = records[0]
@@ -158,6 +162,23 @@ class ServiceRunner:
         tokens = sum(int(m.response_lengths.sum()) for m in with_responses if hasattr(m, "response_lengths"))
         self._count(outcome, len(sequences) if sequences is not None else 0, seconds, tokens)
         self.metrics.lag.labels(self.service.role).set(self.work.lag())
+
+    def _check_log_continuity(self) -> None:
+        """Say so, once, when input partitions' logs end below where they had reached: the broker lost them."""
+        shrunk = []
+        for partition, end in sorted(self.work.log_ends().items()):
+            reached = self.log_ends.get(partition, 0)
+            if end < reached:
+                shrunk.append(f"{self.service.input_topic}[{partition}] {reached} -> {end}")
+            self.log_ends[partition] = end
+        if shrunk:
+            self.counters["log_resets"] += 1
+            log.error(
+                "%s: the broker lost its data (a new, empty broker?): log ends went back (%s). Stop the services and "
+                "start them again with --resume (streamppo up --resume) to continue from the learner's checkpoint",
+                self.replica_id,
+                ", ".join(shrunk),
+            )
 
     def _same_run(self, message: Message) -> bool:
         run_id = message.lineage.get(RUN_ID)
@@ -337,11 +358,25 @@ class ServiceRunner:
             for announcement in sorted(announcements, key=lambda a: a.policy_version, reverse=True):
                 if announcement.policy_version <= self.latest_weights.get(model, -1):
                     break
+                epoch = int(announcement.lineage.get(LEARNER_EPOCH, 0))
+                if epoch < self.weights_epoch.get(model, 0):
+                    # A learner that was replaced (restarted elsewhere) and still announces: not the run's writer.
+                    self.counters["zombie_announcements"] += 1
+                    log.warning(
+                        "%s: ignoring %s v%d of learner epoch %d (epoch %d took over)",
+                        self.replica_id,
+                        model,
+                        announcement.policy_version,
+                        epoch,
+                        self.weights_epoch[model],
+                    )
+                    continue
                 did = True
                 with self._timed("load_weights"):
                     loaded = self.service.on_weights(announcement)
                 if loaded:
                     self.latest_weights[model] = announcement.policy_version
+                    self.weights_epoch[model] = epoch
                     self.metrics.policy_version.labels(self.service.role).set(announcement.policy_version)
                     break
                 self.counters["refused_weights"] += 1

@@ -250,3 +250,21 @@ def test_cli_reports_a_full_weight_store_in_one_line(tmp_path, model_cache, smal
     )
     _one_line_error(result, 3, f"no space left on {disk}", "snapshot", "MB free")
     assert not list(disk.iterdir()), "no partial snapshot left behind"
+
+
+def test_cli_reports_an_unreachable_broker_briefly(tmp_path, model_cache):
+    from services.transport.local_broker import free_port
+
+    result = streamppo(
+        "scorer",
+        "--config",
+        str(EXAMPLE / "config.yaml"),
+        "--bootstrap",
+        f"127.0.0.1:{free_port()}",
+        "--set",
+        "kafka.connect_timeout_s=3",
+        "--set",
+        f"model.cache_dir={model_cache}",
+    )
+    _one_line_error(result, 1, "no Kafka broker reachable", "kafka.connect_timeout_s")
+    assert len(result.stderr.strip().splitlines()) <= 3, result.stderr  # the wait, the error: no flood

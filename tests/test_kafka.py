@@ -443,3 +443,147 @@ def test_streamppo_up_restarts_a_crashed_service(kafka_broker, tmp_path, model_c
     assert "scorer-0 exited with code -9; restarting it in 1 s" in text
     records = [json.loads(line) for line in metrics.open()]
     assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)], "each batch once"
+
+
+def test_announcements_of_a_replaced_learner_are_ignored(make_config, kafka_broker):
+    """A learner restarted elsewhere takes a new epoch; the old one (a zombie) may go on announcing."""
+    from common.schema import encode, message_key
+    from services.advantage import AdvantageService
+    from services.learner import LearnerService
+
+    config = make_config(*kafka_broker, f"run.run_id={unique('zombie')}", "data.eval_prompts=0")
+    bus = kafka_bus(config)
+    zombie, successor = LearnerService(config, "learner-old"), LearnerService(config, "learner-new")
+    zombie.start(), successor.start()
+    assert (zombie.epoch, successor.epoch) == (1, 2)
+
+    def announce(learner, version):
+        learner.trainer.version = version
+        producer = bus.producer("test")
+        for announcement in learner.announce():
+            producer.send("weights", encode(announcement), key=message_key(announcement))
+        producer.flush()
+
+    advantage = AdvantageService(config, unique("advantage"))
+    runner = ServiceRunner(advantage, bus)
+
+    def poll(until):
+        deadline = time.monotonic() + 30
+        while not until() and time.monotonic() < deadline:
+            runner.poll_once(0.2)
+
+    announce(successor, 2)
+    poll(lambda: advantage.critic_version == 2)
+    announce(zombie, 3)  # a higher version, from the replaced learner
+    poll(lambda: runner.counters["zombie_announcements"] > 0)
+    assert advantage.critic_version == 2 and runner.counters["zombie_announcements"] == 1
+    announce(successor, 4)
+    poll(lambda: advantage.critic_version == 4)
+    assert advantage.critic_version == 4
+    runner.close()
+
+
+def test_a_weights_topic_the_broker_made_on_its_own_is_refused_by_services_and_replaced_by_topics(
+    tmp_path, make_config
+):
+    from services.transport import TopicMismatch
+    from services.transport.local_broker import LocalBroker
+
+    with LocalBroker(log_path=tmp_path / "broker.log") as broker:
+        # What a new, empty broker does when a client first names `weights`: a topic with its own defaults.
+        KafkaBus(KafkaSettings(broker.bootstrap, idempotent_producer=False)).create_topics([TopicSpec("weights", 4)])
+        config = make_config(f"kafka.bootstrap={broker.bootstrap}", "kafka.idempotent_producer=false")
+        with pytest.raises(TopicMismatch, match="topic weights has 4 partition.s. and cleanup.policy=delete"):
+            kafka_bus(config)  # what every service does at its start
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "-v",
+                "topics",
+                "--config",
+                str(EXAMPLE / "config.yaml"),
+                "--bootstrap",
+                broker.bootstrap,
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "replacing topic weights has 4 partition(s)" in result.stderr
+        kafka_bus(config).close()  # accepted now: one partition, compacted
+
+
+@pytest.mark.slow
+def test_a_run_resumes_on_a_new_empty_broker_and_applies_each_version_once(tmp_path, model_cache):
+    """The broker dies mid-run and an empty one takes its place: the services say so; `up --resume` finishes."""
+    from services.transport.local_broker import LocalBroker, free_port
+
+    steps, run_id, port = 40, unique("loss"), free_port()
+    broker = LocalBroker(port, log_path=tmp_path / "broker-1.log").start()
+    overrides = [
+        f"run.steps={steps}",
+        f"run.dir={tmp_path / 'run'}",
+        f"run.run_id={run_id}",
+        f"model.cache_dir={model_cache}",
+        "generation.backend=transformers",
+        "kafka.idempotent_producer=false",
+        "kafka.connect_timeout_s=120",
+    ]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+
+    def up(log_name, *extra):
+        args = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "-v",
+            "up",
+            "--config",
+            str(EXAMPLE / "config.yaml"),
+            "--bootstrap",
+            f"127.0.0.1:{port}",
+            *extra,
+            *[a for o in overrides for a in ("--set", o)],
+        ]
+        log = open(tmp_path / log_name, "w")
+        return subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def lines():
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    first = up("up-1.log")
+    try:
+        deadline = time.monotonic() + 300
+        while lines() < 4:
+            assert time.monotonic() < deadline and first.poll() is None, (tmp_path / "up-1.log").read_text()[-3000:]
+            time.sleep(0.2)
+        broker.stop()  # every record, offset and group is gone with it
+        broker = LocalBroker(port, log_path=tmp_path / "broker-2.log").start()
+        deadline = time.monotonic() + 120
+        while "the broker lost its data" not in (tmp_path / "up-1.log").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "up-1.log").read_text()[-3000:]
+            time.sleep(0.5)
+        os.killpg(first.pid, signal.SIGTERM)
+        first.wait(timeout=180)
+        # A broker that the stopped services had joined may keep their group members for a while (the local
+        # broker keeps them until it restarts): resume on a broker no one has used, as after a real restart.
+        broker.stop()
+        broker = LocalBroker(port, log_path=tmp_path / "broker-3.log").start()
+        checkpointed = lines()
+        assert checkpointed < steps
+        second = up("up-2.log", "--resume")
+        assert second.wait(timeout=600) == 0, (tmp_path / "up-2.log").read_text()[-3000:]
+    finally:
+        for process in (first, locals().get("second")):
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        broker.stop()
+    records = [json.loads(line) for line in metrics.open()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
+    assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
+    resumed = (tmp_path / "up-2.log").read_text()
+    assert f"publishing prompt batches {checkpointed}..{steps - 1}" in resumed, "the feeder skipped applied steps"

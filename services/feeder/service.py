@@ -1,13 +1,16 @@
 """feeder: dataset → prompts. Publishes tokenized prompt batches ``0 .. steps−1``, then is done.
 
-It consumes nothing: its whole output is what :meth:`FeederService.start` returns. Batch ids are a function of the
-run id and the step, so re-publishing after a restart produces duplicates that every consumer recognises.
+It consumes nothing: its whole output is what :meth:`FeederService.start` returns. With ``run.resume``
+(``--resume``) it starts at the step after the learner's last checkpoint, as after the loss of a broker's data.
+Batch ids are a function of the run id and the step, so re-publishing after a restart produces duplicates that
+every consumer recognises.
 """
 
 from __future__ import annotations
 
 import logging
 
+from common.checkpoint import latest_checkpoint_version
 from common.config import RunConfig
 from common.data import PromptSchedule, load_prompts, tokenize_prompts
 from common.models import load_tokenizer, resolve_model
@@ -49,10 +52,26 @@ class FeederService(Service):
         )
 
     def start(self) -> list[PromptBatch]:
-        batches = [self.batch(step) for step in range(self.config.run.steps)]
+        first = self.first_step()
+        batches = [self.batch(step) for step in range(first, self.config.run.steps)]
         self.published = True
-        log.info("%s: publishing %d prompt batches", self.replica_id, len(batches))
+        log.info("%s: publishing prompt batches %d..%d", self.replica_id, first, self.config.run.steps - 1)
         return batches
+
+    def first_step(self) -> int:
+        """0, or with ``run.resume`` the step after the learner's last checkpoint (update v trains on step v)."""
+        checkpoint = latest_checkpoint_version(self.config.checkpoint_dir)
+        if self.config.run.resume:
+            return checkpoint or 0
+        if checkpoint:
+            log.warning(
+                "%s: the learner has a checkpoint at v%d and resumes from it; with --resume the feeder would "
+                "skip the %d steps already applied",
+                self.replica_id,
+                checkpoint,
+                checkpoint,
+            )
+        return 0
 
     def process(self, message):
         raise TypeError("the feeder consumes nothing")

@@ -21,14 +21,14 @@ import logging
 import time
 from pathlib import Path
 
-from common.checkpoint import load_latest_checkpoint, save_checkpoint
+from common.checkpoint import load_latest_checkpoint, next_epoch, save_checkpoint
 from common.config import RunConfig
 from common.dedupe import RecentIds
 from common.evaluation import answer_eval_prompts, write_generations
 from common.export import export_final_models
 from common.metrics_log import MetricsLog
 from common.models import load_actor, load_critic, load_tokenizer, resolve_model
-from common.schema import RUN_ID, ExperienceBatch, WeightAnnouncement, new_header
+from common.schema import LEARNER_EPOCH, RUN_ID, ExperienceBatch, WeightAnnouncement, new_header
 from common.trainer import Experience, PPOTrainer
 from common.weights import WeightStore
 from services.service import Dropped, InputError, Service, check_token_ids
@@ -68,6 +68,7 @@ class LearnerService(Service):
         self.since_checkpoint = 0  # batches consumed since the last checkpoint
         self.unsaved_records: list[dict] = []  # metrics lines of those updates, written with the next checkpoint
         self.started = time.time()
+        self.epoch = 0  # taken in start(): 0 only for a learner that announces without having started (tests)
         self._resume()
 
     def _resume(self) -> None:
@@ -93,6 +94,8 @@ class LearnerService(Service):
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> list[WeightAnnouncement]:
+        self.epoch = next_epoch(self.config.checkpoint_dir)
+        log.info("%s: learner epoch %d", self.replica_id, self.epoch)
         if self.trainer.version == 0:
             if self.config.data.eval_prompts:
                 before = answer_eval_prompts(self.trainer.actor, self.tokenizer, self.config, 0)
@@ -218,6 +221,7 @@ class LearnerService(Service):
                 RUN_ID: self.config.run.run_id,
                 "kl_coef": self.trainer.kl_controller.value,
                 "learner": self.replica_id,
+                LEARNER_EPOCH: self.epoch,
             }
             announcements.append(
                 WeightAnnouncement(

@@ -14,7 +14,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-__all__ = ["Bus", "Consumer", "Producer", "Record", "TopicSpec", "dlq_topic"]
+__all__ = ["Bus", "Consumer", "Producer", "Record", "TopicMismatch", "TopicSpec", "dlq_topic"]
+
+
+class TopicMismatch(RuntimeError):
+    """An existing topic is not what the pipeline needs (e.g. a weights topic that is not compacted)."""
 
 
 def dlq_topic(topic: str) -> str:
@@ -27,6 +31,7 @@ class TopicSpec:
     name: str
     partitions: int = 1
     compacted: bool = False
+    verify: bool = False  # refuse an existing topic whose partitions or compaction differ from these
 
 
 @dataclass(frozen=True)
@@ -71,14 +76,20 @@ class Consumer(ABC):
     def lag(self) -> int:
         """Records in the assigned partitions not yet consumed by this member."""
 
+    def log_ends(self) -> dict[int, int]:
+        """The end offset last seen of each assigned partition (those seen so far)."""
+        return {}
+
     def close(self) -> None:
         pass
 
 
 class Bus(ABC):
     @abstractmethod
-    def create_topics(self, specs: list[TopicSpec]) -> None:
-        """Create the topics that do not exist yet (existing ones are left as they are)."""
+    def create_topics(self, specs: list[TopicSpec], replace_wrong: bool = False) -> None:
+        """Create the topics that do not exist yet. An existing topic to ``verify`` that does not match its spec is
+        deleted and created again with ``replace_wrong``, else refused (:class:`TopicMismatch`); the others are
+        left as they are."""
 
     @abstractmethod
     def producer(self, client_id: str) -> Producer: ...

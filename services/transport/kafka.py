@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass, field
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import NewTopic
+from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 from kafka.errors import KafkaError, KafkaTimeoutError, NoBrokersAvailable, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
-from services.transport.base import Bus, Consumer, Producer, Record, TopicSpec
+from services.transport.base import Bus, Consumer, Producer, Record, TopicMismatch, TopicSpec
 
 log = logging.getLogger(__name__)
 
@@ -62,21 +62,28 @@ class KafkaBus(Bus):
     def _retrying(self, what: str, connect):
         """Connect with back-off until ``connect_timeout_s``: a broker that is still starting is not an error."""
         deadline = time.monotonic() + self.settings.connect_timeout_s
-        delay = 0.2
+        delay, said = 0.2, False
         while True:
             try:
                 return connect()
             except (NoBrokersAvailable, KafkaTimeoutError):
-                if time.monotonic() > deadline:
+                if time.monotonic() + delay > deadline:
                     raise BrokerUnavailable(
                         f"no Kafka broker reachable at {self.settings.bootstrap} after "
-                        f"{self.settings.connect_timeout_s:.0f}s ({what})"
+                        f"{self.settings.connect_timeout_s:.0f}s ({what}; kafka.connect_timeout_s sets how long)"
                     ) from None
-                log.warning("broker %s not reachable (%s); retrying in %.1fs", self.settings.bootstrap, what, delay)
+                if not said:  # once: a broker that is still starting is the common case
+                    log.warning(
+                        "broker %s not reachable yet (%s); retrying for up to %.0f s",
+                        self.settings.bootstrap,
+                        what,
+                        self.settings.connect_timeout_s,
+                    )
+                    said = True
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    def create_topics(self, specs: list[TopicSpec]) -> None:
+    def create_topics(self, specs: list[TopicSpec], replace_wrong: bool = False) -> None:
         # Existing topics come from a metadata request: the admin client's list_topics() also parses ACL fields
         # that not every broker fills in the way kafka-python expects.
         probe = self._retrying(
@@ -84,13 +91,26 @@ class KafkaBus(Bus):
         )
         try:
             existing = probe.topics()
+            partitions = {spec.name: probe.partitions_for_topic(spec.name) for spec in specs if spec.name in existing}
         finally:
             probe.close()
         missing = [spec for spec in specs if spec.name not in existing]
-        if not missing:
+        kept = [spec for spec in specs if spec.name in existing and spec.verify]
+        if not missing and not kept:
             return
         admin = self._retrying("admin", lambda: KafkaAdminClient(client_id="streamppo-admin", **self._common))
         try:
+            wrong = self._wrong_topics(admin, kept, partitions)
+            if wrong and not replace_wrong:
+                raise TopicMismatch(
+                    f"{'; '.join(wrong.values())}: the broker made it on its own (a new, empty broker?). "
+                    "`streamppo topics` (or `streamppo up`) replaces it."
+                )
+            if wrong:
+                log.warning("replacing %s", "; ".join(wrong.values()))
+                admin.delete_topics(list(wrong))
+                self._wait_until_gone(list(wrong))
+                missing += [spec for spec in kept if spec.name in wrong]
             for spec in missing:
                 topic = NewTopic(
                     spec.name,
@@ -107,6 +127,43 @@ class KafkaBus(Bus):
                     pass  # another process created it first
         finally:
             admin.close()
+
+    @staticmethod
+    def _wrong_topics(admin: KafkaAdminClient, specs: list[TopicSpec], partitions: dict) -> dict[str, str]:
+        """Existing topics to verify (the weights topic) whose partitions or cleanup policy are wrong: name -> why.
+
+        A broker that lost its topics creates them again on the first request that names them, with its defaults:
+        the weights topic would then keep every announcement, over several partitions.
+        """
+        if not specs:
+            return {}
+        resources = [ConfigResource(ConfigResourceType.TOPIC, spec.name) for spec in specs]
+        policies = {}
+        for response in admin.describe_configs(resources):
+            for resource in response.resources:
+                _, _, _, name, entries = resource
+                policies[name] = {entry[0]: entry[1] for entry in entries}.get("cleanup.policy", "")
+        wrong = {}
+        for spec in specs:
+            count, policy = len(partitions.get(spec.name) or ()), policies.get(spec.name, "?")
+            if count != spec.partitions or ("compact" in policy) != spec.compacted:
+                wrong[spec.name] = (
+                    f"topic {spec.name} has {count} partition(s) and cleanup.policy={policy}, but must have "
+                    f"{spec.partitions}{' and be compacted' if spec.compacted else ''}"
+                )
+        return wrong
+
+    def _wait_until_gone(self, names: list[str], timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            probe = KafkaConsumer(client_id="streamppo-admin", enable_auto_commit=False, **self._common)
+            try:
+                if not set(names) & probe.topics():
+                    return
+            finally:
+                probe.close()
+            time.sleep(0.2)
+        raise TopicMismatch(f"topics {names} were deleted but still exist after {timeout_s:.0f} s")
 
     def producer(self, client_id: str) -> Producer:
         return _KafkaProducer(
@@ -214,6 +271,10 @@ class _KafkaConsumer(Consumer):
         self.consumer.commit(
             {TopicPartition(record.topic, record.partition): OffsetAndMetadata(record.offset + 1, "", -1)}
         )
+
+    def log_ends(self) -> dict[int, int]:
+        ends = {tp.partition: self.consumer.highwater(tp) for tp in self.consumer.assignment()}
+        return {partition: end for partition, end in ends.items() if end is not None}
 
     def lag(self) -> int:
         total = 0

@@ -29,7 +29,7 @@ class MemoryBus(Bus):
         self._generation: dict[tuple[str, str], int] = defaultdict(int)
         self._round_robin = 0
 
-    def create_topics(self, specs: list[TopicSpec]) -> None:
+    def create_topics(self, specs: list[TopicSpec], replace_wrong: bool = False) -> None:
         with self._lock:
             for spec in specs:
                 self._topics.setdefault(spec.name, _Topic(spec))
@@ -154,6 +154,12 @@ class _MemoryConsumer(Consumer):
     def resume(self, partition: int) -> None:
         with self.bus._lock:
             self.paused.discard(partition)
+
+    def log_ends(self) -> dict[int, int]:
+        with self.bus._lock:
+            self._sync_assignment()
+            logs = self.bus.topic(self.topic).partitions
+            return {p: len(logs[p]) for p in self.positions}
 
     def lag(self) -> int:
         with self.bus._lock:
