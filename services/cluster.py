@@ -47,7 +47,7 @@ def _pump(name: str, stream) -> None:
 LOCAL_SESSION_TIMEOUT_MS, LOCAL_HEARTBEAT_MS = 1000, 250  # consumer sessions on the local broker
 RESTART_DELAYS_S = (1, 2, 4, 8, 16, 30)  # back-off between restarts of one child, as Kubernetes does
 QUICK_FAILURE_S = 30.0  # a child that fails sooner after its start counts toward giving up
-MAX_QUICK_FAILURES = 5  # then the failure is not transient (a missing model, a bad setting): the run stops
+MAX_QUICK_FAILURES = 5  # exits with an error: then the failure is not transient (a missing model): the run stops
 
 
 @dataclass
@@ -163,7 +163,9 @@ def _supervise(child: _Child, restart: str) -> int | None:
         print(f"{child.name} exited with code {code}{f' ({why})' if why else ''}; stopping", flush=True)
         return failed
     child.quick_failures = child.quick_failures + 1 if now - child.started < QUICK_FAILURE_S else 1
-    if child.quick_failures > MAX_QUICK_FAILURES:
+    # A process killed by a signal (an operator, the OOM killer) is restarted however often: only its own errors
+    # can show that restarting is pointless.
+    if code > 0 and child.quick_failures > MAX_QUICK_FAILURES:
         print(
             f"{child.name} failed {MAX_QUICK_FAILURES} times in a row, each within {QUICK_FAILURE_S:.0f} s of "
             f"its start (last exit code {code}); stopping",

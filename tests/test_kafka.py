@@ -587,3 +587,57 @@ def test_a_run_resumes_on_a_new_empty_broker_and_applies_each_version_once(tmp_p
     assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
     resumed = (tmp_path / "up-2.log").read_text()
     assert f"publishing prompt batches {checkpointed}..{steps - 1}" in resumed, "the feeder skipped applied steps"
+
+
+@pytest.mark.slow
+def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(kafka_broker, tmp_path, model_cache):
+    """`streamppo up` with two scorers; ten `kill -9`s of random services while it runs; `up` restarts each."""
+    import random
+
+    steps, run_id, kills = 40, unique("chaos"), 10
+    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
+    overrides = [
+        f"run.steps={steps}",
+        f"run.dir={tmp_path / 'run'}",
+        f"run.run_id={run_id}",
+        f"model.cache_dir={model_cache}",
+        "generation.backend=transformers",
+        "pipeline.max_staleness=1",
+        "learner.checkpoint_every=2",
+        *kafka_broker,
+    ]
+    args = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--config",
+        str(EXAMPLE / "config.yaml"),
+        "--bootstrap",
+        bootstrap,
+        "--replicas",
+        "scorer=2",
+        *[a for o in overrides for a in ("--set", o)],
+    ]
+    output, metrics = tmp_path / "up.log", tmp_path / "run" / "metrics.jsonl"
+    with open(output, "w") as log:
+        up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    chance, killed = random.Random(7), []
+    try:
+        deadline = time.monotonic() + 600
+        while len(killed) < kills and up.poll() is None and time.monotonic() < deadline:
+            time.sleep(chance.uniform(1.5, 4.0))
+            victim = chance.choice(["generator-0", "scorer-0", "scorer-1", "advantage-0", "learner-0"])
+            pattern = f"replica-id {victim} .*run.run_id={run_id}"
+            if subprocess.run(["pkill", "-9", "-f", pattern]).returncode == 0:
+                killed.append(victim)
+        assert len(killed) == kills, f"only {killed} killed before the run ended; make it longer"
+        assert up.wait(timeout=900) == 0, output.read_text()[-3000:]
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+    assert output.read_text().count("with code -9; restarting it") == kills
+    records = [json.loads(line) for line in metrics.open()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
+    assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
+    assert all(r["staleness"] <= 1 for r in records)
