@@ -150,6 +150,13 @@ class PipelineSection(_Section):
     max_staleness: int = Field(0, ge=0, description="0: strictly on-policy; k: generation may run k versions ahead.")
     keep_snapshots: int = Field(3, gt=0, description="Weight snapshots kept per model in the weight store.")
     weight_store: Path | None = Field(None, description="Shared weight directory; default: <run.dir>/weights.")
+    hold_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="A service that holds input (waiting for newer weights, or an earlier step) and handles nothing "
+        "else for this long dead-letters the held record furthest ahead, so that what sits behind it in its "
+        "partition can flow. Above the longest update a run can take.",
+    )
     dedupe_window: int = Field(
         4096,
         gt=0,

@@ -76,6 +76,7 @@ class ServiceRunner:
         self.latest_weights: dict[str, int] = {}  # per model: the version loaded
         self.weights_epoch: dict[str, int] = {}  # per model: the learner epoch of the weights loaded
         self.held: dict[int, _Held] = {}  # per paused partition
+        self.last_progress = time.monotonic()  # when input was last handled (see _release_stuck)
         self.log_ends: dict[int, int] = {}  # per input partition: the highest end offset seen
         self.uncommitted: dict[int, Record] = {}  # per partition: the newest record handled but not yet committed
         self.recent = RecentIds(service.config.pipeline.dedupe_window)
@@ -103,6 +104,8 @@ class ServiceRunner:
             self.work.resume(held.record.partition)
             self._process(held.record, held.message)
             return True
+        if self._release_stuck():
+            return True
         records = self.work.poll(0.0 if self.held else timeout_s, max_records=1)
         self._check_log_continuity()
         if not records:
@@ -128,6 +131,7 @@ class ServiceRunner:
         return True
 
     def _process(self, record: Record, message: Message) -> None:
+        self.last_progress = time.monotonic()
         started = time.perf_counter()
         outcome = "processed"
         try:
@@ -162,6 +166,29 @@ class ServiceRunner:
         tokens = sum(int(m.response_lengths.sum()) for m in with_responses if hasattr(m, "response_lengths"))
         self._count(outcome, len(sequences) if sequences is not None else 0, seconds, tokens)
         self.metrics.lag.labels(self.service.role).set(self.work.lag())
+
+    def _release_stuck(self) -> bool:
+        """Dead-letter the held record furthest ahead once nothing could be processed for ``hold_timeout_s``.
+
+        Every held record waiting that long, and no input handled meanwhile, means the partitions are blocked: a
+        record that waits for something that never comes (a forged far-future step) keeps the records behind it
+        in its partition, which may be the ones the pipeline needs, from ever being read.
+        """
+        limit = self.service.config.pipeline.hold_timeout_s
+        now = time.monotonic()
+        if not self.held or now - self.last_progress < limit:
+            return False
+        stuck = max(self.held.values(), key=lambda held: (getattr(held.message, "step", 0), -held.since))
+        if now - stuck.since < limit:
+            return False
+        del self.held[stuck.record.partition]
+        self.work.resume(stuck.record.partition)
+        why = self.service.waiting_for(stuck.message) or "held"
+        self._dead_letter(
+            stuck.record, f"held {now - stuck.since:.0f} s ({why}) while no input could be processed", self.work
+        )
+        self.last_progress = now
+        return True
 
     def _check_log_continuity(self) -> None:
         """Say so, once, when input partitions' logs end below where they had reached: the broker lost them."""

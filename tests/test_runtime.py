@@ -1,5 +1,7 @@
 """Delivery rules of every service: dead letters, de-duplication, commit after produce, bounded staleness."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -308,3 +310,27 @@ def test_the_learners_kl_coefficient_reaches_the_advantage_service(config):
     shaped = -0.5 * experience.kl * mask
     shaped[np.arange(len(last)), last] += experience.scores
     assert np.allclose(experience.token_rewards, shaped, atol=1e-6)
+
+
+def test_a_held_record_that_blocks_its_partition_is_dead_lettered_after_the_bound(bus, make_config):
+    """A forged prompt batch of a later step (inside the run) at the head of a partition holds the real one behind
+    it; once nothing could be processed for hold_timeout_s it goes to the DLQ and the real batch flows."""
+    config = make_config(
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=4",
+        "learner.mini_batch_size=4",
+        "pipeline.hold_timeout_s=0.5",
+    )
+    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    feeder = FeederService(config)
+    publish(bus, "prompts", encode(feeder.batch(30)), encode(feeder.batch(0)))  # one key: one partition, in order
+    assert runner.poll_once() and runner.held, "step 30 waits for actor v30, and step 0 is behind it"
+    assert not runner.poll_once() and read_all(bus, "rollouts") == []
+    time.sleep(0.6)
+    assert runner.poll_once()  # the bound has passed: step 30 is dead-lettered
+    (letter,) = [decode(v) for v in read_all(bus, "prompts.dlq")]
+    assert "held" in letter.error and "waits for actor v30" in letter.error
+    assert runner.poll_once()
+    (rollouts,) = [decode(v) for v in read_all(bus, "rollouts")]
+    assert rollouts.step == 0
