@@ -9,6 +9,7 @@ uses on its local broker.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import statistics
@@ -79,8 +80,70 @@ def bench_recovery() -> dict:
         for role in ("scorer", "generator", "learner"):
             print(f"[recovery] {label}: kill -9 {role}-0", file=sys.stderr, flush=True)
             rows.append({"sessions": label, **stall_after_kill(role, session_ms, heartbeat_ms)})
+    print("[recovery] broker loss, then up --resume on a new broker", file=sys.stderr, flush=True)
     return {
+        "broker_loss": resume_after_broker_loss(),
         "setup": "streamppo up, local broker, 2 scorer replicas, tiny model, transformers generator, "
         "checkpoint_every 1; kill -9 of replica 0 of the role after 10 updates; `up` restarts it after 1 s",
         "trials": rows,
+    }
+
+
+def resume_after_broker_loss(steps: int = 30, lost_after: int = 10) -> dict:
+    """Seconds from `streamppo up --resume` on a new, empty broker to the first update after the checkpoint."""
+    from services.transport.local_broker import LocalBroker, free_port
+
+    port, run_id = free_port(), f"loss{uuid.uuid4().hex[:6]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "run" / "metrics.jsonl"
+        overrides = [
+            f"run.steps={steps}",
+            f"run.dir={tmp}/run",
+            f"run.run_id={run_id}",
+            "generation.backend=transformers",
+            "kafka.idempotent_producer=false",
+        ]
+
+        def up(*extra):
+            args = [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "up",
+                "--config",
+                str(REPO / "examples/vowels/config.yaml"),
+                "--bootstrap",
+                f"127.0.0.1:{port}",
+                *extra,
+                *[a for o in overrides for a in ("--set", o)],
+            ]
+            return subprocess.Popen(
+                args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            )
+
+        def lines() -> int:
+            return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+        broker = LocalBroker(port).start()
+        first = up()
+        while lines() < lost_after:
+            time.sleep(0.05)
+        broker.stop()
+        os.killpg(first.pid, signal.SIGTERM)
+        first.wait(timeout=300)
+        checkpointed = lines()
+        broker = LocalBroker(port).start()
+        started = time.monotonic()
+        second = up("--resume")
+        while lines() <= checkpointed and second.poll() is None:
+            time.sleep(0.05)
+        to_first_update = time.monotonic() - started
+        code = second.wait(timeout=900)
+        broker.stop()
+        applied = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    return {
+        "checkpoint_at": checkpointed,
+        "seconds_to_first_update_after_resume": to_first_update,
+        "exit_code": code,
+        "every_version_once": applied == list(range(1, steps + 1)),
     }

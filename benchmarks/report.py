@@ -200,6 +200,15 @@ def write_markdown(results: dict, path: Path) -> None:
             "rebalance; a killed generator or learner is restarted by `up` (1 s back-off) and loads its models again.",
             "",
         ]
+        if "broker_loss" in rc:
+            bl = rc["broker_loss"]
+            out += [
+                f"Broker loss: the broker stopped after {bl['checkpoint_at']} checkpointed updates, `up` stopped, "
+                f"a new empty broker started, `up --resume`: first update after the checkpoint "
+                f"**{_f(bl['seconds_to_first_update_after_resume'])} s** after the command; every version applied "
+                f"exactly once: {bl['every_version_once']} (exit code {bl['exit_code']}).",
+                "",
+            ]
     out += ["## 8. GPU", ""]
     if "gpu" in s:
         g = s["gpu"]

@@ -402,7 +402,8 @@ def test_streamppo_status_shows_what_each_replica_waits_for(make_config, kafka_b
 
 
 @pytest.mark.slow
-def test_streamppo_up_restarts_a_crashed_service(kafka_broker, tmp_path, model_cache):
+def test_streamppo_up_restarts_a_crashed_service(apache_kafka, tmp_path, model_cache):
+    kafka_broker = apache_kafka
     steps, run_id = 8, unique("sup")
     bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
     overrides = [
@@ -590,8 +591,9 @@ def test_a_run_resumes_on_a_new_empty_broker_and_applies_each_version_once(tmp_p
 
 
 @pytest.mark.slow
-def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(kafka_broker, tmp_path, model_cache):
+def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(apache_kafka, tmp_path, model_cache):
     """`streamppo up` with two scorers; ten `kill -9`s of random services while it runs; `up` restarts each."""
+    kafka_broker = apache_kafka
     import random
 
     steps, run_id, kills = 40, unique("chaos"), 10
