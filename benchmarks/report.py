@@ -203,8 +203,8 @@ def write_markdown(results: dict, path: Path) -> None:
         if "broker_loss" in rc:
             bl = rc["broker_loss"]
             out += [
-                f"Broker loss: the broker stopped after {bl['checkpoint_at']} checkpointed updates, `up` stopped, "
-                f"a new empty broker started, `up --resume`: first update after the checkpoint "
+                f"Broker loss: the broker stopped mid-run and `up` with it ({bl['checkpoint_at']} updates "
+                f"checkpointed by then); a new empty broker started, `up --resume`: first update after the checkpoint "
                 f"**{_f(bl['seconds_to_first_update_after_resume'])} s** after the command; every version applied "
                 f"exactly once: {bl['every_version_once']} (exit code {bl['exit_code']}).",
                 "",
