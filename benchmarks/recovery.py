@@ -24,6 +24,15 @@ REPO = Path(__file__).resolve().parent.parent
 SESSIONS = {"6 s sessions (Kafka's default minimum)": (6000, 1000), "1 s sessions (streamppo up)": (1000, 250)}
 
 
+def _start_up(overrides: list[str], *extra: str) -> subprocess.Popen:
+    """`streamppo up` on the example, quiet, in a session of its own (so that its services can be killed with it)."""
+    args = [sys.executable, "-m", "services.cli", "up", "--config", str(REPO / "examples/vowels/config.yaml"), *extra]
+    args += [a for o in overrides for a in ("--set", o)]
+    return subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+
+
 def stall_after_kill(role: str, session_ms: int, heartbeat_ms: int, steps: int = 30, kill_after: int = 10) -> dict:
     run_id = f"rec{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -36,20 +45,7 @@ def stall_after_kill(role: str, session_ms: int, heartbeat_ms: int, steps: int =
             f"kafka.session_timeout_ms={session_ms}",
             f"kafka.heartbeat_interval_ms={heartbeat_ms}",
         ]
-        args = [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "up",
-            "--config",
-            str(REPO / "examples/vowels/config.yaml"),
-            "--replicas",
-            "scorer=2",
-            *[a for o in overrides for a in ("--set", o)],
-        ]
-        up = subprocess.Popen(
-            args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
+        up = _start_up(overrides, "--replicas", "scorer=2")
         seen, killed_at, deadline = [], None, time.monotonic() + 600
         try:
             while up.poll() is None and time.monotonic() < deadline:
@@ -105,21 +101,7 @@ def resume_after_broker_loss(steps: int = 30, lost_after: int = 10) -> dict:
         ]
 
         def up(*extra):
-            args = [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "up",
-                "--config",
-                str(REPO / "examples/vowels/config.yaml"),
-                "--bootstrap",
-                f"127.0.0.1:{port}",
-                *extra,
-                *[a for o in overrides for a in ("--set", o)],
-            ]
-            return subprocess.Popen(
-                args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-            )
+            return _start_up(overrides, "--bootstrap", f"127.0.0.1:{port}", *extra)
 
         def lines() -> int:
             return len(metrics.read_text().splitlines()) if metrics.exists() else 0

@@ -30,6 +30,12 @@ def bus(kafka_config):
     return kafka_bus(kafka_config)
 
 
+def streamppo_command(*args: str, overrides: list[str] = ()) -> list[str]:
+    """``python -m services.cli ARGS --config <the example> --set OVERRIDE ...``."""
+    command = [sys.executable, "-m", "services.cli", *args, "--config", str(EXAMPLE / "config.yaml")]
+    return command + [a for o in overrides for a in ("--set", o)]
+
+
 def unique(name):
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
@@ -136,20 +142,7 @@ def test_streamppo_up_runs_the_pipeline_as_processes(kafka_broker, kafka_config,
         f"model.cache_dir={model_cache}",
         *kafka_broker,
     ]
-    args = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "-v",
-        "up",
-        "--config",
-        str(EXAMPLE / "config.yaml"),
-        "--bootstrap",
-        bootstrap,
-        "--replicas",
-        "scorer=2",
-        *[a for o in overrides for a in ("--set", o)],
-    ]
+    args = streamppo_command("-v", "up", "--bootstrap", bootstrap, "--replicas", "scorer=2", overrides=overrides)
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "scorer-1 | " in result.stdout and "scorer-1: serving rollouts -> scored" in result.stdout, "prefixed logs"
@@ -414,17 +407,7 @@ def test_streamppo_up_restarts_a_crashed_service(apache_kafka, tmp_path, model_c
         "generation.backend=transformers",
         *kafka_broker,
     ]
-    args = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "up",
-        "--config",
-        str(EXAMPLE / "config.yaml"),
-        "--bootstrap",
-        bootstrap,
-        *[a for o in overrides for a in ("--set", o)],
-    ]
+    args = streamppo_command("up", "--bootstrap", bootstrap, overrides=overrides)
     output = tmp_path / "up.log"
     with open(output, "w") as log:
         up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -537,19 +520,7 @@ def test_a_run_resumes_on_a_new_empty_broker_and_applies_each_version_once(tmp_p
     metrics = tmp_path / "run" / "metrics.jsonl"
 
     def up(log_name, *extra):
-        args = [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "-v",
-            "up",
-            "--config",
-            str(EXAMPLE / "config.yaml"),
-            "--bootstrap",
-            f"127.0.0.1:{port}",
-            *extra,
-            *[a for o in overrides for a in ("--set", o)],
-        ]
+        args = streamppo_command("-v", "up", "--bootstrap", f"127.0.0.1:{port}", *extra, overrides=overrides)
         log = open(tmp_path / log_name, "w")
         return subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -608,19 +579,7 @@ def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(apache_
         "learner.checkpoint_every=2",
         *kafka_broker,
     ]
-    args = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "up",
-        "--config",
-        str(EXAMPLE / "config.yaml"),
-        "--bootstrap",
-        bootstrap,
-        "--replicas",
-        "scorer=2",
-        *[a for o in overrides for a in ("--set", o)],
-    ]
+    args = streamppo_command("up", "--bootstrap", bootstrap, "--replicas", "scorer=2", overrides=overrides)
     output, metrics = tmp_path / "up.log", tmp_path / "run" / "metrics.jsonl"
     with open(output, "w") as log:
         up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -84,11 +84,7 @@ class KafkaBus(Bus):
                 delay = min(delay * 2, 5.0)
 
     def create_topics(self, specs: list[TopicSpec], replace_wrong: bool = False) -> None:
-        # Existing topics come from a metadata request: the admin client's list_topics() also parses ACL fields
-        # that not every broker fills in the way kafka-python expects.
-        probe = self._retrying(
-            "metadata", lambda: KafkaConsumer(client_id="streamppo-admin", enable_auto_commit=False, **self._common)
-        )
+        probe = self._retrying("metadata", self._metadata_probe)
         try:
             existing = probe.topics()
             partitions = {spec.name: probe.partitions_for_topic(spec.name) for spec in specs if spec.name in existing}
@@ -153,10 +149,15 @@ class KafkaBus(Bus):
                 )
         return wrong
 
+    def _metadata_probe(self) -> KafkaConsumer:
+        """A client for metadata requests only: the admin client's list_topics() also parses ACL fields that not
+        every broker fills in the way kafka-python expects."""
+        return KafkaConsumer(client_id="streamppo-admin", enable_auto_commit=False, **self._common)
+
     def _wait_until_gone(self, names: list[str], timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            probe = KafkaConsumer(client_id="streamppo-admin", enable_auto_commit=False, **self._common)
+            probe = self._metadata_probe()
             try:
                 if not set(names) & probe.topics():
                     return
