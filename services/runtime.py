@@ -107,6 +107,7 @@ class ServiceRunner:
         if self._release_stuck():
             return True
         records = self.work.poll(0.0 if self.held else timeout_s, max_records=1)
+        self._check_log_continuity()
         if not records:
             return did
         record = records[0]
@@ -278,11 +279,8 @@ class ServiceRunner:
     def publish_status(self, state: str | None = None) -> ReplicaStatus:
         """Say what this replica is doing on the status topic (and in the held-input gauges); returns the report.
 
-        ``state`` defaults to ``waiting`` while input is held, else ``serving``. A broker that lost the input's data
-        is looked for here, at each report, rather than on every poll.
+        ``state`` defaults to ``waiting`` while input is held, else ``serving``.
         """
-        if self.work is not None:
-            self._check_log_continuity()
         held_seconds = self.held_seconds()
         self.metrics.held_records.labels(self.service.role).set(len(self.held))
         self.metrics.held_seconds.labels(self.service.role).set(held_seconds)
