@@ -1,8 +1,9 @@
 """Learner checkpoints: a directory per version, switched to with an atomic pointer file.
 
-``<dir>/ckpt-<version>/trainer.pt`` holds tensors and plain values only (read back with
-``torch.load(weights_only=True)``, which unpickles no code); ``learner.json`` holds the applied batch ids and
-counters. ``<dir>/LATEST`` names the newest complete checkpoint; it is replaced only after that checkpoint is fully
+``<dir>/ckpt-<version>/`` holds the trainer's state (``trainer.pt``: tensors and plain values only, read back with
+``torch.load(weights_only=True)``, which unpickles no code; a sharded learner adds ``shards/``, written by all its
+ranks with torch.distributed.checkpoint) and ``learner.json``: the handled batch ids, counters and input offsets.
+``<dir>/LATEST`` names the newest complete checkpoint; it is replaced only after that checkpoint is fully
 written (files and directory fsynced), so a process killed at any moment leaves the previous checkpoint intact; a
 disk without room for the new one raises :class:`common.storage.NoSpaceError` and changes nothing.
 """
@@ -12,18 +13,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from common.storage import fsync_dir, fsync_file, state_nbytes, write_or_explain
+from common.storage import fsync_dir, fsync_file, write_or_explain
 
 __all__ = ["latest_checkpoint_version", "load_latest_checkpoint", "next_epoch", "save_checkpoint"]
 
 
-def save_checkpoint(directory: Path, version: int, trainer_state: dict, meta: dict, keep: int = 2) -> Path:
+def save_checkpoint(
+    directory: Path, version: int, write_state: Callable[[Path], None], needed_bytes: int, meta: dict, keep: int = 2
+) -> Path:
     """Write checkpoint ``version`` and point ``LATEST`` at it; raises :class:`NoSpaceError` (the previous
-    checkpoint still in place and pointed at) when the disk has no room for it."""
+    checkpoint still in place and pointed at) when the disk has no room for it.
+
+    ``write_state(folder)`` writes the trainer's state into the new checkpoint's folder (a sharded learner's ranks
+    each write their shards there, so the folder must be on storage every rank sees); ``needed_bytes`` is its
+    size, for the message when it does not fit.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     name = f"ckpt-{version:08d}"
@@ -32,13 +39,12 @@ def save_checkpoint(directory: Path, version: int, trainer_state: dict, meta: di
 
     def write() -> None:
         tmp.mkdir()
-        torch.save(trainer_state, tmp / "trainer.pt")
+        write_state(tmp)
         (tmp / "learner.json").write_text(json.dumps(meta))
-        fsync_file(tmp / "trainer.pt")
         fsync_file(tmp / "learner.json")
         fsync_dir(tmp)
 
-    needed = state_nbytes(trainer_state) + len(json.dumps(meta)) + (1 << 20)  # + headers and the pickled rest
+    needed = needed_bytes + len(json.dumps(meta)) + (1 << 20)  # + headers and the pickled rest
     write_or_explain(directory, f"checkpoint v{version}", needed, write, lambda: shutil.rmtree(tmp, True))
     final = directory / name
     shutil.rmtree(final, ignore_errors=True)
@@ -61,15 +67,14 @@ def latest_checkpoint_version(directory: Path) -> int | None:
     return int(pointer.read_text().strip().removeprefix("ckpt-"))
 
 
-def load_latest_checkpoint(directory: Path) -> tuple[dict, dict] | None:
-    """``(trainer_state, meta)`` of the newest complete checkpoint, or None if there is none."""
+def load_latest_checkpoint(directory: Path) -> tuple[Path, dict] | None:
+    """``(folder, meta)`` of the newest complete checkpoint, or None if there is none; the trainer reads its
+    state from the folder."""
     pointer = Path(directory) / "LATEST"
     if not pointer.is_file():
         return None
     path = Path(directory) / pointer.read_text().strip()
-    state = torch.load(path / "trainer.pt", weights_only=True)
-    meta = json.loads((path / "learner.json").read_text())
-    return state, meta
+    return path, json.loads((path / "learner.json").read_text())
 
 
 def next_epoch(directory: Path) -> int:

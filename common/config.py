@@ -37,11 +37,25 @@ class RunSection(_Section):
     )
 
 
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class ModelDtypes(_Section):
+    """Per-model dtypes (bf16 on GPUs); unset ones take ``model.dtype``. The learner keeps fp32 master weights
+    whatever the actor's and critic's dtype: under FSDP these set the compute dtype of its mixed precision."""
+
+    actor: DType | None = None
+    critic: DType | None = None
+    reference: DType | None = None
+    reward: DType | None = None
+
+
 class ModelSection(_Section):
     actor: str = Field(description="Local transformers folder, or 'builtin:<name>' for a model built locally.")
     reference: str | None = Field(None, description="Frozen reference model; default: the actor's initial weights.")
     critic: str | None = Field(None, description="Critic backbone; default: the actor's. A scalar head is added.")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: DType = Field("float32", description="Default dtype of every model; `model.dtypes` overrides it per model.")
+    dtypes: ModelDtypes = ModelDtypes()
     device: str = Field(
         "cpu",
         pattern=r"^(cpu|cuda(:\d+)?|mps)$",
@@ -49,6 +63,15 @@ class ModelSection(_Section):
     )
     trust_remote_code: bool = False
     cache_dir: Path = Field(Path.home() / ".cache" / "streamppo", description="Where builtin models are built.")
+    max_tokens_per_microbatch: int | None = Field(
+        None,
+        gt=0,
+        description="Token budget of one inference forward pass (the scorer's reference model, the advantage "
+        "service's critic): rows sorted by length, grouped while rows × longest row fits. Default: the whole batch.",
+    )
+
+    def dtype_of(self, model: Literal["actor", "critic", "reference", "reward"]) -> DType:
+        return getattr(self.dtypes, model) or self.dtype
 
 
 class DataSection(_Section):
@@ -77,6 +100,15 @@ class VllmOptions(_Section):
     )
     enforce_eager: bool = Field(True, description="No CUDA graphs / torch.compile: faster start, slower decode.")
     max_model_len: int | None = Field(None, gt=0, description="Default: the model's own limit.")
+    tensor_parallel_size: int = Field(1, gt=0, description="GPUs one engine shards the actor over.")
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Fraction of each GPU the engine may use (weights, activations and KV cache); replaces "
+        "kv_cache_gib when set. GPU only.",
+    )
+    dtype: DType | None = Field(None, description="The engine's dtype; default: the actor's (`model.dtypes.actor`).")
 
 
 class GenerationSection(_Section):
@@ -120,6 +152,29 @@ class AlgorithmSection(_Section):
     missing_eos_penalty: float | None = Field(None, description="Subtracted from the score of truncated responses.")
 
 
+class ParallelOptions(_Section):
+    """How the learner spreads over devices."""
+
+    strategy: Literal["single", "fsdp"] = Field(
+        "single", description="single: one process; fsdp: actor and critic sharded with torch's FSDP2."
+    )
+    processes: int = Field(
+        1,
+        gt=0,
+        description="Ranks on this machine. With more than 1, `streamppo learner` starts them itself through "
+        "torch's launcher; across machines run it under torchrun (README).",
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="Times the launcher restarts all ranks after one dies, before it exits with an error."
+    )
+
+    @model_validator(mode="after")
+    def _processes_need_a_strategy(self):
+        if self.processes > 1 and self.strategy == "single":
+            raise ValueError("processes > 1 needs strategy: fsdp")
+        return self
+
+
 class LearnerSection(_Section):
     ppo_epochs: int = Field(2, gt=0)
     mini_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step.")
@@ -144,6 +199,23 @@ class LearnerSection(_Section):
         "committed at checkpoints only; a crash re-applies the updates since the last one.",
     )
     importance_cap: float = Field(2.0, ge=1)
+    max_tokens_per_microbatch: int | None = Field(
+        None,
+        gt=0,
+        description="Token budget of one forward/backward pass: each rank's rows of a mini-batch, sorted by "
+        "length, grouped while rows × longest row fits (a row longer than the budget goes alone). Replaces "
+        "micro_batch_size; the update is the same, within float rounding.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward pass: less memory, ~1/3 more compute.",
+    )
+    fp32_lm_head: bool = Field(
+        True,
+        description="Compute the actor's vocabulary projection in float32 when the actor runs in a lower precision, "
+        "so learner log-probs (and the ratio) do not carry bf16 rounding.",
+    )
+    parallel: ParallelOptions = ParallelOptions()
 
 
 class PipelineSection(_Section):
@@ -162,6 +234,14 @@ class PipelineSection(_Section):
         gt=0,
         description="Batch ids each replica remembers to recognise re-deliveries "
         "(the learner keeps them in its checkpoint, so a checkpoint never grows with the run).",
+    )
+
+
+class WeightsSection(_Section):
+    dtype: DType = Field(
+        "float32",
+        description="dtype of the actor and critic snapshots the learner publishes (bfloat16 halves them; the "
+        "learner's master weights stay float32).",
     )
 
 
@@ -262,6 +342,7 @@ class RunConfig(_Section):
     algorithm: AlgorithmSection = AlgorithmSection()
     learner: LearnerSection = LearnerSection()
     pipeline: PipelineSection = PipelineSection()
+    weights: WeightsSection = WeightsSection()
     kafka: KafkaSection = KafkaSection()
 
     @model_validator(mode="after")
@@ -275,6 +356,14 @@ class RunConfig(_Section):
         micro = self.learner.micro_batch_size
         if micro is not None and self.learner.mini_batch_size % micro:
             raise ValueError("learner.mini_batch_size must be a multiple of learner.micro_batch_size")
+        if micro is not None and self.learner.max_tokens_per_microbatch is not None:
+            raise ValueError("set learner.micro_batch_size or learner.max_tokens_per_microbatch, not both")
+        parallel = self.learner.parallel
+        if parallel.strategy == "fsdp" and self.learner.mini_batch_size < parallel.processes:
+            raise ValueError(
+                f"learner.mini_batch_size ({self.learner.mini_batch_size}) is smaller than the learner's ranks "
+                f"(learner.parallel.processes = {parallel.processes}): some ranks would train on nothing"
+            )
         return self
 
     @property

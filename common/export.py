@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 __all__ = ["export_final_models"]
 
 
-def export_final_models(run_dir: Path, actor, critic, tokenizer) -> Path:
-    """Save actor and critic, each with the tokenizer, so that any transformers loader (and vLLM) reads them."""
+def export_final_models(run_dir: Path, models: dict[str, tuple[torch.nn.Module, dict | None]], tokenizer) -> Path:
+    """Save each ``name: (model, full state)`` with the tokenizer under ``final/<name>``, so that any transformers
+    loader (and vLLM) reads them. The state is the model's whole state dict (gathered from the ranks of a sharded
+    learner); a state of None (the other ranks' share of that gathering) writes nothing."""
     final = Path(run_dir) / "final"
-    for name, model in (("actor", actor), ("critic", critic)):
-        model.save_pretrained(final / name)
+    for name, (model, state) in models.items():
+        if state is None:
+            continue
+        model.save_pretrained(final / name, state_dict=state)
         tokenizer.save_pretrained(final / name)
     return final

@@ -126,7 +126,7 @@ def make_sampler(config, model_dir: Path, tokenizer) -> Sampler:
 
         return VllmSampler(
             model_dir,
-            config.model.dtype,
+            config.generation.vllm.dtype or config.model.dtype_of("actor"),
             config.model.trust_remote_code,
             tokenizer.eos_token_id,
             tokenizer.pad_token_id,
@@ -135,7 +135,7 @@ def make_sampler(config, model_dir: Path, tokenizer) -> Sampler:
         )
     return TransformersSampler(
         model_dir,
-        config.model.dtype,
+        config.model.dtype_of("actor"),
         config.model.trust_remote_code,
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,

@@ -7,13 +7,26 @@ the learner service decodes experience into :class:`Experience`, calls :meth:`PP
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from common import ppo
 from common.config import AlgorithmSection, LearnerSection
+from common.parallel import Ranks, gather_full_state, lead
 from common.schema import ExperienceBatch
-from common.sequences import PackedSequences, lengths_to_mask, pack, response_logprobs, response_values
+from common.sequences import (
+    PackedSequences,
+    lengths_to_mask,
+    micro_batches,
+    microbatch_view,
+    pack,
+    pad_columns,
+    response_logprobs,
+    response_values,
+)
+from common.storage import fsync_file
+from common.weights import first_names
 
 __all__ = ["Experience", "PPOTrainer"]
 
@@ -78,7 +91,15 @@ class _Batch:
     old_logp: torch.Tensor  # (N, T) log π_old, recomputed by the learner before the first step
     importance: torch.Tensor | None  # (N, T) truncated π_old / π_behaviour, for stale experience only
     staleness: int  # learner version − the version that sampled the batch
-    micro: int  # sequences per forward pass
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """One forward/backward pass of a rank: its rows, and 1.0, or 0.0 for a pass a rank runs only to keep in step
+    with ranks that have more passes (sharded modules gather their parameters in every rank's forward)."""
+
+    rows: torch.Tensor
+    weight: float
 
 
 class PPOTrainer:
@@ -91,8 +112,12 @@ class PPOTrainer:
         temperature: float,
         pad_token_id: int,
         seed: int = 0,
+        ranks: Ranks | None = None,
     ):
+        """``actor`` and ``critic`` come sharded already when ``ranks.sharded`` (:func:`common.parallel.shard_model`):
+        the optimizers must see the sharded parameters."""
         self.actor, self.critic = actor, critic
+        self.ranks = ranks or Ranks()
         self.cfg, self.algo = learner, algorithm
         self.temperature, self.pad_token_id = temperature, pad_token_id
         self.actor_optimizer = torch.optim.AdamW(
@@ -110,9 +135,14 @@ class PPOTrainer:
         self.version = 0
         self.generator = torch.Generator().manual_seed(seed)
 
+    @lead
     def train(self, exp: Experience) -> dict[str, float]:
-        """One PPO update on ``exp``: recompute π_old, run the epochs, advance the policy version."""
-        exp = exp.to(self.actor.device)
+        """One PPO update on ``exp``: recompute π_old, run the epochs, advance the policy version.
+
+        With several ranks every rank holds all of ``exp`` and trains on its share of each mini-batch; losses are
+        normalised by the whole mini-batch, so the update is the one a single process would make.
+        """
+        exp = exp.to(self.ranks.device)
         batch = self._prepare(exp)
         means = self._run_epochs(exp, batch)
         kl_per_sequence = (exp.kl * batch.mask).sum(dim=1)
@@ -128,24 +158,22 @@ class PPOTrainer:
         packed = pack(
             exp.prompt_tokens, exp.prompt_lengths, exp.response_tokens, exp.response_lengths, self.pad_token_id
         )
-        micro = self.cfg.micro_batch_size or self.cfg.mini_batch_size
         advantages = ppo.masked_whiten(exp.advantages, mask) if self.algo.whiten_advantages else exp.advantages
         # π_old is the learner's own policy now: the sampler's log-probs differ (other kernels, other engine).
+        # Each rank computes its share of the rows; the sum over ranks (zeros elsewhere) is every row's.
+        old_logp = torch.zeros_like(mask)
         with torch.no_grad():
-            old_logp = (
-                torch.cat(
-                    [
-                        response_logprobs(self.actor, packed.rows(i), exp.response_tokens[i], self.temperature)[0]
-                        for i in _chunks(torch.arange(len(mask)), micro)
-                    ]
-                )
-                * mask
-            )
+            for step in self._passes(exp, torch.arange(len(mask))):
+                view = self._view(exp, packed, step.rows)
+                logp = response_logprobs(self.actor, view, exp.response_tokens[step.rows, : view.response_width])[0]
+                if step.weight:
+                    old_logp[step.rows] = pad_columns(logp, mask.shape[1])
+        old_logp = self.ranks.all_reduce_sum(old_logp) * mask
         staleness = self.version - exp.policy_version
         importance = None
         if self.cfg.off_policy_correction and staleness > 0:
             importance = ppo.truncated_importance_weights(old_logp, exp.behaviour_logprobs, self.cfg.importance_cap)
-        return _Batch(packed, mask, advantages, old_logp, importance, staleness, micro)
+        return _Batch(packed, mask, advantages, old_logp, importance, staleness)
 
     def _run_epochs(self, exp: Experience, batch: _Batch) -> dict[str, float]:
         """``ppo_epochs`` passes over shuffled mini-batches, one optimizer step each; the statistics' means."""
@@ -155,49 +183,87 @@ class PPOTrainer:
             for key, value in values.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
 
-        steps = 0
+        steps, norms = 0, {"grad_norm_actor": 0.0, "grad_norm_critic": 0.0}
         for _ in range(self.cfg.ppo_epochs):
             order = torch.randperm(len(batch.mask), generator=self.generator)
             for mini in _chunks(order, self.cfg.mini_batch_size):
-                self._mini_batch_step(exp, batch, mini, add)
+                actor_norm, critic_norm = self._mini_batch_step(exp, batch, mini, add)
+                norms["grad_norm_actor"] += actor_norm
+                norms["grad_norm_critic"] += critic_norm
                 steps += 1
-        return {key: value / steps for key, value in sums.items()}
+        # Each rank summed the statistics of its rows; the norms are global already.
+        keys = sorted(sums)
+        totals = self.ranks.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+        return {key: value / steps for key, value in {**dict(zip(keys, totals.tolist())), **norms}.items()}
 
-    def _mini_batch_step(self, exp: Experience, batch: _Batch, mini: torch.Tensor, add) -> None:
-        """Accumulate the gradients of the mini-batch's micro-batches, then step actor and critic; statistics go
-        to ``add(name=value, ...)``."""
+    def _passes(self, exp: Experience, rows: torch.Tensor) -> list[_Pass]:
+        """This rank's forward passes over ``rows``: its share of them (every ``world_size``-th row by length, so
+        that ranks get alike lengths), cut by ``micro_batch_size`` or by the token budget; then padded with passes
+        of weight 0 to the most passes any rank has."""
+        cfg, ranks = self.cfg, self.ranks
+        if ranks.world_size > 1:
+            lengths = (exp.prompt_lengths + exp.response_lengths)[rows]
+            rows = rows[torch.argsort(lengths, descending=True, stable=True)][ranks.rank :: ranks.world_size]
+        groups = micro_batches(
+            exp.prompt_lengths,
+            exp.response_lengths,
+            rows,
+            cfg.max_tokens_per_microbatch,
+            cfg.micro_batch_size or cfg.mini_batch_size,
+        )
+        passes = [_Pass(group, 1.0) for group in groups if len(group)]
+        filler = rows[:1] if len(rows) else torch.zeros(1, dtype=torch.long)
+        passes += [_Pass(filler, 0.0)] * (ranks.all_reduce_max(len(passes)) - len(passes))
+        return passes
+
+    def _view(self, exp: Experience, packed: PackedSequences, rows: torch.Tensor) -> PackedSequences:
+        if self.cfg.max_tokens_per_microbatch is None:
+            return packed.rows(rows)
+        return microbatch_view(packed, exp.prompt_lengths, exp.response_lengths, rows)
+
+    def _mini_batch_step(self, exp: Experience, batch: _Batch, mini: torch.Tensor, add) -> tuple[float, float]:
+        """Accumulate the gradients of this rank's passes over the mini-batch, then step actor and critic;
+        statistics (this rank's part of the mini-batch's) go to ``add(name=value, ...)``; returns the gradient
+        norms."""
         cfg = self.cfg
         num_tokens = float(batch.mask[mini].sum())
+        # Sharded gradients are averaged over the ranks; each rank's loss is its rows' part of the whole
+        # mini-batch's, so the sum is wanted.
+        world = self.ranks.world_size
         self.actor_optimizer.zero_grad(set_to_none=True)
         self.critic_optimizer.zero_grad(set_to_none=True)
-        for rows in _chunks(mini, batch.micro):
+        for step in self._passes(exp, mini):
+            rows = step.rows
+            view = self._view(exp, batch.packed, rows)
+            width = view.response_width
             # token-mean divides by the mini-batch's tokens; the other modes average sequences.
-            scale = 1.0 if cfg.loss_agg == "token-mean" else len(rows) / len(mini)
-            m = batch.mask[rows]
+            scale = step.weight * (1.0 if cfg.loss_agg == "token-mean" else len(rows) / len(mini))
+            m = batch.mask[rows, :width]
             logp, entropy = response_logprobs(
-                self.actor, batch.packed.rows(rows), exp.response_tokens[rows], self.temperature, with_entropy=True
+                self.actor, view, exp.response_tokens[rows, :width], self.temperature, with_entropy=True
             )
             pg_loss, pg_stats = ppo.policy_loss(
                 logp,
-                batch.old_logp[rows],
-                batch.advantages[rows],
+                batch.old_logp[rows, :width],
+                batch.advantages[rows, :width],
                 m,
                 cfg.clip_low,
                 cfg.clip_high,
                 cfg.dual_clip,
-                batch.importance[rows] if batch.importance is not None else None,
+                batch.importance[rows, :width] if batch.importance is not None else None,
                 cfg.loss_agg,
                 num_tokens,
             )
             entropy_loss = ppo.agg_loss(entropy, m, cfg.loss_agg, num_tokens)
-            ((pg_loss - cfg.entropy_coef * entropy_loss) * scale).backward()
-            values = response_values(self.critic, batch.packed.rows(rows))
+            ((pg_loss - cfg.entropy_coef * entropy_loss) * scale * world).backward()
+            values = response_values(self.critic, view)
             vf_loss, vf_stats = ppo.value_loss(
-                values, exp.values[rows], exp.returns[rows], m, cfg.value_clip, cfg.loss_agg, num_tokens
+                values, exp.values[rows, :width], exp.returns[rows, :width], m, cfg.value_clip, cfg.loss_agg, num_tokens
             )
-            (cfg.value_coef * vf_loss * scale).backward()
-            # Each statistic is averaged over the mini-batch's rows, then over the optimizer steps.
-            share = len(rows) / len(mini)
+            (cfg.value_coef * vf_loss * scale * world).backward()
+            # Token statistics are means over the mini-batch's tokens (so the same however its rows are split over
+            # passes and ranks), then over the optimizer steps.
+            share = step.weight * float(m.sum()) / max(num_tokens, 1.0)
             add(
                 policy_loss=pg_loss.detach() * scale,
                 value_loss=vf_loss.detach() * scale,
@@ -207,10 +273,7 @@ class PPOTrainer:
                 dual_clip_frac=pg_stats.dual_clip_frac * share,
                 value_clip_frac=vf_stats.clip_frac * share,
             )
-        add(
-            grad_norm_actor=self._step(self.actor, self.actor_optimizer),
-            grad_norm_critic=self._step(self.critic, self.critic_optimizer),
-        )
+        return self._step(self.actor, self.actor_optimizer), self._step(self.critic, self.critic_optimizer)
 
     def _batch_statistics(self, exp: Experience, batch: _Batch, kl_per_sequence: torch.Tensor) -> dict[str, float]:
         """What the experience itself says: reward, KL, critic fit, lengths, the sampler/learner log-prob gap."""
@@ -230,16 +293,17 @@ class PPOTrainer:
             "policy_version": float(self.version),
         }
 
+    # ------------------------------------------------------------------ state: checkpoints, snapshots, answers
+
     def state_dict(self) -> dict:
-        """Everything needed to continue training exactly: weights, optimizers, KL controller, version, RNG."""
+        """Everything needed to continue training exactly: weights, optimizers, KL controller, version, RNG.
+        Single process only; sharded trainers checkpoint with :meth:`save`."""
         return {
             "actor": self.actor.state_dict(),
             "critic": self.critic.state_dict(),
             "actor_optimizer": self.actor_optimizer.state_dict(),
             "critic_optimizer": self.critic_optimizer.state_dict(),
-            "kl_controller": self.kl_controller.state_dict(),
-            "version": self.version,
-            "generator": self.generator.get_state(),
+            **self._small_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -247,14 +311,112 @@ class PPOTrainer:
         self.critic.load_state_dict(state["critic"])
         self.actor_optimizer.load_state_dict(state["actor_optimizer"])
         self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        self._load_small_state(state)
+
+    def _small_state(self) -> dict:
+        return {
+            "kl_controller": self.kl_controller.state_dict(),
+            "version": self.version,
+            "generator": self.generator.get_state(),
+        }
+
+    def _load_small_state(self, state: dict) -> None:
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.version = int(state["version"])
         self.generator.set_state(state["generator"])
+
+    @lead
+    def save(self, folder: Path) -> None:
+        """Write the trainer's state into ``folder`` (which exists). Sharded: every rank writes its shards with
+        torch.distributed.checkpoint under ``folder/shards`` (re-shardable to any number of ranks), rank 0 the
+        rest; single: one ``trainer.pt``."""
+        folder = Path(folder)
+        if not self.ranks.sharded:
+            torch.save(self.state_dict(), folder / "trainer.pt")
+            fsync_file(folder / "trainer.pt")
+            return
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._sharded_state(), checkpoint_id=folder / "shards")
+        if self.ranks.leads:
+            torch.save(self._small_state(), folder / "trainer.pt")
+            fsync_file(folder / "trainer.pt")
+
+    @lead
+    def load(self, folder: Path) -> None:
+        """Restore what :meth:`save` wrote, with any number of ranks (a sharded checkpoint is re-sharded)."""
+        folder = Path(folder)
+        sharded_checkpoint = (folder / "shards").is_dir()
+        if sharded_checkpoint != self.ranks.sharded:
+            raise RuntimeError(
+                f"checkpoint {folder} was written by a {'sharded' if sharded_checkpoint else 'single-process'} "
+                f"learner; this one is {'sharded' if self.ranks.sharded else 'single-process'}. Resume it with the "
+                "learner.parallel.strategy that wrote it"
+            )
+        state = torch.load(folder / "trainer.pt", weights_only=True)
+        if not self.ranks.sharded:
+            self.load_state_dict(state)
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        sharded = self._sharded_state()
+        dcp.load(sharded, checkpoint_id=folder / "shards")
+        for name, model, optimizer in self.models():
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=sharded[name],
+                optim_state_dict=sharded[f"{name}_optimizer"],
+            )
+        self._load_small_state(state)
+
+    def checkpoint_nbytes(self) -> int:
+        """What :meth:`save` writes on this rank, about: weights and two Adam moments of its parameters."""
+        local = [getattr(p, "to_local", lambda p=p: p)() for _, m, _ in self.models() for p in m.parameters()]
+        return sum(3 * t.numel() * t.element_size() for t in local)
+
+    def models(self) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
+        return [("actor", self.actor, self.actor_optimizer), ("critic", self.critic, self.critic_optimizer)]
+
+    def _sharded_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        state = {}
+        for name, model, optimizer in self.models():
+            state[name], state[f"{name}_optimizer"] = get_state_dict(model, optimizer)
+        return state
+
+    @lead
+    def full_state(self, model: str, dtype: str = "float32") -> dict[str, torch.Tensor] | None:
+        """The whole ``actor`` or ``critic`` state in ``dtype`` on rank 0's CPU (None on the other ranks), each
+        tied tensor once, under its first name (as a transformers checkpoint has it)."""
+        module = {"actor": self.actor, "critic": self.critic}[model]
+        state = gather_full_state(module, self.ranks)
+        if state is None:
+            return None
+        target = getattr(torch, dtype)
+        return {
+            name: (tensor.to(target) if tensor.is_floating_point() else tensor).contiguous()
+            for name, tensor in state.items()
+            if name in first_names(module)
+        }
+
+    @lead
+    def answer(self, fn, *args):
+        """``fn(actor, *args)`` on every rank (a sharded actor can only run forward passes on all of them at once);
+        ``fn`` must be a module-level function, as it travels by name to the other ranks."""
+        return fn(self.actor, *args)
+
+    def release(self) -> None:
+        """Rank 0, when it is done with the trainer: the other ranks stop following."""
+        self.ranks.release()
 
     def _step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded: the norm over every rank
         if torch.isfinite(norm):
             optimizer.step()
         # A non-finite gradient skips the step rather than poisoning the weights; the norm is reported.

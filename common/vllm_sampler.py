@@ -84,7 +84,12 @@ class VllmSampler:
             seed=seed,
             enforce_eager=options.enforce_eager,
             max_model_len=options.max_model_len,
-            kv_cache_memory_bytes=int(options.kv_cache_gib * 2**30),
+            tensor_parallel_size=options.tensor_parallel_size,
+            **(
+                {"gpu_memory_utilization": options.gpu_memory_utilization}
+                if options.gpu_memory_utilization is not None
+                else {"kv_cache_memory_bytes": int(options.kv_cache_gib * 2**30)}
+            ),
             # The log-probs of the distribution each token was drawn from (temperature, top-k/p applied).
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.SnapshotLoader",
@@ -101,7 +106,7 @@ class VllmSampler:
         started = time.perf_counter()
         llm = LLM(**self.engine_args)
         if self.good_snapshot is not None:
-            refused = llm.collective_rpc("load_snapshot", args=self.good_snapshot)[0]
+            refused = _first_refusal(llm.collective_rpc("load_snapshot", args=self.good_snapshot))
             if refused:  # the last good snapshot was pruned or damaged since: nothing good left to return to
                 raise WeightIntegrityError(f"cannot restore the last good weights: {refused}")
             llm.reset_prefix_cache()
@@ -141,7 +146,7 @@ class VllmSampler:
         check_fits(uri, shapes, self.skeleton)
         for attempt in (1, 2):
             try:
-                refused = self.llm.collective_rpc("load_snapshot", args=(path, sha256))[0]
+                refused = _first_refusal(self.llm.collective_rpc("load_snapshot", args=(path, sha256)))
             except Exception as exc:
                 if attempt == 2:
                     self._restart_engine(f"update to {uri} failed twice: {exc}")
@@ -204,3 +209,9 @@ class VllmSampler:
             finished[row] = length > 0 and ids[-1] == self.eos_token_id
         group_index = torch.arange(len(outputs)).repeat_interleave(n)
         return Samples(group_index, tokens, lengths, finished, logprobs)
+
+
+def _first_refusal(answers: list) -> str | None:
+    """One answer per engine worker (several under tensor parallelism): each loads its shard from the snapshot and
+    refuses it on its own; any refusal refuses the update."""
+    return next((answer for answer in answers if answer), None)

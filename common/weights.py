@@ -20,7 +20,16 @@ from safetensors.torch import save_file
 
 from common.storage import fsync_dir, fsync_file, state_nbytes, write_or_explain
 
-__all__ = ["Snapshot", "WeightIntegrityError", "WeightStore", "check_fits", "load_snapshot_into", "read_snapshot"]
+__all__ = [
+    "Snapshot",
+    "WeightIntegrityError",
+    "WeightStore",
+    "check_fits",
+    "first_names",
+    "load_snapshot_into",
+    "read_snapshot",
+    "snapshot_state",
+]
 
 _SNAPSHOT_NAME = re.compile(r"^(?P<model>[a-z0-9_-]+)-v(?P<version>\d{8})\.safetensors$")
 
@@ -46,19 +55,27 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _untied_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict with each shared tensor once, under its first name.
+def first_names(module: torch.nn.Module) -> set[str]:
+    """The names of ``module``'s state with each shared (tied) tensor once, under its first name.
 
     For tied embeddings that is ``model.embed_tokens.weight``, as in a transformers checkpoint: loaders that skip
-    ``lm_head.weight`` for tied models (vLLM's does) still find the embedding.
+    ``lm_head.weight`` for tied models (vLLM's does) still find the embedding. Ties are read from parameter
+    identity, so this works for sharded modules and on the meta device, where there are no data pointers.
     """
-    state, seen = {}, set()
-    for name, tensor in module.state_dict().items():
-        key = (tensor.data_ptr(), tuple(tensor.shape))
+    tensors = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    seen, names = set(), set()
+    for name in module.state_dict():
+        key = id(tensors.get(name, name))
         if key not in seen:
             seen.add(key)
-            state[name] = tensor.detach().cpu().contiguous()
-    return state
+            names.add(name)
+    return names
+
+
+def snapshot_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state as a snapshot holds it: on the CPU, each tied tensor once."""
+    keep = first_names(module)
+    return {name: t.detach().cpu().contiguous() for name, t in module.state_dict().items() if name in keep}
 
 
 class WeightStore:
@@ -69,9 +86,12 @@ class WeightStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def save(self, model_name: str, version: int, module: torch.nn.Module) -> Snapshot:
+        return self.save_state(model_name, version, snapshot_state(module))
+
+    def save_state(self, model_name: str, version: int, state: dict[str, torch.Tensor]) -> Snapshot:
+        """Write ``state`` (CPU tensors, each tied tensor once: :func:`snapshot_state`) as snapshot ``version``."""
         path = self.root / f"{model_name}-v{version:08d}.safetensors"
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        state = _untied_state(module)
 
         def write() -> None:
             save_file(state, str(tmp), metadata={"model": model_name, "version": str(version)})

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 
 from kafka.errors import KafkaError
@@ -88,15 +89,25 @@ def serve(
 ) -> int:
     replica_id = replica_id or default_replica_id(role)
     bootstrap = _bootstrap(config, bootstrap)  # before the models load
+    processes = ROLES[role].service_class().processes(config)
+    if processes > 1 and not _under_launcher():
+        _launch_ranks(processes, config.learner.parallel.max_restarts)  # does not return
+    leader = int(os.environ.get("RANK", "0")) == 0
     stop = _StopFlag(replica_id)
     metrics = ServiceMetrics(role)
-    if metrics_port:  # before the models load: a port in use is a mistake to report at once
+    if metrics_port and leader:  # before the models load: a port in use is a mistake to report at once
         try:
             metrics.serve(metrics_port)
         except OSError as exc:
             raise ConfigError(f"--metrics-port {metrics_port}: cannot serve metrics there: {exc.strerror}") from None
         log.info("%s: metrics on :%d/metrics", replica_id, metrics_port)
     service = ROLES[role].create(config, replica_id)
+    if service.follows:
+        try:
+            service.follow()
+        finally:
+            service.close()
+        return 0
     service.observe(metrics.observe)
     runner = None
     try:
@@ -114,6 +125,33 @@ def serve(
             # One parseable line: where this replica's time went (benchmarks/ reads it).
             log.info("%s: time breakdown %s", replica_id, json.dumps({"role": role, **runner.time_breakdown()}))
     return 0
+
+
+def _under_launcher() -> bool:
+    """Whether this process is one rank of a job torch's launcher started (it sets these variables)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _launch_ranks(processes: int, max_restarts: int) -> None:
+    """Become torch's launcher for ``processes`` ranks of this very command on this machine.
+
+    The launcher restarts all ranks when one dies (up to ``max_restarts`` times; they resume from the last
+    checkpoint), and exits non-zero after that, for a supervisor (``streamppo up``, Kubernetes) to take over.
+    """
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={processes}",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        "services.cli",
+        *sys.argv[1:],
+    ]
+    log.info("starting %d ranks: %s", processes, " ".join(command))
+    sys.stdout.flush(), sys.stderr.flush()
+    os.execv(sys.executable, command)
 
 
 def _report_status(runner: ServiceRunner, state: str | None = None) -> None:

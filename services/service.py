@@ -55,6 +55,10 @@ class Service(ABC):
     4. :meth:`finish` once, only if :meth:`done` became True (the run is complete): final exports.
     5. :meth:`close` always, last (also after a signal or an error): release engines and files.
 
+    A replica may span several processes (:meth:`processes`, e.g. the ranks of a sharded learner, started by
+    torch's launcher). Its leading process alone runs the lifecycle above and talks to the bus; on the others
+    :attr:`follows` is True and the runner calls :meth:`follow` (then :meth:`close`) instead.
+
     Observers registered with :meth:`observe` receive the statistics a service reports as it works (the learner
     reports one record per update), e.g. for Prometheus gauges or a progress bar.
     """
@@ -121,6 +125,23 @@ class Service(ABC):
 
     def close(self) -> None:
         """Release what the service holds outside this process (e.g. an inference engine)."""
+
+    # ------------------------------------------------------------------ replicas of several processes
+
+    @classmethod
+    def processes(cls, config: RunConfig) -> int:
+        """Processes one replica runs as on this machine; with more than 1 the process runner starts them
+        through torch's launcher."""
+        return 1
+
+    @property
+    def follows(self) -> bool:
+        """True in a process of a multi-process replica other than its leader."""
+        return False
+
+    def follow(self) -> None:
+        """Run what the leading process leads, until it says it is done."""
+        raise NotImplementedError(f"{type(self).__name__} runs as one process")
 
     # ------------------------------------------------------------------ observers
 

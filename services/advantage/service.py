@@ -15,7 +15,7 @@ from common.config import RunConfig
 from common.estimation import ShapingParams, estimate_advantages
 from common.models import load_critic, load_tokenizer, resolve_model
 from common.schema import ExperienceBatch, ScoredBatch, WeightAnnouncement, derive
-from common.sequences import lengths_to_mask, pack, response_values
+from common.sequences import batched_response_values, lengths_to_mask, pack
 from common.weights import load_snapshot_into
 from services.service import Service, check_token_ids, load_announced_weights
 
@@ -29,7 +29,7 @@ class AdvantageService(Service):
         super().__init__(config, replica_id)
         m = config.model
         path = resolve_model(m.critic or m.actor, m.cache_dir)
-        self.critic = load_critic(path, m.dtype, m.trust_remote_code, m.device).requires_grad_(False)
+        self.critic = load_critic(path, m.dtype_of("critic"), m.trust_remote_code, m.device).requires_grad_(False)
         self.pad_token_id = load_tokenizer(path, m.trust_remote_code).pad_token_id
         self.critic_version = 0
         self.kl_coef = config.algorithm.kl_coef
@@ -49,14 +49,12 @@ class AdvantageService(Service):
         check_token_ids(message, self.critic, "critic")
         lengths = torch.from_numpy(message.response_lengths)
         mask = lengths_to_mask(lengths, tokens.shape[1])
-        packed = pack(
-            torch.from_numpy(message.prompt_tokens),
-            torch.from_numpy(message.prompt_lengths),
-            tokens,
-            lengths,
-            self.pad_token_id,
+        prompt_lengths = torch.from_numpy(message.prompt_lengths)
+        packed = pack(torch.from_numpy(message.prompt_tokens), prompt_lengths, tokens, lengths, self.pad_token_id)
+        values = batched_response_values(
+            self.critic, packed, prompt_lengths, lengths, max_tokens=self.config.model.max_tokens_per_microbatch
         )
-        values = response_values(self.critic, packed).cpu() * mask
+        values = values.cpu() * mask
         algo = self.config.algorithm
         params = ShapingParams(
             kl_coef=self.kl_coef,

@@ -21,6 +21,8 @@ import logging
 import time
 from pathlib import Path
 
+import torch
+
 from common.checkpoint import load_latest_checkpoint, next_epoch, save_checkpoint
 from common.config import RunConfig
 from common.dedupe import RecentIds
@@ -28,6 +30,7 @@ from common.evaluation import answer_eval_prompts, write_generations
 from common.export import export_final_models
 from common.metrics_log import MetricsLog
 from common.models import load_actor, load_critic, load_tokenizer, resolve_model
+from common.parallel import init_ranks, shard_model
 from common.schema import LEARNER_EPOCH, RUN_ID, ExperienceBatch, WeightAnnouncement, new_header
 from common.trainer import Experience, PPOTrainer
 from common.weights import WeightStore
@@ -41,12 +44,13 @@ class LearnerService(Service):
 
     def __init__(self, config: RunConfig, replica_id: str | None = None):
         super().__init__(config, replica_id)
-        m = config.model
+        m, parallel = config.model, config.learner.parallel
+        self.ranks = init_ranks(parallel.strategy, parallel.processes, m.device)
         actor_path = resolve_model(m.actor, m.cache_dir)
         critic_path = resolve_model(m.critic or m.actor, m.cache_dir)
         self.tokenizer = load_tokenizer(actor_path, m.trust_remote_code)
-        actor = load_actor(actor_path, m.dtype, m.trust_remote_code, device=m.device)
-        critic = load_critic(critic_path, m.dtype, m.trust_remote_code, m.device)
+        actor = self._trainable(load_actor, actor_path, m.dtype_of("actor"))
+        critic = self._trainable(load_critic, critic_path, m.dtype_of("critic"))
         self.trainer = PPOTrainer(
             actor,
             critic,
@@ -55,6 +59,7 @@ class LearnerService(Service):
             config.generation.temperature,
             self.tokenizer.pad_token_id,
             seed=config.run.seed,
+            ranks=self.ranks,
         )
         self.store = WeightStore(config.weight_store)
         self.run_dir = Path(config.run.dir)
@@ -69,14 +74,39 @@ class LearnerService(Service):
         self.unsaved_records: list[dict] = []  # metrics lines of those updates, written with the next checkpoint
         self.started = time.time()
         self.epoch = 0  # taken in start(): 0 only for a learner that announces without having started (tests)
-        self._resume()
+        if self.ranks.leads:  # the other ranks load the checkpoint when rank 0 leads them to
+            self._resume()
+
+    def _trainable(self, load, path: Path, dtype: str):
+        """A model to train: sharded over the ranks with fp32 master weights and ``dtype`` compute, or (single
+        process) in ``dtype`` itself."""
+        m = self.config.model
+        sharded = self.ranks.sharded
+        model = load(path, "float32" if sharded else dtype, m.trust_remote_code, device=str(self.ranks.device))
+        if self.config.learner.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return shard_model(model, self.ranks, getattr(torch, dtype)) if sharded else model
+
+    @classmethod
+    def processes(cls, config: RunConfig) -> int:
+        return config.learner.parallel.processes
+
+    @property
+    def follows(self) -> bool:
+        return not self.ranks.leads
+
+    def follow(self) -> None:
+        self.ranks.follow(self.trainer)
+
+    def close(self) -> None:
+        self.trainer.release()
 
     def _resume(self) -> None:
         checkpoint = load_latest_checkpoint(self.config.checkpoint_dir)
         if checkpoint is None:
             return
-        state, meta = checkpoint
-        self.trainer.load_state_dict(state)
+        folder, meta = checkpoint
+        self.trainer.load(folder)
         self.updates, self.dropped_stale = meta["updates"], meta["dropped_stale"]
         # "applied": the unbounded id list of checkpoints written before the window existed
         self.handled = RecentIds(self.config.pipeline.dedupe_window, meta.get("handled", meta.get("applied", [])))
@@ -98,7 +128,7 @@ class LearnerService(Service):
         log.info("%s: learner epoch %d", self.replica_id, self.epoch)
         if self.trainer.version == 0:
             if self.config.data.eval_prompts:
-                before = answer_eval_prompts(self.trainer.actor, self.tokenizer, self.config, 0)
+                before = self.trainer.answer(answer_eval_prompts, self.tokenizer, self.config, 0)
                 self.before_path.write_text("".join(json.dumps(row) + "\n" for row in before))
             return []
         # After a restart, announce the resumed version: the announcement of the last update may never have left.
@@ -112,9 +142,13 @@ class LearnerService(Service):
         """The trained actor and critic under ``final/``, and the eval answers before and after training."""
         if self.config.data.eval_prompts and self.before_path.exists():
             before = [json.loads(line) for line in self.before_path.read_text().splitlines()]
-            after = answer_eval_prompts(self.trainer.actor, self.tokenizer, self.config, self.trainer.version)
+            after = self.trainer.answer(answer_eval_prompts, self.tokenizer, self.config, self.trainer.version)
             write_generations(self.run_dir, before, after)
-        export_final_models(self.run_dir, self.trainer.actor, self.trainer.critic, self.tokenizer)
+        export_final_models(
+            self.run_dir,
+            {name: (module, self.trainer.full_state(name)) for name, module, _ in self.trainer.models()},
+            self.tokenizer,
+        )
         log.info("%s: %d updates done; final models in %s", self.replica_id, self.updates, self.run_dir / "final")
 
     def ready_for(self, message: ExperienceBatch) -> bool:
@@ -187,7 +221,8 @@ class LearnerService(Service):
         save_checkpoint(
             self.config.checkpoint_dir,
             self.trainer.version,
-            self.trainer.state_dict(),
+            self.trainer.save,
+            self.trainer.checkpoint_nbytes(),
             {
                 "updates": self.updates,
                 "dropped_stale": self.dropped_stale,
@@ -214,8 +249,8 @@ class LearnerService(Service):
         """Snapshot actor and critic at the current version into the weight store and announce both."""
         version = self.trainer.version
         announcements = []
-        for name, module in (("actor", self.trainer.actor), ("critic", self.trainer.critic)):
-            snapshot = self.store.save(name, version, module)
+        for name, _, _ in self.trainer.models():
+            snapshot = self.store.save_state(name, version, self.trainer.full_state(name, self.config.weights.dtype))
             self.store.prune(name, self.config.pipeline.keep_snapshots, version)
             lineage = {
                 RUN_ID: self.config.run.run_id,

@@ -11,7 +11,7 @@ from common.config import RunConfig
 from common.models import load_actor, load_reward_model, load_tokenizer, resolve_model
 from common.rewards import RewardFunction, RewardModelScorer
 from common.schema import RolloutBatch, ScoredBatch, derive
-from common.sequences import lengths_to_mask, pack, response_logprobs
+from common.sequences import batched_response_logprobs, lengths_to_mask, pack
 from services.service import Service, check_token_ids
 
 
@@ -23,7 +23,7 @@ class ScorerService(Service):
         m = config.model
         path = resolve_model(m.reference or m.actor, m.cache_dir)
         self.reference = load_actor(
-            path, m.dtype, m.trust_remote_code, role="reference model", device=m.device
+            path, m.dtype_of("reference"), m.trust_remote_code, role="reference model", device=m.device
         ).requires_grad_(False)
         self.pad_token_id = load_tokenizer(path, m.trust_remote_code).pad_token_id
         self.lineage = {"reference.model": str(path), "scorer.replica": self.replica_id}
@@ -33,7 +33,7 @@ class ScorerService(Service):
         else:
             rm_path = resolve_model(config.reward.model, m.cache_dir)
             self.reward = RewardModelScorer(
-                load_reward_model(rm_path, m.dtype, m.trust_remote_code, m.device),
+                load_reward_model(rm_path, m.dtype_of("reward"), m.trust_remote_code, m.device),
                 load_tokenizer(rm_path, m.trust_remote_code),
                 batch_size=config.reward.batch_size,
             )
@@ -44,14 +44,17 @@ class ScorerService(Service):
         tokens = torch.from_numpy(message.response_tokens)
         check_token_ids(message, self.reference, "reference model")
         lengths = torch.from_numpy(message.response_lengths)
-        packed = pack(
-            torch.from_numpy(message.prompt_tokens),
-            torch.from_numpy(message.prompt_lengths),
+        prompt_lengths = torch.from_numpy(message.prompt_lengths)
+        packed = pack(torch.from_numpy(message.prompt_tokens), prompt_lengths, tokens, lengths, self.pad_token_id)
+        ref_logprobs = batched_response_logprobs(
+            self.reference,
+            packed,
+            prompt_lengths,
             tokens,
             lengths,
-            self.pad_token_id,
+            self.config.generation.temperature,
+            max_tokens=self.config.model.max_tokens_per_microbatch,
         )
-        ref_logprobs, _ = response_logprobs(self.reference, packed, tokens, self.config.generation.temperature)
         ref_logprobs = ref_logprobs.cpu() * lengths_to_mask(lengths, tokens.shape[1])
         scores = self.reward(message.prompt_text, message.response_text)
         return [

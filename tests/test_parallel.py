@@ -1,0 +1,183 @@
+"""The sharded learner (FSDP2 over gloo ranks on CPU) against the single-process one, and micro-batching by a
+token budget against whole mini-batches."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common.config import AlgorithmSection, LearnerSection
+from common.generation import sample_responses
+from common.models import load_actor, load_critic, load_tokenizer
+from common.sampling import SamplingParams
+from common.sequences import lengths_to_mask, micro_batches
+from common.trainer import Experience, PPOTrainer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from ranks_worker import trainer_settings  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def experience(tiny_model, tmp_path_factory):
+    """Eight sampled responses of mixed lengths (prompts of 1..6 words), with random advantages and values."""
+    tokenizer = load_tokenizer(tiny_model)
+    actor = load_actor(tiny_model)
+    texts = ["tell me about the cat today.", "hi", "say something nice!", "the sea", "a", "one two three"]
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    prompt_lengths = enc["attention_mask"].sum(1)
+    samples = sample_responses(
+        actor,
+        enc["input_ids"],
+        prompt_lengths,
+        SamplingParams(n=2, max_new_tokens=12, seed=1),
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
+    rows = samples.group_index
+    mask = lengths_to_mask(samples.response_lengths, samples.response_tokens.shape[1])
+    g = torch.Generator().manual_seed(0)
+    advantages = torch.randn(mask.shape, generator=g) * mask
+    values = torch.randn(mask.shape, generator=g) * mask
+    exp = Experience(
+        policy_version=0,
+        prompt_tokens=enc["input_ids"][rows],
+        prompt_lengths=prompt_lengths[rows],
+        response_tokens=samples.response_tokens,
+        response_lengths=samples.response_lengths,
+        finished=samples.finished,
+        behaviour_logprobs=samples.behaviour_logprobs,
+        scores=torch.randn(len(rows), generator=g),
+        kl=torch.rand(mask.shape, generator=g) * 0.01 * mask,
+        values=values,
+        advantages=advantages,
+        returns=advantages + values,
+    )
+    path = tmp_path_factory.mktemp("experience") / "experience.pt"
+    torch.save(exp, path)
+    return tokenizer, exp, path
+
+
+def single_trainer(tiny_model, tokenizer, **overrides):
+    return PPOTrainer(
+        load_actor(tiny_model),
+        load_critic(tiny_model),
+        LearnerSection(**trainer_settings(overrides)),
+        AlgorithmSection(),
+        temperature=1.0,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def run_ranks(ranks: int, tiny_model, experience_path, out, *args, settings=()):
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        os.path.join(HERE, "ranks_worker.py"),
+        str(tiny_model),
+        str(experience_path),
+        str(out),
+        *args,
+    ]
+    if settings:
+        command += ["--set", *settings]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env=os.environ | {"OMP_NUM_THREADS": "1"}
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def test_two_ranks_make_the_update_one_process_makes(tiny_model, experience, tmp_path):
+    tokenizer, exp, path = experience
+    single = single_trainer(tiny_model, tokenizer)
+    start = {k: v.clone() for k, v in single.full_state("actor").items()}
+    stats = single.train(exp)
+    sharded = run_ranks(2, tiny_model, path, tmp_path / "out.pt")
+    for name in ("actor", "critic"):
+        difference = max_difference(single.full_state(name), sharded["states"][name])
+        print(f"{name}: max |2 ranks − 1 process| = {difference:.2e}")
+        assert difference < 1e-5, name
+    # The update moved the weights by far more than that difference: the comparison can fail.
+    assert max_difference(start, single.full_state("actor")) > 1e-4
+    for key in ("policy_loss", "value_loss", "entropy", "clip_frac", "approx_kl", "grad_norm_actor"):
+        assert sharded["stats"][key] == pytest.approx(stats[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks(tiny_model, experience, tmp_path):
+    """Two ranks apply an update and checkpoint; one rank resumes it and applies a second: as one process would."""
+    tokenizer, exp, path = experience
+    single = single_trainer(tiny_model, tokenizer)
+    single.train(exp), single.train(exp)
+    checkpoint = tmp_path / "ckpt"
+    first = run_ranks(2, tiny_model, path, tmp_path / "first.pt", "--save", str(checkpoint))
+    assert first["version"] == 1 and (checkpoint / "shards" / ".metadata").is_file()
+    resumed = run_ranks(1, tiny_model, path, tmp_path / "resumed.pt", "--load", str(checkpoint))
+    assert resumed["version"] == 2
+    for name in ("actor", "critic"):
+        assert max_difference(single.full_state(name), resumed["states"][name]) < 1e-5, name
+
+
+def test_a_single_process_checkpoint_is_refused_by_a_sharded_learner_with_a_clear_error(
+    tiny_model, experience, tmp_path
+):
+    tokenizer, exp, path = experience
+    single = single_trainer(tiny_model, tokenizer)
+    (tmp_path / "ckpt").mkdir()
+    single.save(tmp_path / "ckpt")
+    command = [sys.executable, os.path.join(HERE, "ranks_worker.py"), str(tiny_model), str(path), str(tmp_path / "o")]
+    result = subprocess.run(command + ["--load", str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "was written by a single-process learner; this one is sharded" in result.stderr
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_two_ranks_with_a_token_budget_make_the_same_update(tiny_model, experience, tmp_path, agg):
+    """Ranks with unequal numbers of passes (a budget that splits their rows differently) still keep in step."""
+    tokenizer, exp, path = experience
+    single = single_trainer(tiny_model, tokenizer, loss_agg=agg)
+    single.train(exp)
+    sharded = run_ranks(
+        2, tiny_model, path, tmp_path / "out.pt", settings=[f"loss_agg={agg}", "max_tokens_per_microbatch=20"]
+    )
+    assert max_difference(single.full_state("actor"), sharded["states"]["actor"]) < 1e-5
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_a_token_budget_gives_the_losses_and_gradients_of_the_whole_batch(tiny_model, experience, agg):
+    tokenizer, exp, _ = experience
+    settings = dict(loss_agg=agg, ppo_epochs=1, mini_batch_size=len(exp.response_lengths))
+    whole = single_trainer(tiny_model, tokenizer, **settings)
+    budget = single_trainer(tiny_model, tokenizer, **settings, max_tokens_per_microbatch=16)
+    passes = budget._passes(exp, torch.arange(len(exp.response_lengths)))
+    assert len(passes) > 2, "the budget splits the batch"
+    stats_whole, stats_budget = whole.train(exp), budget.train(exp)
+    for model in ("actor", "critic"):
+        for a, b in zip(getattr(whole, model).parameters(), getattr(budget, model).parameters()):
+            assert a.grad is not None
+            assert torch.allclose(a.grad, b.grad, atol=1e-6, rtol=1e-4), model
+    for key in ("policy_loss", "value_loss", "entropy", "clip_frac", "grad_norm_actor", "grad_norm_critic"):
+        assert stats_budget[key] == pytest.approx(stats_whole[key], rel=1e-4, abs=1e-6), key
+
+
+def test_micro_batches_keep_to_the_budget_sorted_by_length():
+    prompt = torch.tensor([3, 1, 5, 2, 2, 9])
+    response = torch.tensor([4, 1, 5, 2, 0, 9])  # lengths 7, 2, 10, 4, 2, 18
+    groups = micro_batches(prompt, response, torch.arange(6), max_tokens=12)
+    lengths = (prompt + response).tolist()
+    assert sorted(i for g in groups for i in g.tolist()) == list(range(6)), "every row once"
+    assert groups[0].tolist() == [5], "a row beyond the budget goes alone"
+    for group in groups[1:]:
+        assert len(group) * max(lengths[i] for i in group.tolist()) <= 12
+    assert [lengths[i] for g in groups for i in g.tolist()] == sorted(lengths, reverse=True)
+    assert [g.tolist() for g in micro_batches(prompt, response, torch.arange(6), max_rows=4)] == [[0, 1, 2, 3], [4, 5]]
