@@ -165,7 +165,10 @@ class ParallelOptions(_Section):
         "torch's launcher; across machines run it under torchrun (README).",
     )
     max_restarts: int = Field(
-        3, ge=0, description="Times the launcher restarts all ranks after one dies, before it exits with an error."
+        3,
+        ge=0,
+        description="Times in a row `streamppo learner` restarts all ranks after one dies, before it exits with an "
+        "error (for its supervisor).",
     )
 
     @model_validator(mode="after")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -68,7 +69,10 @@ class Ranks:
     def release(self) -> None:
         """On rank 0, once: tell the followers that no call will come."""
         if self.world_size > 1 and self.leads:
-            self.send((_STOP, (), {}))
+            try:
+                self.send((_STOP, (), {}))
+            except RuntimeError as exc:  # a rank is gone already: nothing to release
+                log.warning("rank 0: the other ranks could not be told to stop: %s", exc)
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
@@ -149,6 +153,9 @@ def shard_model(model: torch.nn.Module, ranks: Ranks, compute_dtype: torch.dtype
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # Our forward passes never change a model's output in place (sequences.py slices and copies), which is what
+    # this warning, raised for every critic (a token-classification head returns a view), is about.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -91,9 +92,10 @@ def serve(
     bootstrap = _bootstrap(config, bootstrap)  # before the models load
     processes = ROLES[role].service_class().processes(config)
     if processes > 1 and not _under_launcher():
-        _launch_ranks(processes, config.learner.parallel.max_restarts)  # does not return
+        return _run_ranks(processes, config.learner.parallel.max_restarts)
     leader = int(os.environ.get("RANK", "0")) == 0
-    stop = _StopFlag(replica_id)
+    # A follower has no batch of its own to finish: a signal ends it at once (rank 0 decides what is kept).
+    stop = _StopFlag(replica_id) if leader else None
     metrics = ServiceMetrics(role)
     if metrics_port and leader:  # before the models load: a port in use is a mistake to report at once
         try:
@@ -132,11 +134,14 @@ def _under_launcher() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _launch_ranks(processes: int, max_restarts: int) -> None:
-    """Become torch's launcher for ``processes`` ranks of this very command on this machine.
+def _run_ranks(processes: int, max_restarts: int) -> int:
+    """Run ``processes`` ranks of this very command on this machine under torch's launcher, and supervise them.
 
-    The launcher restarts all ranks when one dies (up to ``max_restarts`` times; they resume from the last
-    checkpoint), and exits non-zero after that, for a supervisor (``streamppo up``, Kubernetes) to take over.
+    When a rank dies the launcher stops the others and exits; the ranks are then started again by a new launcher
+    (they resume from the last checkpoint), up to ``max_restarts`` times in a row, after which the error is left to
+    a supervisor (``streamppo up``, Kubernetes). The launcher's own restarts are not used: with gloo, ranks it
+    restarts in place cannot connect to each other (torch 2.13). SIGTERM and SIGINT are passed on to the
+    launcher, which passes them to the ranks: rank 0 finishes its batch and checkpoints, and nothing restarts.
     """
     command = [
         sys.executable,
@@ -144,14 +149,44 @@ def _launch_ranks(processes: int, max_restarts: int) -> None:
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={processes}",
-        f"--max-restarts={max_restarts}",
+        "--max-restarts=0",
         "-m",
         "services.cli",
         *sys.argv[1:],
     ]
-    log.info("starting %d ranks: %s", processes, " ".join(command))
-    sys.stdout.flush(), sys.stderr.flush()
-    os.execv(sys.executable, command)
+    # Each rank's share of the cores (the launcher would set 1 and say so).
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))} | dict(os.environ)
+    stopping, child = False, None
+
+    def forward(signum, frame) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    failures = 0
+    while True:
+        log.info("starting %d ranks: %s", processes, " ".join(command))
+        started = time.monotonic()
+        child = subprocess.Popen(command, env=env)
+        code = child.wait()
+        if code == 0 or stopping:
+            return code
+        # In a row: ranks that trained for a while before one died start the count again.
+        failures = 1 if time.monotonic() - started > 300 else failures + 1
+        if failures > max_restarts:
+            log.error("the ranks failed %d times in a row (exit %d); giving up", failures, code)
+            return code
+        log.warning(
+            "a rank failed (launcher exit %d); restarting all %d ranks (%d of %d)",
+            code,
+            processes,
+            failures,
+            max_restarts,
+        )
+        time.sleep(min(2.0**failures, 30.0))
 
 
 def _report_status(runner: ServiceRunner, state: str | None = None) -> None:

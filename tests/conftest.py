@@ -67,24 +67,6 @@ def kafka_broker(tmp_path_factory):
 
 
 @pytest.fixture
-def apache_kafka(kafka_broker):
-    """The session's broker, for the tests that need Apache Kafka itself (testcontainers or KAFKA_BOOTSTRAP_SERVERS).
-
-    Repeated ``kill -9`` of group members under `streamppo up` sometimes leaves a consumer group on the local broker
-    (tansu) with a member that never gets partitions again (seen in this suite: the pipeline then waits for a batch
-    that no replica reads; `streamppo status` shows it). Those tests are skipped on it rather than left flaky.
-    """
-    if (
-        os.environ.get("NOSKIP") is None and "kafka.idempotent_producer=false" in kafka_broker
-    ):  # the local broker's mark, see kafka_broker
-        pytest.skip(
-            "needs Apache Kafka (Docker or KAFKA_BOOTSTRAP_SERVERS): the local broker can wedge a consumer "
-            "group after members are killed during a rebalance"
-        )
-    return kafka_broker
-
-
-@pytest.fixture
 def small_disk(tmp_path):
     """``small_disk(kib)``: a real filesystem of that size (a tmpfs), for running out of space for real."""
     import subprocess

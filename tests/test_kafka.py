@@ -395,8 +395,7 @@ def test_streamppo_status_shows_what_each_replica_waits_for(make_config, kafka_b
 
 
 @pytest.mark.slow
-def test_streamppo_up_restarts_a_crashed_service(apache_kafka, tmp_path, model_cache):
-    kafka_broker = apache_kafka
+def test_streamppo_up_restarts_a_crashed_service(kafka_broker, tmp_path, model_cache):
     steps, run_id = 8, unique("sup")
     bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
     overrides = [
@@ -562,9 +561,8 @@ def test_a_run_resumes_on_a_new_empty_broker_and_applies_each_version_once(tmp_p
 
 
 @pytest.mark.slow
-def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(apache_kafka, tmp_path, model_cache):
+def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(kafka_broker, tmp_path, model_cache):
     """`streamppo up` with two scorers; ten `kill -9`s of random services while it runs; `up` restarts each."""
-    kafka_broker = apache_kafka
     import random
 
     steps, run_id, kills = 40, unique("chaos"), 10
@@ -602,3 +600,71 @@ def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(apache_
     assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
     assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
     assert all(r["staleness"] <= 1 for r in records)
+
+
+def learner_ranks(run_id: str) -> dict[int, int]:
+    """rank → pid of the learner's rank processes of ``run_id`` (not their launcher)."""
+    ranks = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            command = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        words = [w.decode(errors="replace") for w in command]
+        if "services.cli" in words and "learner" in words and f"run.run_id={run_id}" in words:
+            if "torch.distributed.run" in words:
+                continue
+            variables = dict(v.decode(errors="replace").partition("=")[::2] for v in environ if b"=" in v)
+            if "RANK" in variables:
+                ranks[int(variables["RANK"])] = int(entry)
+    return ranks
+
+
+@pytest.mark.slow
+def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_once(
+    kafka_broker, tmp_path, model_cache
+):
+    """`streamppo up` with an FSDP learner of two ranks; one rank is killed mid-run, then the other: the launcher
+    restarts both from the sharded checkpoint each time, and the run ends with each update once, reward up."""
+    steps, run_id = 16, unique("ranks")
+    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
+    overrides = [
+        f"run.steps={steps}",
+        f"run.dir={tmp_path / 'run'}",
+        f"run.run_id={run_id}",
+        f"model.cache_dir={model_cache}",
+        "generation.backend=transformers",
+        "learner.parallel.strategy=fsdp",
+        "learner.parallel.processes=2",
+        "learner.checkpoint_every=2",
+        *kafka_broker,
+    ]
+    args = streamppo_command("up", "--bootstrap", bootstrap, overrides=overrides)
+    output, metrics = tmp_path / "up.log", tmp_path / "run" / "metrics.jsonl"
+    with open(output, "w") as log:
+        up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    killed = []
+    try:
+        deadline = time.monotonic() + 600
+        for rank, after_updates in ((1, 3), (0, 9)):
+            while not (metrics.exists() and len(metrics.read_text().splitlines()) >= after_updates):
+                assert time.monotonic() < deadline and up.poll() is None, output.read_text()[-3000:]
+                time.sleep(0.2)
+            pids = learner_ranks(run_id)
+            assert sorted(pids) == [0, 1], f"two ranks run: {pids}"
+            os.kill(pids[rank], signal.SIGKILL)
+            killed.append(rank)
+        assert up.wait(timeout=600) == 0, output.read_text()[-3000:]
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+    text = output.read_text()
+    assert text.count("exitcode  : -9") >= 2 or text.count("Signal 9") >= 2, text[-3000:]
+    records = [json.loads(line) for line in metrics.open()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
+    assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
+    rewards = [r["reward_mean"] for r in records]
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
