@@ -213,11 +213,6 @@ class LearnerSection(_Section):
         False,
         description="Recompute each decoder layer's activations in the backward pass: less memory, ~1/3 more compute.",
     )
-    fp32_lm_head: bool = Field(
-        True,
-        description="Compute the actor's vocabulary projection in float32 when the actor runs in a lower precision, "
-        "so learner log-probs (and the ratio) do not carry bf16 rounding.",
-    )
     parallel: ParallelOptions = ParallelOptions()
 
 

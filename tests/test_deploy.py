@@ -176,6 +176,10 @@ def test_the_gpu_override_reserves_a_gpu_for_each_model_service():
         (device,) = services[role]["deploy"]["resources"]["reservations"]["devices"]
         assert device["capabilities"] == ["gpu"] and services[role]["build"]["target"] == "gpu"
     assert "deploy" not in services["kafka"]
+    learner = compose("docker-compose.yml", "docker-compose.gpu.yml", env={"LEARNER_GPUS": "4"})["services"]["learner"]
+    assert learner["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 4
+    command = learner["command"]
+    assert command[0] == "learner" and "learner.parallel.processes=4" in command
 
 
 def test_the_dockerfile_passes_hadolint():
@@ -219,3 +223,32 @@ def test_the_dashboard_queries_only_metrics_the_services_export():
         assert needed in queried, needed
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_a_learner_over_several_nodes_rendezvous_through_its_headless_service():
+    docs = manifests({"learner": {"nodes": 2, "gpusPerNode": 4}})
+    (learner,) = by_kind(docs, "StatefulSet")
+    spec = learner["spec"]
+    assert spec["replicas"] == 2 and spec["podManagementPolicy"] == "Parallel"
+    container = spec["template"]["spec"]["containers"][0]
+    command = container["command"]
+    assert command[:3] == ["python", "-m", "torch.distributed.run"] and command[-2:] == ["-m", "services.cli"]
+    assert "--nnodes=2" in command and "--nproc-per-node=4" in command
+    endpoint = next(c for c in command if c.startswith("--rdzv-endpoint=")).split("=", 1)[1]
+    (service,) = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == spec["serviceName"]]
+    assert endpoint == f"{learner['metadata']['name']}-0.{service['metadata']['name']}:29400"
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    args = container["args"]
+    assert args[0] == "learner"
+    for setting in (
+        "learner.parallel.strategy=fsdp",
+        "learner.parallel.processes=4",
+        "learner.checkpoint_dir=/shared/checkpoints",
+    ):
+        assert args[args.index(setting) - 1] == "--set"
+    single = by_kind(manifests({"learner": {"gpusPerNode": 2}}), "StatefulSet")[0]["spec"]
+    single_container = single["template"]["spec"]["containers"][0]
+    assert single["replicas"] == 1 and "command" not in single_container, "one node: streamppo learner starts its ranks"
+    assert "learner.parallel.processes=2" in single_container["args"]
+    default = by_kind(manifests(), "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert not any("parallel" in a for a in default["args"]), "by default one process, as before"

@@ -625,10 +625,11 @@ def learner_ranks(run_id: str) -> dict[int, int]:
 
 @pytest.mark.slow
 def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_once(
-    kafka_broker, tmp_path, model_cache
+    kafka_broker, kafka_config, tmp_path, model_cache
 ):
-    """`streamppo up` with an FSDP learner of two ranks; one rank is killed mid-run, then the other: the launcher
-    restarts both from the sharded checkpoint each time, and the run ends with each update once, reward up."""
+    """`streamppo up` with an FSDP learner of two ranks and two generator replicas; one rank is killed mid-run,
+    then the other: `streamppo learner` restarts both from the sharded checkpoint each time, and the run ends with
+    each update once, reward up, and prompt batches shared by both generators."""
     steps, run_id = 16, unique("ranks")
     bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
     overrides = [
@@ -642,7 +643,7 @@ def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_
         "learner.checkpoint_every=2",
         *kafka_broker,
     ]
-    args = streamppo_command("up", "--bootstrap", bootstrap, overrides=overrides)
+    args = streamppo_command("up", "--bootstrap", bootstrap, "--replicas", "generator=2", overrides=overrides)
     output, metrics = tmp_path / "up.log", tmp_path / "run" / "metrics.jsonl"
     with open(output, "w") as log:
         up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -668,3 +669,14 @@ def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_
     assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
     rewards = [r["reward_mean"] for r in records]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
+    audit = kafka_bus(kafka_config).consumer("rollouts", None, "audit")
+    producers, deadline = {}, time.monotonic() + 60
+    while len(producers) < steps and time.monotonic() < deadline:
+        for record in audit.poll(0.5, max_records=1000):
+            try:
+                message = decode(record.value)
+            except SchemaError:
+                continue  # other tests put garbage on the shared topics
+            if message.batch_id.startswith(run_id):
+                producers[message.batch_id] = message.producer
+    assert set(producers.values()) == {"generator-0", "generator-1"}, "both generator replicas sampled"
