@@ -1,12 +1,15 @@
-"""A few PPO steps of a ~0.5B model on one GPU: learner tokens/s, model FLOPs utilisation, generation tokens/s.
+"""A few PPO steps of a ~0.5B model on one GPU, then the sharded (FSDP2) learner with one rank per GPU.
+
+Reports learner tokens/s, model FLOPs utilisation, generation tokens/s, the seconds to gather, publish and load one
+actor snapshot (bf16 on GPU), and peak memory, for the single-process learner and for the FSDP learner.
 
 The model is built from a config (Qwen2.5-0.5B's shape, random weights: no hub is needed), the generator is the
 transformers backend (no vLLM assumed), and the learner is streamppo's own PPOTrainer, so the numbers are those
 of the code the services run. Prints JSON and writes it to ``--out``; merge it into RESULTS.md with
 ``python -m benchmarks.run --only codec --gpu-results gpu.json``.
 
-    python benchmarks/gpu.py --out gpu.json                      # on the GPU machine
-    python benchmarks/gpu.py --device cpu --small --out cpu.json # a smoke run anywhere
+    python benchmarks/gpu.py --out gpu.json                      # on the GPU machine (FSDP over every GPU)
+    python benchmarks/gpu.py --device cpu --small --fsdp-ranks 2 --out cpu.json  # a smoke run anywhere
 
 FLOPs are counted as 2·N per token forward and 6·N forward+backward (N = parameters without the embedding;
 attention's own FLOPs are left out), over what one PPO update computes: π_old recomputation (actor forward),
@@ -29,8 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.config import AlgorithmSection, LearnerSection  # noqa: E402
 from common.generation import sample_responses  # noqa: E402
 from common.models import load_actor, load_critic  # noqa: E402
+from common.parallel import init_ranks, shard_model  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from common.trainer import Experience, PPOTrainer  # noqa: E402
+from common.weights import WeightStore, load_snapshot_into  # noqa: E402
 
 QWEN25_05B = dict(
     vocab_size=151936,
@@ -73,11 +78,17 @@ def main() -> int:
     parser.add_argument("--small", action="store_true", help="a small model, for a smoke run")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--samples-per-prompt", dest="n", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, default=Path("gpu.json"))
+    parser.add_argument(
+        "--fsdp-ranks", type=int, default=None, help="ranks of the FSDP phase (default: every GPU; 0 skips it)"
+    )
+    parser.add_argument("--rank-phase", type=Path, help=argparse.SUPPRESS)  # internal: one rank of the FSDP phase
     args = parser.parse_args()
+    if args.rank_phase is not None:
+        return fsdp_rank(args)
     from transformers import LlamaConfig, Qwen2Config
 
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
@@ -135,6 +146,7 @@ def main() -> int:
             trained += tokens
             train_seconds += train_s
             flops += tokens * non_embedding * (2 + learner.ppo_epochs * (6 + 6))
+    publish_load = publish_and_load(trainer, "bfloat16" if args.device.startswith("cuda") else "float32")
     peak = peak_tflops(args.device)
     achieved = flops / train_seconds / 1e12
     result = {
@@ -155,10 +167,127 @@ def main() -> int:
             "peak GPU memory (GiB)": (
                 torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.startswith("cuda") else "n/a"
             ),
+            **publish_load,
         },
     }
+    ranks = args.fsdp_ranks if args.fsdp_ranks is not None else torch.cuda.device_count()
+    if ranks:
+        result["fsdp"] = run_fsdp_phase(args, ranks, non_embedding)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def publish_and_load(trainer: PPOTrainer, dtype: str, load: bool = True) -> dict:
+    """Seconds to gather the actor's state, write it as a snapshot, and (unsharded) load it back into the model,
+    as a generator's transformers model loads it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = WeightStore(Path(tmp))
+        started = time.perf_counter()
+        state = trainer.full_state("actor", dtype)
+        gathered = time.perf_counter()
+        snapshot = store.save_state("actor", 1, state)
+        published = time.perf_counter()
+        if load:
+            load_snapshot_into(trainer.actor, snapshot.uri, snapshot.sha256)
+        loaded = time.perf_counter()
+    return {
+        f"snapshot ({dtype}) MB": snapshot.num_bytes / 1e6,
+        "snapshot seconds: gather": gathered - started,
+        "snapshot seconds: write + sha256": published - gathered,
+        **({"snapshot seconds: read + verify + load": loaded - published} if load else {}),
+    }
+
+
+def synthetic_experience(args, vocab: int, version: int) -> Experience:
+    """A batch shaped like the generation phase's, with random tokens and full-length responses."""
+    g = torch.Generator().manual_seed(version)
+    n = args.prompts * args.n
+    width = args.new_tokens
+    return Experience(
+        version,
+        torch.randint(2, vocab, (n, args.prompt_tokens), generator=g),
+        torch.full((n,), args.prompt_tokens),
+        torch.randint(2, vocab, (n, width), generator=g),
+        torch.full((n,), width),
+        torch.zeros(n, dtype=torch.bool),
+        -torch.rand(n, width, generator=g),
+        torch.randn(n, generator=g),
+        torch.zeros(n, width),
+        torch.zeros(n, width),
+        torch.randn(n, width, generator=g),
+        torch.randn(n, width, generator=g),
+    )
+
+
+def run_fsdp_phase(args, ranks: int, non_embedding: int) -> dict:
+    """The same updates with the FSDP learner over ``ranks`` ranks (torch's launcher, one rank per GPU)."""
+    import os
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rank0.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        command += [str(Path(__file__).resolve()), "--rank-phase", str(out), "--device", args.device]
+        command += [f"--steps={args.steps}", f"--prompts={args.prompts}", f"--samples-per-prompt={args.n}"]
+        command += [f"--prompt-tokens={args.prompt_tokens}", f"--new-tokens={args.new_tokens}"]
+        command += ["--small"] if args.small else []
+        env = dict(os.environ) | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        result = subprocess.run(command, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            return {"error": result.stderr[-2000:]}
+        measured = json.loads(out.read_text())
+    tokens, seconds = measured.pop("tokens"), measured.pop("train_seconds")
+    achieved = tokens * non_embedding * (2 + 2 * (6 + 6)) / seconds / 1e12
+    peak = peak_tflops(args.device)
+    return {
+        "ranks": ranks,
+        "learner tokens/s (all ranks)": tokens / seconds,
+        "seconds per step: PPO update": seconds / args.steps,
+        "learner achieved TFLOP/s (all ranks)": achieved,
+        "learner MFU vs dense bf16 peak (per GPU)": achieved / (peak * ranks) if peak else "n/a (unknown peak)",
+        **measured,
+    }
+
+
+def fsdp_rank(args) -> int:
+    """One rank of the FSDP phase: synthetic experience (generation was measured already), rank 0 leads."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    ranks = init_ranks("fsdp", 2, args.device)
+    compute = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    config = LlamaConfig(**SMALL) if args.small else Qwen2Config(**QWEN25_05B)
+    config.pad_token_id, config.eos_token_id = 0, 1
+    folder = args.rank_phase.parent / "model"
+    if ranks.leads:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    ranks.barrier()
+    device = str(ranks.device)
+    actor = shard_model(load_actor(folder, "float32", device=device), ranks, compute)
+    critic = shard_model(load_critic(folder, "float32", device=device), ranks, compute)
+    learner = LearnerSection(ppo_epochs=2, mini_batch_size=32, micro_batch_size=16, actor_lr=1e-6, critic_lr=1e-6)
+    trainer = PPOTrainer(actor, critic, learner, AlgorithmSection(), 1.0, pad_token_id=0, seed=0, ranks=ranks)
+    if not ranks.leads:
+        ranks.follow(trainer)
+        return 0
+    tokens, seconds = 0, 0.0
+    for step in range(args.steps + 1):
+        exp = synthetic_experience(args, config.vocab_size, step)
+        trainer.version = step
+        sync(device)
+        started = time.perf_counter()
+        trainer.train(exp)
+        sync(device)
+        if step > 0:
+            seconds += time.perf_counter() - started
+            tokens += int(exp.prompt_lengths.sum() + exp.response_lengths.sum())
+    publish_load = publish_and_load(trainer, "bfloat16" if args.device.startswith("cuda") else "float32", load=False)
+    trainer.release()
+    memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else "n/a"
+    args.rank_phase.write_text(
+        json.dumps({"tokens": tokens, "train_seconds": seconds, "peak GPU memory rank 0 (GiB)": memory, **publish_load})
+    )
     return 0
 
 

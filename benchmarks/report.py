@@ -214,6 +214,9 @@ def write_markdown(results: dict, path: Path) -> None:
         g = s["gpu"]
         out += [f"{g['setup']} (GPU: {g['device']})", ""]
         out += _table(["measure", "value"], [[k, v] for k, v in g["results"].items()])
+        if "fsdp" in g:
+            out += ["", f"The FSDP learner over {g['fsdp'].get('ranks', '?')} ranks (one per GPU):", ""]
+            out += _table(["measure", "value"], [[k, v] for k, v in g["fsdp"].items() if k != "ranks"])
     else:
         out += [
             "Not measured yet: `benchmarks/gpu.py` is the prepared script (no GPU machine was lent to the session "
