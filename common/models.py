@@ -33,6 +33,7 @@ __all__ = [
     "BUILTIN_MODELS",
     "ModelLoadError",
     "actor_skeleton",
+    "enable_activation_checkpointing",
     "load_actor",
     "load_critic",
     "load_reward_model",
@@ -262,3 +263,18 @@ def _config(path: Path, trust_remote_code: bool):
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read the model config in {path}: {exc}") from exc
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them.
+
+    transformers recomputes only in training mode, so the model is put in it, with its dropout layers kept off:
+    a PPO update must see the same function as the π_old pass. (Attention dropout is read from the config; the
+    models this targets, Llama, Qwen, Mistral, set it to 0.)
+    """
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.eval()
+    return model

@@ -10,7 +10,7 @@ import torch
 
 from common.config import AlgorithmSection, LearnerSection
 from common.generation import sample_responses
-from common.models import load_actor, load_critic, load_tokenizer
+from common.models import enable_activation_checkpointing, load_actor, load_critic, load_tokenizer
 from common.sampling import SamplingParams
 from common.sequences import lengths_to_mask, micro_batches
 from common.trainer import Experience, PPOTrainer
@@ -181,3 +181,38 @@ def test_micro_batches_keep_to_the_budget_sorted_by_length():
         assert len(group) * max(lengths[i] for i in group.tolist()) <= 12
     assert [lengths[i] for g in groups for i in g.tolist()] == sorted(lengths, reverse=True)
     assert [g.tolist() for g in micro_batches(prompt, response, torch.arange(6), max_rows=4)] == [[0, 1, 2, 3], [4, 5]]
+
+
+def test_activation_checkpointing_gives_the_same_gradients(tiny_model, experience):
+    tokenizer, exp, _ = experience
+    settings = dict(ppo_epochs=1, mini_batch_size=len(exp.response_lengths))
+    plain = single_trainer(tiny_model, tokenizer, **settings)
+    recomputed = single_trainer(tiny_model, tokenizer, **settings)
+    for model in (recomputed.actor, recomputed.critic):
+        enable_activation_checkpointing(model)
+    calls = {"plain": 0, "recomputed": 0}
+    for name, trainer in (("plain", plain), ("recomputed", recomputed)):
+        layer = trainer.actor.model.layers[0]
+        layer.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    plain.train(exp), recomputed.train(exp)
+    assert calls["recomputed"] > calls["plain"] > 0, f"the backward pass ran the layer again: {calls}"
+    for a, b in zip(plain.actor.parameters(), recomputed.actor.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_a_bfloat16_snapshot_is_half_the_size_and_loads_into_a_float32_model(tiny_model, experience, tmp_path):
+    from common.weights import WeightStore, load_snapshot_into
+
+    tokenizer, exp, _ = experience
+    trainer = single_trainer(tiny_model, tokenizer)
+    trainer.train(exp)
+    store = WeightStore(tmp_path)
+    full = store.save_state("actor", 1, trainer.full_state("actor", "float32"))
+    half = store.save_state("actor", 2, trainer.full_state("actor", "bfloat16"))
+    assert half.num_bytes < 0.55 * full.num_bytes
+    reader = load_actor(tiny_model)
+    load_snapshot_into(reader, half.uri, half.sha256)
+    for name, tensor in trainer.actor.state_dict().items():
+        loaded = reader.state_dict()[name]
+        assert loaded.dtype == torch.float32
+        assert torch.equal(loaded, tensor.to(torch.bfloat16).float()), name

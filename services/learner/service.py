@@ -29,7 +29,7 @@ from common.dedupe import RecentIds
 from common.evaluation import answer_eval_prompts, write_generations
 from common.export import export_final_models
 from common.metrics_log import MetricsLog
-from common.models import load_actor, load_critic, load_tokenizer, resolve_model
+from common.models import enable_activation_checkpointing, load_actor, load_critic, load_tokenizer, resolve_model
 from common.parallel import init_ranks, shard_model
 from common.schema import LEARNER_EPOCH, RUN_ID, ExperienceBatch, WeightAnnouncement, new_header
 from common.trainer import Experience, PPOTrainer
@@ -84,7 +84,7 @@ class LearnerService(Service):
         sharded = self.ranks.sharded
         model = load(path, "float32" if sharded else dtype, m.trust_remote_code, device=str(self.ranks.device))
         if self.config.learner.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         return shard_model(model, self.ranks, getattr(torch, dtype)) if sharded else model
 
     @classmethod
