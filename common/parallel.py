@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
+import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -122,6 +124,7 @@ def init_ranks(strategy: str, processes: int, device: str) -> Ranks:
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         return Ranks(0, 1, torch.device(device), sharded=True)
+    _die_with_the_launcher()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_RANK"])
     if device.startswith("cuda"):
@@ -134,6 +137,19 @@ def init_ranks(strategy: str, processes: int, device: str) -> Ranks:
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT) if world > 1 else None
     log.info("rank %d/%d on %s (%s)", rank, world, device, backend)
     return Ranks(rank, world, torch.device(device), sharded=True, control=control)
+
+
+def _die_with_the_launcher() -> None:
+    """The launcher starts each rank in a session of its own, so a supervisor that kills the launcher's process
+    group (``streamppo up``, a test) would leave the ranks running, the followers waiting on rank 0 for days. On
+    Linux a rank asks the kernel to kill it when its parent, the launcher, dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the launcher died before the call
+            os._exit(1)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -395,7 +395,8 @@ def test_streamppo_status_shows_what_each_replica_waits_for(make_config, kafka_b
 
 
 @pytest.mark.slow
-def test_streamppo_up_restarts_a_crashed_service(kafka_broker, tmp_path, model_cache):
+def test_streamppo_up_restarts_a_crashed_service(own_broker, tmp_path, model_cache):
+    kafka_broker = own_broker
     steps, run_id = 8, unique("sup")
     bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
     overrides = [
@@ -561,9 +562,11 @@ def test_a_run_resumes_on_a_new_empty_broker_and_applies_each_version_once(tmp_p
 
 
 @pytest.mark.slow
-def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(kafka_broker, tmp_path, model_cache):
+def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_broker, tmp_path, model_cache):
     """`streamppo up` with two scorers; ten `kill -9`s of random services while it runs; `up` restarts each."""
     import random
+
+    kafka_broker = own_broker
 
     steps, run_id, kills = 40, unique("chaos"), 10
     bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
@@ -625,11 +628,12 @@ def learner_ranks(run_id: str) -> dict[int, int]:
 
 @pytest.mark.slow
 def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_once(
-    kafka_broker, kafka_config, tmp_path, model_cache
+    own_broker, make_config, tmp_path, model_cache
 ):
     """`streamppo up` with an FSDP learner of two ranks and two generator replicas; one rank is killed mid-run,
     then the other: `streamppo learner` restarts both from the sharded checkpoint each time, and the run ends with
     each update once, reward up, and prompt batches shared by both generators."""
+    kafka_broker = own_broker
     steps, run_id = 16, unique("ranks")
     bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
     overrides = [
@@ -669,7 +673,7 @@ def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_
     assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
     rewards = [r["reward_mean"] for r in records]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
-    audit = kafka_bus(kafka_config).consumer("rollouts", None, "audit")
+    audit = kafka_bus(make_config(*kafka_broker)).consumer("rollouts", None, "audit")
     producers, deadline = {}, time.monotonic() + 60
     while len(producers) < steps and time.monotonic() < deadline:
         for record in audit.poll(0.5, max_records=1000):
