@@ -90,9 +90,10 @@ def serve(
 ) -> int:
     replica_id = replica_id or default_replica_id(role)
     bootstrap = _bootstrap(config, bootstrap)  # before the models load
-    processes = ROLES[role].service_class().processes(config)
+    service_class = ROLES[role].service_class()
+    processes = service_class.processes(config)
     if processes > 1 and not _under_launcher():
-        return _run_ranks(processes, config.learner.parallel.max_restarts)
+        return _run_ranks(processes, service_class.rank_restarts(config))
     leader = int(os.environ.get("RANK", "0")) == 0
     # A follower has no batch of its own to finish: a signal ends it at once (rank 0 decides what is kept).
     stop = _StopFlag(replica_id) if leader else None

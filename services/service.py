@@ -134,6 +134,11 @@ class Service(ABC):
         through torch's launcher."""
         return 1
 
+    @classmethod
+    def rank_restarts(cls, config: RunConfig) -> int:
+        """Times in a row the process runner starts all processes again after one of them died."""
+        return 0
+
     @property
     def follows(self) -> bool:
         """True in a process of a multi-process replica other than its leader."""

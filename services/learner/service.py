@@ -91,6 +91,10 @@ class LearnerService(Service):
     def processes(cls, config: RunConfig) -> int:
         return config.learner.parallel.processes
 
+    @classmethod
+    def rank_restarts(cls, config: RunConfig) -> int:
+        return config.learner.parallel.max_restarts
+
     @property
     def follows(self) -> bool:
         return not self.ranks.leads
