@@ -216,3 +216,23 @@ def test_a_bfloat16_snapshot_is_half_the_size_and_loads_into_a_float32_model(tin
         loaded = reader.state_dict()[name]
         assert loaded.dtype == torch.float32
         assert torch.equal(loaded, tensor.to(torch.bfloat16).float()), name
+
+
+def test_the_scorer_and_advantage_passes_by_token_budget_match_one_pass(tiny_model, experience):
+    """The reference log-probs (scorer) and critic values (advantage service), cut by a token budget into passes
+    trimmed to their own longest rows, are those of one pass over the batch."""
+    from common.sequences import batched_response_logprobs, batched_response_values, pack
+
+    tokenizer, exp, _ = experience
+    packed = pack(exp.prompt_tokens, exp.prompt_lengths, exp.response_tokens, exp.response_lengths, 0)
+    mask = lengths_to_mask(exp.response_lengths, exp.response_tokens.shape[1])
+    reference, critic = load_actor(tiny_model), load_critic(tiny_model)
+    lengths = (exp.prompt_lengths, exp.response_tokens, exp.response_lengths)
+    with torch.no_grad():
+        whole = batched_response_logprobs(reference, packed, *lengths)
+        budget = batched_response_logprobs(reference, packed, *lengths, max_tokens=24)
+        values_whole = batched_response_values(critic, packed, exp.prompt_lengths, exp.response_lengths)
+        values_budget = batched_response_values(critic, packed, exp.prompt_lengths, exp.response_lengths, max_tokens=24)
+    assert len(micro_batches(exp.prompt_lengths, exp.response_lengths, torch.arange(len(mask)), 24)) > 2
+    assert torch.allclose(whole * mask, budget * mask, atol=1e-5)
+    assert torch.allclose(values_whole * mask, values_budget * mask, atol=1e-5)
