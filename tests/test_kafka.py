@@ -36,6 +36,26 @@ def streamppo_command(*args: str, overrides: list[str] = ()) -> list[str]:
     return command + [a for o in overrides for a in ("--set", o)]
 
 
+def start_up(kafka_broker, tmp_path, model_cache, steps, run_id, up_args=(), overrides=()):
+    """`streamppo up` in the background (its own session, transformers generator) for a run of ``steps``; returns
+    the process, its log file and the run's metrics.jsonl."""
+    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
+    settings = [
+        f"run.steps={steps}",
+        f"run.dir={tmp_path / 'run'}",
+        f"run.run_id={run_id}",
+        f"model.cache_dir={model_cache}",
+        "generation.backend=transformers",
+        *overrides,
+        *kafka_broker,
+    ]
+    args = streamppo_command("up", "--bootstrap", bootstrap, *up_args, overrides=settings)
+    output, metrics = tmp_path / "up.log", tmp_path / "run" / "metrics.jsonl"
+    with open(output, "w") as log:
+        up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return up, output, metrics
+
+
 def unique(name):
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
@@ -396,22 +416,8 @@ def test_streamppo_status_shows_what_each_replica_waits_for(make_config, kafka_b
 
 @pytest.mark.slow
 def test_streamppo_up_restarts_a_crashed_service(own_broker, tmp_path, model_cache):
-    kafka_broker = own_broker
     steps, run_id = 8, unique("sup")
-    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
-    overrides = [
-        f"run.steps={steps}",
-        f"run.dir={tmp_path / 'run'}",
-        f"run.run_id={run_id}",
-        f"model.cache_dir={model_cache}",
-        "generation.backend=transformers",
-        *kafka_broker,
-    ]
-    args = streamppo_command("up", "--bootstrap", bootstrap, overrides=overrides)
-    output = tmp_path / "up.log"
-    with open(output, "w") as log:
-        up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    metrics = tmp_path / "run" / "metrics.jsonl"
+    up, output, metrics = start_up(own_broker, tmp_path, model_cache, steps, run_id)
     try:
         deadline = time.monotonic() + 300
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
@@ -566,24 +572,16 @@ def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_bro
     """`streamppo up` with two scorers; ten `kill -9`s of random services while it runs; `up` restarts each."""
     import random
 
-    kafka_broker = own_broker
-
     steps, run_id, kills = 40, unique("chaos"), 10
-    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
-    overrides = [
-        f"run.steps={steps}",
-        f"run.dir={tmp_path / 'run'}",
-        f"run.run_id={run_id}",
-        f"model.cache_dir={model_cache}",
-        "generation.backend=transformers",
-        "pipeline.max_staleness=1",
-        "learner.checkpoint_every=2",
-        *kafka_broker,
-    ]
-    args = streamppo_command("up", "--bootstrap", bootstrap, "--replicas", "scorer=2", overrides=overrides)
-    output, metrics = tmp_path / "up.log", tmp_path / "run" / "metrics.jsonl"
-    with open(output, "w") as log:
-        up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    up, output, metrics = start_up(
+        own_broker,
+        tmp_path,
+        model_cache,
+        steps,
+        run_id,
+        ("--replicas", "scorer=2"),
+        ("pipeline.max_staleness=1", "learner.checkpoint_every=2"),
+    )
     chance, killed = random.Random(7), []
     try:
         deadline = time.monotonic() + 600
@@ -635,22 +633,15 @@ def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_
     each update once, reward up, and prompt batches shared by both generators."""
     kafka_broker = own_broker
     steps, run_id = 16, unique("ranks")
-    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
-    overrides = [
-        f"run.steps={steps}",
-        f"run.dir={tmp_path / 'run'}",
-        f"run.run_id={run_id}",
-        f"model.cache_dir={model_cache}",
-        "generation.backend=transformers",
-        "learner.parallel.strategy=fsdp",
-        "learner.parallel.processes=2",
-        "learner.checkpoint_every=2",
-        *kafka_broker,
-    ]
-    args = streamppo_command("up", "--bootstrap", bootstrap, "--replicas", "generator=2", overrides=overrides)
-    output, metrics = tmp_path / "up.log", tmp_path / "run" / "metrics.jsonl"
-    with open(output, "w") as log:
-        up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    up, output, metrics = start_up(
+        kafka_broker,
+        tmp_path,
+        model_cache,
+        steps,
+        run_id,
+        ("--replicas", "generator=2"),
+        ("learner.parallel.strategy=fsdp", "learner.parallel.processes=2", "learner.checkpoint_every=2"),
+    )
     killed = []
     try:
         deadline = time.monotonic() + 600
