@@ -9,6 +9,7 @@ Ctrl-C stops the run. Then every child gets SIGTERM, and the broker stops last.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -58,6 +59,7 @@ class _Child:
     started: float = 0.0
     quick_failures: int = 0
     restart_at: float | None = None  # when a restart is due
+    env: dict[str, str] | None = None
 
 
 def up(
@@ -97,6 +99,9 @@ def up(
         for role in ROLES
         for i in range(replicas[role])
     }
+    env = child_environment(len(children))
+    for child in children.values():
+        child.env = env
     ending = [children[f"{role}-{i}"] for role in ROLES if ROLES[role].ends_run for i in range(replicas[role])]
     # The topics first, replacing a weights topic that a new, empty broker made on its own.
     topics = subprocess.run([sys.executable, "-m", "services.cli", *flags, "topics", *common])
@@ -139,9 +144,24 @@ def up(
             broker.stop()
 
 
+def child_environment(children: int, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of every child: the machine's cores shared out among them, unless the user chose.
+
+    Each torch process otherwise runs one thread per core, so N services on one machine run N × cores threads
+    that preempt each other mid-step: on 2 cores, a restarted scorer loading its models made the learner's
+    0.2 s update take 2.6 s (benchmarks/RESULTS.md, section 7). torchrun does the same for its ranks.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    share = max(1, (os.cpu_count() or 1) // max(children, 1))
+    return {"OMP_NUM_THREADS": str(share)} | environ  # the user's setting wins
+
+
 def _spawn(child: _Child) -> None:
     child.process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *child.args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "services.cli", *child.args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=child.env,
     )
     child.started, child.restart_at = time.monotonic(), None
     threading.Thread(target=_pump, args=(child.name, child.process.stdout), daemon=True).start()

@@ -352,6 +352,139 @@ def test_the_learner_applies_experience_in_step_order_across_partitions(make_con
     assert [line["staleness"] for line in lines] == [0, 1, 1] and learner.dropped_stale == 0
 
 
+def keys_for_partitions(count: int, partitions: int) -> list[bytes]:
+    """One message key per partition 0..count-1, as kafka-python's default partitioner places keys."""
+    from kafka.partitioner.default import murmur2
+
+    keys: dict[int, bytes] = {}
+    for candidate in (f"k{i}".encode() for i in range(10_000)):
+        keys.setdefault((murmur2(candidate) & 0x7FFFFFFF) % partitions, candidate)
+        if len(keys) == partitions:
+            break
+    return [keys[p] for p in range(count)]
+
+
+def test_forged_and_replayed_experience_neither_takes_a_real_batch_s_place_nor_counts_as_an_update(
+    make_config, kafka_broker
+):
+    """Case 2 of the operations issue, over the broker: a record claiming policy v1,000,000 under the batch id of
+    step 0, a stale copy under the id of step 2, a replay of an applied batch and a step no run has, each ahead of
+    the real batches in their partitions. The run applies exactly its three real batches and ends."""
+    import dataclasses
+
+    from common.schema import encode
+    from services.advantage import AdvantageService
+    from services.feeder import FeederService
+    from services.generator import GeneratorService
+    from services.learner import LearnerService
+    from services.scorer import ScorerService
+
+    config = make_config(
+        *kafka_broker,
+        f"run.run_id={unique('forged')}",
+        "run.steps=3",
+        "pipeline.max_staleness=1",
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=6",
+        "learner.mini_batch_size=4",
+        "data.eval_prompts=0",
+    )
+    feeder, generator, scorer, advantage = (
+        FeederService(config),
+        GeneratorService(config),
+        ScorerService(config),
+        AdvantageService(config),
+    )
+    real = [advantage.process(scorer.process(generator.process(feeder.batch(s))[0])[0])[0] for s in range(3)]
+    real[2] = dataclasses.replace(real[2], policy_version=1)
+    a, b, c = keys_for_partitions(3, config.kafka.partitions)
+    in_order = [
+        (a, dataclasses.replace(real[0], policy_version=1_000_000)),  # from a policy no learner published
+        (a, real[0]),
+        (b, dataclasses.replace(real[2], policy_version=0)),  # step 2 sampled by v0: staler than the bound allows
+        (b, real[2]),
+        (c, real[1]),
+        (c, real[0]),  # a replay of a batch already applied
+        (c, dataclasses.replace(real[1], step=1_000_000, batch_id=unique("forged"))),  # a step no run can have
+    ]
+    bus = kafka_bus(config)
+    producer = bus.producer("test")
+    for key, message in in_order:
+        producer.send("experience", encode(message), key=key)
+    producer.flush()
+
+    learner = LearnerService(config, unique("learner"))
+    runner = ServiceRunner(learner, bus)
+    deadline = time.monotonic() + 60
+    while not (learner.done() and runner.counters["dead_letters"]) and time.monotonic() < deadline:
+        runner.poll_once(0.2)
+    runner.close()
+    lines = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["batch_id"] for line in lines] == [m.batch_id for m in real], "the real batches, in step order"
+    assert [line["step"] for line in lines] == [1, 2, 3] and learner.updates == 3, "updates count applied batches"
+    assert learner.dropped_stale == 2 and runner.counters["dropped"] == 2, "the two forgeries were dropped, counted"
+    assert runner.counters["dead_letters"] == 1 and runner.counters["processed"] == 3
+    assert runner.counters["duplicates"] == 1, "the replay was recognised"
+    assert [line["staleness"] for line in lines] == [0, 1, 1]
+
+
+def test_prompt_batches_that_can_never_be_sampled_do_not_block_their_partitions(make_config, kafka_broker):
+    """Case 3 of the operations issue, over the broker: a far-future prompt batch at the head of every partition,
+    and one of a later step of the run ahead of the real first batch, which waits for weights that never come. The
+    first go to the dead-letter topic at once, the last once the hold bound has passed; the real batch is sampled."""
+    from common.schema import encode
+    from services.feeder import FeederService
+    from services.generator import GeneratorService
+
+    config = make_config(
+        *kafka_broker,
+        f"run.run_id={unique('future')}",
+        "run.steps=3",
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=4",
+        "learner.mini_batch_size=4",
+        "pipeline.hold_timeout_s=2",
+    )
+    feeder = FeederService(config)
+    keys = keys_for_partitions(config.kafka.partitions, config.kafka.partitions)
+    producer = kafka_bus(config).producer("test")
+    for key in keys:
+        forged = feeder.batch(0)
+        forged.step = 10**9
+        producer.send("prompts", encode(forged), key=key)
+    ahead = feeder.batch(2)
+    ahead.batch_id = unique("forged")
+    producer.send("prompts", encode(ahead), key=keys[0])  # waits for actor v2, which never comes
+    producer.send("prompts", encode(feeder.batch(0)), key=keys[0])  # the real first batch, behind both
+    producer.flush()
+
+    generator = GeneratorService(config, unique("generator"))
+    bus = kafka_bus(config)
+    runner = ServiceRunner(generator, bus)
+    rollouts = bus.consumer("rollouts", None, unique("audit"))
+    sampled, deadline = [], time.monotonic() + 60
+    while not sampled and time.monotonic() < deadline:
+        runner.poll_once(0.2)
+        for record in rollouts.poll(0.0, 100):
+            message = decode(record.value)
+            if message.lineage.get("run.id") == config.run.run_id:
+                sampled.append(message.step)
+    letters = []
+    dlq, deadline = bus.consumer("prompts.dlq", None, unique("audit")), time.monotonic() + 30
+    while len(letters) < len(keys) + 1 and time.monotonic() < deadline:
+        for record in dlq.poll(0.5, 100):
+            letter = decode(record.value)
+            if letter.producer == generator.replica_id:
+                letters.append(letter.error)
+    runner.close()
+    assert sampled == [0], "the real first batch was sampled"
+    assert sum("outside the run" in e for e in letters) == len(keys), letters
+    assert sum("waits for actor v2" in e for e in letters) == 1, letters
+    assert runner.counters["dead_letters"] == len(keys) + 1 and not runner.held
+
+
 def test_streamppo_status_shows_what_each_replica_waits_for(make_config, kafka_broker):
     from common.schema import encode, message_key
     from services.feeder import FeederService

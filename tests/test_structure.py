@@ -161,6 +161,18 @@ def test_an_added_role_is_a_cli_command_and_a_cluster_role(extra_role):
         parse_replicas(["learner=2"])
 
 
+def test_up_shares_the_machine_s_cores_among_its_children_unless_the_user_chose(monkeypatch):
+    import os
+
+    from services.cluster import child_environment
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert child_environment(6, {})["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert child_environment(6, {"PATH": "/bin"}) == {"OMP_NUM_THREADS": "1", "PATH": "/bin"}
+    assert child_environment(6, {"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
+
+
 def test_an_added_role_runs_in_the_embedded_run_through_the_whole_lifecycle(extra_role, make_config):
     from services.embedded import run_embedded
 
