@@ -189,12 +189,12 @@ def publish_and_load(trainer: PPOTrainer, dtype: str, load: bool = True) -> dict
         snapshot = store.save_state("actor", 1, state)
         published = time.perf_counter()
         if load:
-            load_snapshot_into(trainer.actor, snapshot.uri, snapshot.sha256)
+            load_snapshot_into(trainer.actor, snapshot.uri, snapshot.digest)
         loaded = time.perf_counter()
     return {
         f"snapshot ({dtype}) MB": snapshot.num_bytes / 1e6,
         "snapshot seconds: gather": gathered - started,
-        "snapshot seconds: write + sha256": published - gathered,
+        "snapshot seconds: write + digest": published - gathered,
         **({"snapshot seconds: read + verify + load": loaded - published} if load else {}),
     }
 

@@ -337,37 +337,112 @@ def bench_generation() -> dict:
 # ------------------------------------------------------------------------------------------------------ 5. weights
 
 
-def bench_weights() -> dict:
-    from common.weights import WeightStore, load_snapshot_into
+SHM = "/dev/shm"
+
+
+def _interleaved(paths: dict[str, tuple], rounds: int) -> dict[str, tuple[float, float]]:
+    """Median (publish, load) seconds per path, the paths taking turns in each round: this VM now and then stalls
+    a few seconds on fresh memory (its host backs pages at first touch), and turns spread that over every path."""
+    times = {label: ([], []) for label in paths}
+    for _ in range(rounds + 1):  # the first round warms up
+        for label, (publish, load) in paths.items():
+            for fn, out in zip((publish, load), times[label]):
+                started = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - started)
+    return {label: (statistics.median(p[1:]), statistics.median(ld[1:])) for label, (p, ld) in times.items()}
+
+
+def bench_weights(rounds: int = 7) -> dict:
+    """Publish (learner) + load (generator), before and after one-pass digests and memory-mapped loads, per path.
+
+    The store is on tmpfs where there is one (/dev/shm): this machine's disk takes 0.16 to 6.3 s for the same
+    538 MB write, so a store on it measures the disk, not the store. Each publish also deletes the snapshot before
+    it, as the learner's pruning does.
+    """
+    from benchmarks import weights_before as before
+    from common.weights import WeightStore, load_snapshot_into, snapshot_state
 
     rows = {}
     for name, path in models().items():
-        model = load_actor(path)
-        target = load_actor(path)
-        with tempfile.TemporaryDirectory() as tmp:
-            store = WeightStore(Path(tmp))
-            version = iter(range(1, 1000))
-            snapshot = store.save("actor", 0, model)
-            row = {
-                "snapshot_mb": snapshot.num_bytes / 1e6,
-                "publish_s": timed(lambda: store.save("actor", next(version), model), 3),
-                "load_transformers_s": timed(lambda: load_snapshot_into(target, snapshot.uri, snapshot.sha256), 3),
-            }
-            if vllm_installed():
-                sampler = _sampler("vllm", path)
-                row["load_vllm_in_place_s"] = timed(lambda: sampler.load_snapshot(snapshot.uri, snapshot.sha256), 3)
-                started = time.perf_counter()
-                sampler.close()
-                fresh = _sampler("vllm", path)
-                row["vllm_engine_start_s"] = time.perf_counter() - started
-                fresh.close()
-                row["engine_restart_vs_in_place"] = row["vllm_engine_start_s"] / row["load_vllm_in_place_s"]
+        model, target = load_actor(path), load_actor(path)
+        row = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            state = {k: v.to(dtype) for k, v in snapshot_state(model).items()}
+            into = load_actor(path, "bfloat16") if dtype == torch.bfloat16 else target
+            with tempfile.TemporaryDirectory(dir=SHM if os.path.isdir(SHM) else None) as tmp:
+                version = iter(range(1, 10_000))
+
+                def publish_before():
+                    v = next(version)
+                    before.publish(Path(tmp), "old", v, state)
+                    Path(tmp, f"old-v{v - 1:08d}.safetensors").unlink(missing_ok=True)
+
+                old_path, old_sha = before.publish(Path(tmp), "loaded", 0, state)
+                paths = {
+                    "before (sha256 pass over the file, fsync, full read + parse)": (
+                        publish_before,
+                        lambda: before.load_into(into, old_path, old_sha),
+                    )
+                }
+                for algorithm in ("sha256", "blake3"):
+                    store = WeightStore(Path(tmp) / algorithm, algorithm)
+                    snapshot = store.save_state("loaded", 0, state)  # not pruned by the publishes below
+
+                    def publish_after(store=store):
+                        v = next(version)
+                        store.save_state("actor", v, state)
+                        store.prune("actor", 2, v)
+
+                    paths[f"after, {algorithm} (one pass each side, memory-mapped)"] = (
+                        publish_after,
+                        lambda snapshot=snapshot: load_snapshot_into(into, snapshot.uri, snapshot.digest),
+                    )
+                measured = _interleaved(paths, rounds)
+                nbytes = snapshot.num_bytes
+            for label, (publish_s, load_s) in measured.items():
+                row[f"{str(dtype).removeprefix('torch.')}, {label}"] = {
+                    "snapshot_mb": nbytes / 1e6,
+                    "publish_s": publish_s,
+                    "load_transformers_s": load_s,
+                    "end_to_end_gb_per_s": nbytes / 1e9 / (publish_s + load_s),
+                }
+        if vllm_installed():
+            row["float32, vLLM in place"] = _vllm_reload(path, model)
         rows[name] = row
     return {
-        "what": "publish = safetensors snapshot + sha256 into the weight store; load = read, verify sha256, copy "
-        "into the model (vLLM: in the worker, via reload_weights)",
+        "what": "store on tmpfs; publish = snapshot into the weight store with its digest, pruning the one before "
+        "(the learner); "
+        "load = verify the digest and copy into the model (the generator: transformers, or vLLM in its worker via "
+        "reload_weights); before and after measured side by side in this run, taking turns, median of 7",
         "models": rows,
     }
+
+
+def _vllm_reload(path: Path, model: torch.nn.Module) -> dict:
+    """Seconds to reload a snapshot into a running vLLM engine: the old read path and today's, same engine."""
+    from benchmarks import weights_before as before
+    from common.weights import WeightStore, snapshot_state
+
+    # The old read path runs in the worker as a function sent over collective_rpc, which vLLM pickles only so.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    sampler = _sampler("vllm", path)
+    with tempfile.TemporaryDirectory() as tmp:
+        snapshot = WeightStore(Path(tmp)).save("actor", 1, model)
+        old_path, old_sha = before.publish(Path(tmp), "old", 1, snapshot_state(model))
+        row = {
+            "load_vllm_before_s": timed(
+                lambda: sampler.llm.collective_rpc(before.load_into_vllm_worker, args=(old_path, old_sha)), 3
+            ),
+            "load_vllm_in_place_s": timed(lambda: sampler.load_snapshot(snapshot.uri, snapshot.digest), 3),
+        }
+    started = time.perf_counter()
+    sampler.close()
+    fresh = _sampler("vllm", path)
+    row["vllm_engine_start_s"] = time.perf_counter() - started
+    fresh.close()
+    row["engine_restart_vs_in_place"] = row["vllm_engine_start_s"] / row["load_vllm_in_place_s"]
+    return row
 
 
 # ------------------------------------------------------------------------------------------------------ 6. scaling

@@ -89,7 +89,11 @@ def experience(m):
 
 def weights(m):
     return WeightAnnouncement(
-        **new_header(m.batch_id, "l", 1, m.lineage), model="actor", uri="/dev/null", sha256="0" * 64, num_bytes=0
+        **new_header(m.batch_id, "l", 1, m.lineage),
+        model="actor",
+        uri="/dev/null",
+        digest="blake3:" + "0" * 64,
+        num_bytes=0,
     )
 
 

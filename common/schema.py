@@ -124,6 +124,8 @@ class Message:
 
     SCHEMA: ClassVar[str] = ""
     VERSION: ClassVar[int] = 1
+    # Older versions this build still reads: version -> a function from its raw map to the current version's.
+    UPGRADES: ClassVar[dict] = {}
     DOC: ClassVar[str] = ""
 
     batch_id: str = scalar("str", "Stable id of the prompt batch this message descends from; the idempotency key.")
@@ -221,6 +223,13 @@ class ExperienceBatch(ScoredBatch):
     returns: np.ndarray = array("float32", "N", "T", doc="GAE returns, advantages + values.")
 
 
+def _weights_v1_to_v2(raw: dict) -> dict:
+    """Version 1 named its digest ``sha256`` (hex): it reads as version 2 with a ``sha256:`` digest."""
+    if not isinstance(raw.get("sha256"), str):
+        return raw  # validation names what is wrong
+    return {k: v for k, v in raw.items() if k != "sha256"} | {"digest": f"sha256:{raw['sha256']}"}
+
+
 @dataclass
 class WeightAnnouncement(Message):
     SCHEMA: ClassVar[str] = "weights"
@@ -229,14 +238,21 @@ class WeightAnnouncement(Message):
         "survives; policy_version is the version the snapshot holds."
     )
 
+    VERSION: ClassVar[int] = 2
+    UPGRADES: ClassVar[dict] = {1: _weights_v1_to_v2}
+
     model: str = scalar("str", "Which model: 'actor' or 'critic'.")
     uri: str = scalar("str", "Where the safetensors snapshot lies (a path in the shared weight store, or a URL).")
-    sha256: str = scalar("str", "Hex sha256 of the snapshot file; a mismatch rejects the snapshot.")
+    digest: str = scalar(
+        "str", "'<algorithm>:<hex>' of the snapshot file's bytes, blake3 or sha256; a mismatch rejects the snapshot."
+    )
     num_bytes: int = scalar("int", "Size of the snapshot file in bytes.")
 
 
 class _Record:
     """A wire type outside the pipeline (no header): its wire fields are all its fields."""
+
+    UPGRADES: ClassVar[dict] = {}
 
     @classmethod
     def wire_fields(cls) -> list[tuple[str, WireType]]:
@@ -475,7 +491,13 @@ def decode(data: bytes, expected: type | None = None) -> Any:
     if expected is not None and cls is not expected:
         raise SchemaError(f"expected a {expected.SCHEMA!r} message, got {schema!r}")
     if version != cls.VERSION:
-        raise SchemaError(f"{schema}: unsupported schema version {version!r} (this build reads version {cls.VERSION})")
+        upgrade = cls.UPGRADES.get(version) if isinstance(version, int) and not isinstance(version, bool) else None
+        if upgrade is None:
+            raise SchemaError(
+                f"{schema}: unsupported schema version {version!r} (this build reads version {cls.VERSION}"
+                f"{''.join(f', {v}' for v in sorted(cls.UPGRADES))})"
+            )
+        raw = upgrade(raw)
     wire_fields = cls.wire_fields()
     names = {name for name, _ in wire_fields}
     present = set(raw) - {"schema", "version"}

@@ -1,7 +1,8 @@
 """Writing state to disk so that it survives a crash, and saying so clearly when the disk is full.
 
-Checkpoints and weight snapshots are written under a temporary name, fsynced, and renamed into place, and the
-directory is fsynced after the rename: a crash at any moment leaves either the old file or the complete new one.
+Checkpoints and weight snapshots are written under a temporary name and renamed into place. Checkpoints are also
+fsynced, with their directory after the rename: a crash at any moment leaves either the old one or the complete new
+one. (Snapshots are not: a torn one fails its digest, and the learner writes them again from its checkpoint.)
 Space is checked before writing, and a write that fails for lack of space raises :class:`NoSpaceError` naming the
 directory and the size needed, never a bare I/O error, after removing what it had half-written.
 """

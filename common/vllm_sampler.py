@@ -1,14 +1,14 @@
 """The vLLM backend of the generator: sampling with behaviour log-probs, and weight updates in place.
 
 Weights reach the engine through :class:`SnapshotLoader`, a vLLM worker extension: inside the worker process it
-reads a snapshot from the weight store, checks its sha256 and hands the tensors to the worker's own
-``reload_weights``; the prefix cache is reset afterwards, as its entries were computed with the old weights.
-Nothing is copied through the engine's RPC channel but the file's path.
+maps a snapshot from the weight store, checks its digest and hands the tensors (views of the file's pages) to the
+worker's own ``reload_weights``; the prefix cache is reset afterwards, as its entries were computed with the old
+weights. Nothing is copied through the engine's RPC channel but the file's path.
 
 An update that fails half-way (the engine died, or the reload raised) leaves an engine whose weights nobody
 knows, so it is shut down and a new one is started from the model folder plus the last snapshot that loaded;
 the failed update is then tried once more on the fresh engine. A snapshot that is rejected before any weight is
-touched (checksum, wrong tensors) just raises :class:`WeightIntegrityError`: the engine keeps its weights.
+touched (digest, wrong tensors) just raises :class:`WeightIntegrityError`: the engine keeps its weights.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from common.models import actor_skeleton
 from common.sampling import Samples, SamplingParams
-from common.weights import WeightIntegrityError, check_fits, read_snapshot
+from common.weights import WeightIntegrityError, check_fits, open_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +33,13 @@ __all__ = ["SnapshotLoader", "VllmSampler"]
 class SnapshotLoader:
     """Mixed into vLLM's worker (``worker_extension_cls``); its methods run in the worker process."""
 
-    def load_snapshot(self, uri: str, sha256: str) -> str | None:
+    def load_snapshot(self, uri: str, digest: str) -> str | None:
         """Load a verified snapshot in place; returns why it was refused (weights untouched), or None."""
         try:
-            state = read_snapshot(uri, sha256)
-        except WeightIntegrityError as exc:
+            with open_snapshot(uri, digest) as state:
+                self.model_runner.reload_weights(weights_iterator=iter(state.items()))
+        except WeightIntegrityError as exc:  # raised before reload_weights is called
             return str(exc)
-        self.model_runner.reload_weights(weights_iterator=iter(state.items()))
         _repack_tied_cpu_linears(self.model_runner.get_model())
         return None
 
@@ -136,7 +136,7 @@ class VllmSampler:
 
     # ------------------------------------------------------------------------------------------------ weights
 
-    def load_snapshot(self, uri: str, sha256: str) -> None:
+    def load_snapshot(self, uri: str, digest: str) -> None:
         path = uri.removeprefix("file://")
         try:
             with safe_open(path, framework="pt") as snapshot:  # the header only: names and shapes
@@ -146,7 +146,7 @@ class VllmSampler:
         check_fits(uri, shapes, self.skeleton)
         for attempt in (1, 2):
             try:
-                refused = _first_refusal(self.llm.collective_rpc("load_snapshot", args=(path, sha256)))
+                refused = _first_refusal(self.llm.collective_rpc("load_snapshot", args=(path, digest)))
             except Exception as exc:
                 if attempt == 2:
                     self._restart_engine(f"update to {uri} failed twice: {exc}")
@@ -156,7 +156,7 @@ class VllmSampler:
             if refused:
                 raise WeightIntegrityError(refused)
             self.llm.reset_prefix_cache()
-            self.good_snapshot = (path, sha256)
+            self.good_snapshot = (path, digest)
             return
 
     # ------------------------------------------------------------------------------------------------ sampling

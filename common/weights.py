@@ -1,24 +1,39 @@
-"""The weight store: versioned safetensors snapshots with a sha256, in a shared directory.
+"""The weight store: versioned safetensors snapshots with a digest, in a shared directory.
 
-The learner saves a snapshot and announces ``{model, version, uri, sha256}``; generator and advantage replicas load
+The learner saves a snapshot and announces ``{model, version, uri, digest}``; generator and advantage replicas load
 it. A snapshot is written to a temporary name and renamed, so a reader never sees a half-written file under its
-final name; a file that was truncated or corrupted anyway fails its checksum and is rejected with
+final name; a file that was truncated or corrupted anyway fails its digest and is rejected with
 :class:`WeightIntegrityError`, leaving the model untouched.
+
+The data is gone over once on each side. The writer digests the tensors it hands to safetensors, in the file's
+order, behind the header it reads back: never a second pass over the file. The reader digests the file through a
+memory map, and the tensors it loads are views of the same pages: no copy between the file and the model. A digest
+is ``<algorithm>:<hex>``: ``blake3`` (all cores, ~11 GB/s here) by default, ``sha256`` (~1.4 GB/s) where a
+standard hash is required; both are always readable.
+
+Snapshots are not fsynced. One lost in a crash is written again by the learner, which announces its checkpointed
+weights at every start, and a torn one fails its digest; the fsync would cost more than the write (0.3 s for
+SmolLM2-135M in float32 on this machine's disk). Checkpoints, which nothing can rebuild, are fsynced.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import mmap
 import os
 import re
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import blake3
 import torch
-from safetensors.torch import load as load_safetensors
+from safetensors import safe_open
 from safetensors.torch import save_file
 
-from common.storage import fsync_dir, fsync_file, state_nbytes, write_or_explain
+from common.storage import state_nbytes, write_or_explain
 
 __all__ = [
     "Snapshot",
@@ -26,8 +41,9 @@ __all__ = [
     "WeightStore",
     "check_fits",
     "first_names",
+    "DIGEST_ALGORITHMS",
     "load_snapshot_into",
-    "read_snapshot",
+    "open_snapshot",
     "snapshot_state",
 ]
 
@@ -43,16 +59,48 @@ class Snapshot:
     model: str
     version: int
     uri: str
-    sha256: str
+    digest: str  # <algorithm>:<hex> of the file's bytes
     num_bytes: int
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+DIGEST_ALGORITHMS = {
+    "blake3": lambda: blake3.blake3(max_threads=blake3.blake3.AUTO),
+    "sha256": hashlib.sha256,
+}
+
+
+def _hasher(algorithm: str):
+    if algorithm not in DIGEST_ALGORITHMS:
+        raise WeightIntegrityError(f"unknown digest algorithm {algorithm!r} (known: {', '.join(DIGEST_ALGORITHMS)})")
+    return DIGEST_ALGORITHMS[algorithm]()
+
+
+def _bytes_of(tensor: torch.Tensor):
+    """The bytes of a contiguous CPU tensor as safetensors writes them (little-endian, row-major), not copied."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def _digest_as_written(path: Path, state: dict[str, torch.Tensor], algorithm: str) -> str:
+    """The digest of the safetensors file at ``path``, written from ``state``: its header read back from the file,
+    the tensors digested from memory in the order of their offsets (safetensors leaves no gaps between them)."""
     with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        prefix = fh.read(8)
+        header_bytes = fh.read(int.from_bytes(prefix, "little"))
+    header = json.loads(header_bytes)
+    header.pop("__metadata__", None)
+    hasher = _hasher(algorithm)
+    hasher.update(prefix)
+    hasher.update(header_bytes)
+    end = 0
+    for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
+        start, stop = entry["data_offsets"]
+        if start != end or stop - start != state[name].nbytes:
+            raise RuntimeError(f"{path}: tensor {name} is not where its bytes were expected; digest not taken")
+        hasher.update(_bytes_of(state[name]))
+        end = stop
+    if path.stat().st_size != 8 + len(header_bytes) + end:
+        raise RuntimeError(f"{path}: {path.stat().st_size} bytes, not the {8 + len(header_bytes) + end} written")
+    return f"{algorithm}:{hasher.hexdigest()}"
 
 
 def first_names(module: torch.nn.Module) -> set[str]:
@@ -79,10 +127,11 @@ def snapshot_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class WeightStore:
-    """A directory of snapshots named ``<model>-v<version>.safetensors``."""
+    """A directory of snapshots named ``<model>-v<version>.safetensors``, digested with ``digest``."""
 
-    def __init__(self, root: Path):
-        self.root = Path(root)
+    def __init__(self, root: Path, digest: str = "blake3"):
+        _hasher(digest)  # an unknown algorithm fails here, not at the first snapshot
+        self.root, self.digest = Path(root), digest
         self.root.mkdir(parents=True, exist_ok=True)
 
     def save(self, model_name: str, version: int, module: torch.nn.Module) -> Snapshot:
@@ -96,13 +145,11 @@ class WeightStore:
         def write() -> None:
             save_file(state, str(tmp), metadata={"model": model_name, "version": str(version)})
             os.chmod(tmp, 0o644)  # safetensors writes 0600; readers may run under another uid on a shared volume
-            fsync_file(tmp)
 
         needed = state_nbytes(state) + (1 << 20)
         write_or_explain(self.root, f"the {model_name} v{version} snapshot", needed, write, lambda: tmp.unlink(True))
-        digest = _sha256(tmp)
+        digest = _digest_as_written(tmp, state, self.digest)
         os.replace(tmp, path)
-        fsync_dir(self.root)
         return Snapshot(model_name, version, str(path.resolve()), digest, path.stat().st_size)
 
     def prune(self, model_name: str, keep: int, current: int) -> list[Path]:
@@ -124,24 +171,37 @@ class WeightStore:
         return doomed
 
 
-def read_snapshot(uri: str, sha256: str) -> dict[str, torch.Tensor]:
-    """Read the snapshot at ``uri``, verify it against ``sha256`` and parse it; the file is read once.
+@contextmanager
+def open_snapshot(uri: str, digest: str) -> Iterator[dict[str, torch.Tensor]]:
+    """The tensors of the snapshot at ``uri``, verified against ``digest``: views of the memory-mapped file, valid
+    inside the ``with`` block. The file is read once, by the digest; the tensors are its pages.
 
     Raises:
-        WeightIntegrityError: missing or unreadable file, checksum mismatch, or not a safetensors file.
+        WeightIntegrityError: missing or unreadable file, digest mismatch, or not a safetensors file.
     """
+    algorithm, _, expected = digest.partition(":")
     path = Path(uri.removeprefix("file://"))
     try:
-        data = path.read_bytes()
-    except OSError as exc:
+        with open(path, "rb") as fh:
+            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
         raise WeightIntegrityError(f"snapshot {uri} cannot be read: {exc}") from None
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != sha256:
-        raise WeightIntegrityError(f"snapshot {uri} has sha256 {actual[:12]}…, announced {sha256[:12]}…; rejected")
-    try:
-        return load_safetensors(data)
-    except Exception as exc:  # safetensors raises its own error type for malformed headers
-        raise WeightIntegrityError(f"snapshot {uri} is not a valid safetensors file: {exc}") from None
+    with ExitStack() as stack:
+        stack.callback(mapped.close)
+        hasher = _hasher(algorithm)
+        with memoryview(mapped) as view:
+            hasher.update(view)
+        actual = hasher.hexdigest()
+        if actual != expected:
+            raise WeightIntegrityError(
+                f"snapshot {uri} has {algorithm} {actual[:12]}…, announced {expected[:12]}…; rejected"
+            )
+        try:
+            snapshot = stack.enter_context(safe_open(str(path), framework="pt"))
+            tensors = {name: snapshot.get_tensor(name) for name in snapshot.keys()}
+        except Exception as exc:  # safetensors raises its own error type for malformed headers
+            raise WeightIntegrityError(f"snapshot {uri} is not a valid safetensors file: {exc}") from None
+        yield tensors
 
 
 def check_fits(uri: str, shapes: dict[str, tuple[int, ...]], module: torch.nn.Module) -> None:
@@ -168,16 +228,16 @@ def check_fits(uri: str, shapes: dict[str, tuple[int, ...]], module: torch.nn.Mo
         )
 
 
-def load_snapshot_into(module: torch.nn.Module, uri: str, sha256: str) -> None:
-    """Verify the snapshot at ``uri`` against ``sha256`` and load it into ``module`` in place.
+def load_snapshot_into(module: torch.nn.Module, uri: str, digest: str) -> None:
+    """Verify the snapshot at ``uri`` against ``digest`` and copy it into ``module`` in place.
 
     Raises:
-        WeightIntegrityError: missing file, checksum mismatch, or tensors that do not fit the module. The module
-        is unchanged in every one of these cases.
+        WeightIntegrityError: missing file, digest mismatch, or tensors that do not fit the module. The module is
+        unchanged in every one of these cases.
     """
-    state = read_snapshot(uri, sha256)
-    check_fits(uri, {k: tuple(v.shape) for k, v in state.items()}, module)
-    own = module.state_dict()
-    with torch.no_grad():
-        for name, tensor in state.items():
-            own[name].copy_(tensor)
+    with open_snapshot(uri, digest) as state:
+        check_fits(uri, {k: tuple(v.shape) for k, v in state.items()}, module)
+        own = module.state_dict()
+        with torch.no_grad():
+            for name, tensor in state.items():
+                own[name].copy_(tensor)

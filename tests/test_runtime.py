@@ -178,7 +178,7 @@ def test_a_corrupted_snapshot_is_rejected_and_the_old_weights_kept(bus, config, 
     runner.poll_once()
     assert generator.policy_version == 0
     assert all((before[k] == v).all() for k, v in generator.sampler.model.state_dict().items())
-    assert "keeping actor v0" in caplog.text and "sha256" in caplog.text
+    assert "keeping actor v0" in caplog.text and "has blake3" in caplog.text
 
 
 def test_a_held_batch_does_not_block_other_partitions(bus, config):

@@ -251,3 +251,19 @@ def test_fuzz_structured_maps(name, fields):
         decode(msgpack.packb(raw, use_bin_type=True))
     except SchemaError:
         pass
+
+
+def test_a_version_1_weight_announcement_reads_as_version_2_with_a_sha256_digest():
+    current = sample_message(WeightAnnouncement, np.random.default_rng(5))
+    raw = msgpack.unpackb(encode(current), raw=False)
+    assert raw["version"] == 2
+    raw["version"], raw["sha256"] = 1, "ab" * 32
+    del raw["digest"]
+    old = decode(msgpack.packb(raw, use_bin_type=True))
+    assert old.digest == "sha256:" + "ab" * 32 and old.uri == current.uri
+    raw["sha256"] = 7  # an upgrade does not hide what is wrong with the old record
+    with pytest.raises(SchemaError, match="missing fields \\['digest'\\], unexpected fields \\['sha256'\\]"):
+        decode(msgpack.packb(raw, use_bin_type=True))
+    raw["version"] = 3
+    with pytest.raises(SchemaError, match="unsupported schema version 3 .this build reads version 2, 1."):
+        decode(msgpack.packb(raw, use_bin_type=True))

@@ -67,7 +67,7 @@ def mismatch(sampler, actor, prompts, params=PARAMS) -> float:
 
 def test_samples_n_per_prompt_with_the_actors_logprobs(engine, tiny_model, tokenizer, prompts, tmp_path):
     initial = WeightStore(tmp_path).save("actor", 0, load_actor(tiny_model))
-    engine.load_snapshot(initial.uri, initial.sha256)  # other tests of the module may have run first
+    engine.load_snapshot(initial.uri, initial.digest)  # other tests of the module may have run first
     prompt_tokens, prompt_lengths = prompts
     samples = engine.sample(prompt_tokens, prompt_lengths, PARAMS)
     assert samples.group_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
@@ -97,7 +97,7 @@ def test_an_update_in_place_matches_transformers_with_the_same_weights(engine, t
     updated = perturbed(load_actor(tiny_model), seed=1)
     snapshot = WeightStore(tmp_path).save("actor", 1, updated)
     starts = engine.engine_starts
-    engine.load_snapshot(snapshot.uri, snapshot.sha256)
+    engine.load_snapshot(snapshot.uri, snapshot.digest)
     assert engine.engine_starts == starts, "in place: the engine was not restarted"
     assert mismatch(engine, updated, prompts) < 1e-4
     assert mismatch(engine, initial, prompts) > 1e-2, "the update changed what the engine samples from"
@@ -107,16 +107,16 @@ def test_a_damaged_snapshot_is_refused_and_the_engine_keeps_its_weights(engine, 
     store = WeightStore(tmp_path)
     current = perturbed(load_actor(tiny_model), seed=2)
     good = store.save("actor", 2, current)
-    engine.load_snapshot(good.uri, good.sha256)
+    engine.load_snapshot(good.uri, good.digest)
     bad = store.save("actor", 3, perturbed(load_actor(tiny_model), seed=3))
     with open(bad.uri, "r+b") as fh:
         fh.seek(-64, 2)
         fh.write(b"\x00" * 64)
-    with pytest.raises(WeightIntegrityError, match="sha256"):
-        engine.load_snapshot(bad.uri, bad.sha256)
+    with pytest.raises(WeightIntegrityError, match="has blake3"):
+        engine.load_snapshot(bad.uri, bad.digest)
     critic = store.save("critic", 3, load_critic(tiny_model))
     with pytest.raises(WeightIntegrityError, match="does not fit"):
-        engine.load_snapshot(critic.uri, critic.sha256)
+        engine.load_snapshot(critic.uri, critic.digest)
     assert mismatch(engine, current, prompts) < 1e-4
 
 
@@ -135,7 +135,7 @@ def test_a_dead_engine_is_restarted_with_the_last_good_weights(engine, tiny_mode
     store = WeightStore(tmp_path)
     last_good = perturbed(load_actor(tiny_model), seed=4)
     snapshot = store.save("actor", 4, last_good)
-    engine.load_snapshot(snapshot.uri, snapshot.sha256)
+    engine.load_snapshot(snapshot.uri, snapshot.digest)
     starts = engine.engine_starts
 
     _kill_engine_processes()
@@ -145,6 +145,6 @@ def test_a_dead_engine_is_restarted_with_the_last_good_weights(engine, tiny_mode
     _kill_engine_processes()
     newer = perturbed(load_actor(tiny_model), seed=5)
     snapshot = store.save("actor", 5, newer)
-    engine.load_snapshot(snapshot.uri, snapshot.sha256)  # fails on the dead engine, then loads on a fresh one
+    engine.load_snapshot(snapshot.uri, snapshot.digest)  # fails on the dead engine, then loads on a fresh one
     assert engine.engine_starts == starts + 2
     assert mismatch(engine, newer, prompts) < 1e-4

@@ -17,13 +17,22 @@ def perturbed(model):
     return model
 
 
-def test_snapshot_round_trip_with_tied_embeddings(tiny_model, tmp_path):
+def file_digest(path, algorithm):
+    import blake3
+
+    data = open(path, "rb").read()
+    return f"{algorithm}:{(blake3.blake3 if algorithm == 'blake3' else hashlib.sha256)(data).hexdigest()}"
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_snapshot_round_trip_with_tied_embeddings(tiny_model, tmp_path, algorithm):
     source = perturbed(load_actor(tiny_model))
     assert source.config.tie_word_embeddings
-    snapshot = WeightStore(tmp_path).save("actor", 3, source)
-    assert snapshot.sha256 == hashlib.sha256(open(snapshot.uri, "rb").read()).hexdigest()
+    snapshot = WeightStore(tmp_path, algorithm).save("actor", 3, source)
+    # Taken from the tensors in memory while writing, it is the digest of the file's bytes.
+    assert snapshot.digest == file_digest(snapshot.uri, algorithm)
     target = load_actor(tiny_model)
-    load_snapshot_into(target, snapshot.uri, snapshot.sha256)
+    load_snapshot_into(target, snapshot.uri, snapshot.digest)
     for (name, a), b in zip(source.state_dict().items(), target.state_dict().values()):
         assert torch.equal(a, b), name
     assert target.lm_head.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
@@ -35,23 +44,31 @@ def test_snapshot_round_trip_with_tied_embeddings(tiny_model, tmp_path):
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "wrong-checksum", "missing"])
-def test_damaged_snapshots_are_rejected_and_leave_the_model_unchanged(tiny_model, tmp_path, damage):
-    snapshot = WeightStore(tmp_path).save("actor", 1, perturbed(load_actor(tiny_model)))
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+@pytest.mark.parametrize(
+    "damage", ["truncate", "empty", "flip", "flip-header", "wrong-digest", "unknown-algorithm", "missing"]
+)
+def test_damaged_snapshots_are_rejected_and_leave_the_model_unchanged(tiny_model, tmp_path, damage, algorithm):
+    snapshot = WeightStore(tmp_path, algorithm).save("actor", 1, perturbed(load_actor(tiny_model)))
     data = open(snapshot.uri, "rb").read()
-    sha = snapshot.sha256
+    digest = snapshot.digest
     if damage == "truncate":
         open(snapshot.uri, "wb").write(data[: len(data) // 2])
-    elif damage == "flip":
-        open(snapshot.uri, "wb").write(data[:-10] + bytes([data[-10] ^ 0xFF]) + data[-9:])
-    elif damage == "wrong-checksum":
-        sha = "0" * 64
+    elif damage == "empty":
+        open(snapshot.uri, "wb").close()
+    elif damage in ("flip", "flip-header"):
+        at = -10 if damage == "flip" else 20
+        open(snapshot.uri, "wb").write(data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :])
+    elif damage == "wrong-digest":
+        digest = f"{algorithm}:{'0' * 64}"
+    elif damage == "unknown-algorithm":
+        digest = "md5:" + digest.partition(":")[2]
     else:
         tmp_path.joinpath(snapshot.uri.rsplit("/", 1)[1]).unlink()
     target = load_actor(tiny_model)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(WeightIntegrityError):
-        load_snapshot_into(target, snapshot.uri, sha)
+        load_snapshot_into(target, snapshot.uri, digest)
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
 
 
@@ -60,7 +77,7 @@ def test_a_snapshot_of_another_architecture_is_rejected(tiny_model, tmp_path):
 
     snapshot = WeightStore(tmp_path).save("critic", 1, load_critic(tiny_model))
     with pytest.raises(WeightIntegrityError, match="does not fit"):
-        load_snapshot_into(load_actor(tiny_model), snapshot.uri, snapshot.sha256)
+        load_snapshot_into(load_actor(tiny_model), snapshot.uri, snapshot.digest)
 
 
 def test_prune_keeps_the_newest(tiny_model, tmp_path):
@@ -92,3 +109,19 @@ def test_prune_never_drops_the_snapshot_just_written(tiny_model, tmp_path):
 def test_snapshots_are_readable_by_other_users(tiny_model, tmp_path):
     snapshot = WeightStore(tmp_path).save("actor", 1, load_actor(tiny_model))
     assert Path(snapshot.uri).stat().st_mode & 0o777 == 0o644
+
+
+def test_a_bfloat16_snapshot_is_digested_as_written(tiny_model, tmp_path):
+    from common.weights import snapshot_state
+
+    state = {k: v.to(torch.bfloat16) for k, v in snapshot_state(perturbed(load_actor(tiny_model))).items()}
+    snapshot = WeightStore(tmp_path).save_state("actor", 2, state)
+    assert snapshot.digest == file_digest(snapshot.uri, "blake3")
+    target = load_actor(tiny_model)
+    load_snapshot_into(target, snapshot.uri, snapshot.digest)
+    assert torch.equal(target.model.embed_tokens.weight, state["model.embed_tokens.weight"].float())
+
+
+def test_an_unknown_digest_algorithm_is_refused_by_the_store(tmp_path):
+    with pytest.raises(WeightIntegrityError, match="unknown digest algorithm 'md5'"):
+        WeightStore(tmp_path, "md5")

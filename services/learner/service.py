@@ -61,7 +61,7 @@ class LearnerService(Service):
             seed=config.run.seed,
             ranks=self.ranks,
         )
-        self.store = WeightStore(config.weight_store)
+        self.store = WeightStore(config.weight_store, config.weights.digest)
         self.run_dir = Path(config.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
@@ -269,7 +269,7 @@ class LearnerService(Service):
                     ),
                     model=name,
                     uri=snapshot.uri,
-                    sha256=snapshot.sha256,
+                    digest=snapshot.digest,
                     num_bytes=snapshot.num_bytes,
                 )
             )
