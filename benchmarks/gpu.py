@@ -189,7 +189,7 @@ def publish_and_load(trainer: PPOTrainer, dtype: str, load: bool = True) -> dict
         snapshot = store.save_state("actor", 1, state)
         published = time.perf_counter()
         if load:
-            load_snapshot_into(trainer.actor, snapshot.uri, snapshot.digest)
+            load_snapshot_into(trainer.actor, snapshot.chain)
         loaded = time.perf_counter()
     return {
         f"snapshot ({dtype}) MB": snapshot.num_bytes / 1e6,

@@ -159,9 +159,32 @@ def write_markdown(results: dict, path: Path) -> None:
             "The old load reads the file into fresh memory and parses it into more: on this VM, whose host backs "
             "guest memory at first touch, that stalls (the same load took 0.97 s in the run of 2026-11-30). The "
             "memory-mapped load touches only the page cache. The store is on tmpfs; on this VM's disk one 538 MB "
-            "write takes 0.16 to 6.3 s, whatever writes it.",
+            "write takes 0.16 to 6.3 s, whatever writes it. Delta rows: MB is the delta's size, end to end the full "
+            "snapshot's bytes over publish + load. On tmpfs a delta is smaller but not faster (diffing and patching "
+            "cost more CPU than the bytes saved); it pays where the store's bandwidth is the limit (a network "
+            "volume, an object store).",
             "",
         ]
+        if "changes" in w:
+            out += [
+                "What changes per PPO update (vowels example, 6 steps, actor snapshots): the share of elements, of "
+                "bytes in tensors with any change, and a delta's size (bit mask + changed values) over a full "
+                "snapshot:",
+                "",
+            ]
+            out += _table(
+                ["actor lr", "snapshot dtype", "elements changed", "bytes in changed tensors", "delta / full"],
+                [
+                    [
+                        c["actor_lr"],
+                        c["dtype"],
+                        c["elements_changed"],
+                        c["bytes_in_changed_tensors"],
+                        c["delta_over_full"],
+                    ]
+                    for c in w["changes"]
+                ],
+            )
         engines = [(m, v) for m, row in w["models"].items() for k, v in row.items() if "load_vllm_in_place_s" in v]
         if engines:
             out += _table(

@@ -396,7 +396,7 @@ def bench_weights(rounds: int = 7) -> dict:
 
                     paths[f"after, {algorithm} (one pass each side, memory-mapped)"] = (
                         publish_after,
-                        lambda snapshot=snapshot: load_snapshot_into(into, snapshot.uri, snapshot.digest),
+                        lambda snapshot=snapshot: load_snapshot_into(into, snapshot.chain),
                     )
                 measured = _interleaved(paths, rounds)
                 nbytes = snapshot.num_bytes
@@ -407,16 +407,107 @@ def bench_weights(rounds: int = 7) -> dict:
                     "load_transformers_s": load_s,
                     "end_to_end_gb_per_s": nbytes / 1e9 / (publish_s + load_s),
                 }
+            if dtype == torch.bfloat16:
+                row.update(_delta_paths(state, into, rounds))
         if vllm_installed():
             row["float32, vLLM in place"] = _vllm_reload(path, model)
         rows[name] = row
     return {
+        "changes": _change_rates(),
         "what": "store on tmpfs; publish = snapshot into the weight store with its digest, pruning the one before "
         "(the learner); "
         "load = verify the digest and copy into the model (the generator: transformers, or vLLM in its worker via "
         "reload_weights); before and after measured side by side in this run, taking turns, median of 7",
         "models": rows,
     }
+
+
+def _delta_paths(state: dict[str, torch.Tensor], into: torch.nn.Module, rounds: int) -> dict:
+    """Publish and load of a delta (blake3) after one Adam-like step of ``lr`` × sign on every float32 weight (an
+    Adam update's first step; later ones are smaller), cast to bfloat16; the load reads the full snapshot and the
+    delta, as every reader does."""
+    from common.weights import WeightStore, load_snapshot_into
+
+    rows = {}
+    for lr in (1e-6, 1e-5):
+        gen = torch.Generator().manual_seed(0)
+        stepped = {
+            k: (v.float() + lr * torch.randn(v.shape, generator=gen).sign()).to(v.dtype) for k, v in state.items()
+        }
+        with tempfile.TemporaryDirectory(dir=SHM if os.path.isdir(SHM) else None) as tmp:
+            store = WeightStore(Path(tmp), full_every=10_000)
+            full = store.save_state("actor", 0, state)
+            delta = store.save_state("actor", 1, stepped)
+            version = iter(range(2, 10_000))
+            pair = [state, stepped]
+
+            def publish():
+                v = next(version)
+                store.save_state("actor", v, pair[v % 2])  # each version one step from the one before
+
+            measured = _interleaved({"delta": (publish, lambda: load_snapshot_into(into, delta.chain))}, rounds)
+        publish_s, load_s = measured["delta"]
+        rows[f"bfloat16, after, blake3, delta after a step of lr {lr:g}"] = {
+            "snapshot_mb": delta.num_bytes / 1e6,
+            "full_over_delta": full.num_bytes / delta.num_bytes if delta.is_delta else 1.0,
+            "publish_s": publish_s,
+            "load_transformers_s": load_s,
+            "end_to_end_gb_per_s": full.num_bytes / 1e9 / (publish_s + load_s),
+        }
+    return rows
+
+
+def _change_rates(steps: int = 6) -> list[dict]:
+    """Per PPO update of the vowels example: the share of snapshot elements that change, of bytes in tensors that
+    change at all, and the size of a delta against a full snapshot, for float32 and bfloat16 snapshots."""
+    from safetensors.torch import load_file
+
+    from common.config import load_config
+    from services.embedded import run_embedded
+
+    rows = []
+    for lr in (1e-5, 1e-6):
+        for dtype in ("float32", "bfloat16"):
+            with tempfile.TemporaryDirectory() as tmp:
+                config = load_config(
+                    EXAMPLE,
+                    [
+                        f"run.steps={steps}",
+                        f"run.dir={tmp}/run",
+                        f"model.cache_dir={CACHE}",
+                        f"learner.actor_lr={lr}",
+                        f"learner.critic_lr={lr}",
+                        f"weights.dtype={dtype}",
+                        f"pipeline.keep_snapshots={steps}",
+                        "data.eval_prompts=0",
+                        "generation.backend=transformers",
+                    ],
+                )
+                run_embedded(config, progress=False)
+                files = sorted((config.run.dir / "weights").glob("actor-*.safetensors"))
+                states = [load_file(str(f)) for f in files]
+            elements, tensor_bytes, delta_share = [], [], []
+            for before, after in zip(states, states[1:]):
+                changed = {k: (before[k] != after[k]) | (before[k].isnan() != after[k].isnan()) for k in after}
+                total = sum(c.numel() for c in changed.values())
+                elements.append(sum(int(c.sum()) for c in changed.values()) / total)
+                full = sum(t.nbytes for t in after.values())
+                tensor_bytes.append(sum(after[k].nbytes for k, c in changed.items() if c.any()) / full)
+                # A delta holds, per tensor that changed, a bit mask and the changed values (common/weights.py).
+                delta = sum(
+                    (c.numel() + 7) // 8 + int(c.sum()) * after[k].element_size() for k, c in changed.items() if c.any()
+                )
+                delta_share.append(delta / full)
+            rows.append(
+                {
+                    "actor_lr": lr,
+                    "dtype": dtype,
+                    "elements_changed": statistics.mean(elements),
+                    "bytes_in_changed_tensors": statistics.mean(tensor_bytes),
+                    "delta_over_full": statistics.mean(delta_share),
+                }
+            )
+    return rows
 
 
 def _vllm_reload(path: Path, model: torch.nn.Module) -> dict:
@@ -434,7 +525,7 @@ def _vllm_reload(path: Path, model: torch.nn.Module) -> dict:
             "load_vllm_before_s": timed(
                 lambda: sampler.llm.collective_rpc(before.load_into_vllm_worker, args=(old_path, old_sha)), 3
             ),
-            "load_vllm_in_place_s": timed(lambda: sampler.load_snapshot(snapshot.uri, snapshot.digest), 3),
+            "load_vllm_in_place_s": timed(lambda: sampler.load_snapshot(snapshot.chain), 3),
         }
     started = time.perf_counter()
     sampler.close()

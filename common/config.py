@@ -246,6 +246,13 @@ class WeightsSection(_Section):
         description="Digest of each snapshot, named in its announcement: blake3 (multi-threaded, ~8× faster here) "
         "or sha256. Readers check either.",
     )
+    full_every: int = Field(
+        1,
+        ge=1,
+        description="Write a full snapshot every this many versions and deltas (the changed elements) between; 1: "
+        "always full. Pays with bfloat16 snapshots and small learning rates, where few elements change per update; "
+        "float32 weights change everywhere, and a delta not under half the full size is written full anyway.",
+    )
 
 
 class KafkaSection(_Section):

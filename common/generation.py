@@ -95,8 +95,8 @@ class TransformersSampler:
     def sample(self, prompt_tokens, prompt_lengths, params):
         return sample_responses(self.model, prompt_tokens, prompt_lengths, params, self.eos_token_id, self.pad_token_id)
 
-    def load_snapshot(self, uri: str, digest: str) -> None:
-        load_snapshot_into(self.model, uri, digest)
+    def load_snapshot(self, chain: list[str]) -> None:
+        load_snapshot_into(self.model, chain)
 
     def close(self) -> None:
         pass

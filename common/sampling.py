@@ -41,7 +41,7 @@ class Sampler(Protocol):
     def sample(self, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, params: SamplingParams) -> Samples:
         """``params.n`` responses for each of the ``B`` right-padded prompts ``(B, P)`` with lengths ``(B,)``."""
 
-    def load_snapshot(self, uri: str, digest: str) -> None:
+    def load_snapshot(self, chain: list[str]) -> None:
         """Load actor weights in place; raises ``WeightIntegrityError`` (old weights kept) for a bad snapshot."""
 
     def close(self) -> None: ...

@@ -227,7 +227,8 @@ def _weights_v1_to_v2(raw: dict) -> dict:
     """Version 1 named its digest ``sha256`` (hex): it reads as version 2 with a ``sha256:`` digest."""
     if not isinstance(raw.get("sha256"), str):
         return raw  # validation names what is wrong
-    return {k: v for k, v in raw.items() if k != "sha256"} | {"digest": f"sha256:{raw['sha256']}"}
+    digest = f"sha256:{raw['sha256']}"
+    return {k: v for k, v in raw.items() if k != "sha256"} | {"digest": digest, "chain": [f"{digest} {raw.get('uri')}"]}
 
 
 @dataclass
@@ -245,6 +246,13 @@ class WeightAnnouncement(Message):
     uri: str = scalar("str", "Where the safetensors snapshot lies (a path in the shared weight store, or a URL).")
     digest: str = scalar(
         "str", "'<algorithm>:<hex>' of the snapshot file's bytes, blake3 or sha256; a mismatch rejects the snapshot."
+    )
+    chain: list = _wire(
+        StringList(
+            "L",
+            "The files to read, in order, each '<digest> <uri>': the newest full snapshot, then the deltas up to "
+            "this one (its last entry is this digest and uri). One entry when the snapshot is full.",
+        )
     )
     num_bytes: int = scalar("int", "Size of the snapshot file in bytes.")
 
@@ -516,6 +524,8 @@ _TOKENS = ("prompt_tokens", "response_tokens", "prompt_index", "group_index")
 
 
 def _check_semantics(schema: str, values: dict, dims: dict[str, int]) -> None:
+    if schema == "weights" and (not values["chain"] or values["chain"][-1] != f"{values['digest']} {values['uri']}"):
+        raise SchemaError("weights: the chain must end with this snapshot's '<digest> <uri>'")
     for name, dim in _LENGTHS:
         if name in values:
             lengths = values[name]

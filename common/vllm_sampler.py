@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from common.models import actor_skeleton
 from common.sampling import Samples, SamplingParams
-from common.weights import WeightIntegrityError, check_fits, open_snapshot
+from common.weights import WeightIntegrityError, check_fits, open_weights
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +33,10 @@ __all__ = ["SnapshotLoader", "VllmSampler"]
 class SnapshotLoader:
     """Mixed into vLLM's worker (``worker_extension_cls``); its methods run in the worker process."""
 
-    def load_snapshot(self, uri: str, digest: str) -> str | None:
-        """Load a verified snapshot in place; returns why it was refused (weights untouched), or None."""
+    def load_snapshot(self, chain: list[str]) -> str | None:
+        """Load a verified snapshot chain in place; returns why it was refused (weights untouched), or None."""
         try:
-            with open_snapshot(uri, digest) as state:
+            with open_weights(chain) as state:
                 self.model_runner.reload_weights(weights_iterator=iter(state.items()))
         except WeightIntegrityError as exc:  # raised before reload_weights is called
             return str(exc)
@@ -94,7 +94,7 @@ class VllmSampler:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.SnapshotLoader",
         )
-        self.good_snapshot: tuple[str, str] | None = None  # the last update that loaded; None: the folder's weights
+        self.good_snapshot: list[str] | None = None  # the chain of the last update that loaded; None: the folder's
         self.engine_starts = 0
         self.llm = self._start_engine()
 
@@ -106,7 +106,7 @@ class VllmSampler:
         started = time.perf_counter()
         llm = LLM(**self.engine_args)
         if self.good_snapshot is not None:
-            refused = _first_refusal(llm.collective_rpc("load_snapshot", args=self.good_snapshot))
+            refused = _first_refusal(llm.collective_rpc("load_snapshot", args=(self.good_snapshot,)))
             if refused:  # the last good snapshot was pruned or damaged since: nothing good left to return to
                 raise WeightIntegrityError(f"cannot restore the last good weights: {refused}")
             llm.reset_prefix_cache()
@@ -114,7 +114,7 @@ class VllmSampler:
         log.info(
             "vLLM engine started in %.1f s (%s)",
             time.perf_counter() - started,
-            f"weights {self.good_snapshot[0]}" if self.good_snapshot else f"weights of {self.model_dir}",
+            f"weights {self.good_snapshot[-1]}" if self.good_snapshot else f"weights of {self.model_dir}",
         )
         return llm
 
@@ -136,17 +136,18 @@ class VllmSampler:
 
     # ------------------------------------------------------------------------------------------------ weights
 
-    def load_snapshot(self, uri: str, digest: str) -> None:
-        path = uri.removeprefix("file://")
+    def load_snapshot(self, chain: list[str]) -> None:
+        uri = chain[-1].partition(" ")[2] if chain else "(none)"
+        full = chain[0].partition(" ")[2].removeprefix("file://") if chain else ""
         try:
-            with safe_open(path, framework="pt") as snapshot:  # the header only: names and shapes
+            with safe_open(full, framework="pt") as snapshot:  # the header only: names and shapes
                 shapes = {name: tuple(snapshot.get_slice(name).get_shape()) for name in snapshot.keys()}
         except Exception as exc:
-            raise WeightIntegrityError(f"snapshot {uri} cannot be opened as safetensors: {exc}") from None
-        check_fits(uri, shapes, self.skeleton)
+            raise WeightIntegrityError(f"snapshot {full} cannot be opened as safetensors: {exc}") from None
+        check_fits(full, shapes, self.skeleton)
         for attempt in (1, 2):
             try:
-                refused = _first_refusal(self.llm.collective_rpc("load_snapshot", args=(path, digest)))
+                refused = _first_refusal(self.llm.collective_rpc("load_snapshot", args=(list(chain),)))
             except Exception as exc:
                 if attempt == 2:
                     self._restart_engine(f"update to {uri} failed twice: {exc}")
@@ -156,7 +157,7 @@ class VllmSampler:
             if refused:
                 raise WeightIntegrityError(refused)
             self.llm.reset_prefix_cache()
-            self.good_snapshot = (path, digest)
+            self.good_snapshot = list(chain)
             return
 
     # ------------------------------------------------------------------------------------------------ sampling

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import blake3
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -44,6 +45,7 @@ __all__ = [
     "DIGEST_ALGORITHMS",
     "load_snapshot_into",
     "open_snapshot",
+    "open_weights",
     "snapshot_state",
 ]
 
@@ -61,6 +63,19 @@ class Snapshot:
     uri: str
     digest: str  # <algorithm>:<hex> of the file's bytes
     num_bytes: int
+    # The files that make this version, from the newest full snapshot to this one, each "<digest> <uri>"; one
+    # entry when this snapshot is full (see WeightStore).
+    chain: tuple[str, ...] = ()
+    is_delta: bool = False
+
+
+@dataclass
+class _Published:
+    """What the store last wrote for a model: the state it held (to diff the next one against) and its chain."""
+
+    version: int
+    state: dict[str, torch.Tensor]
+    chain: tuple[str, ...]
 
 
 DIGEST_ALGORITHMS = {
@@ -127,30 +142,52 @@ def snapshot_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class WeightStore:
-    """A directory of snapshots named ``<model>-v<version>.safetensors``, digested with ``digest``."""
+    """A directory of snapshots named ``<model>-v<version>.safetensors``, digested with ``digest``.
 
-    def __init__(self, root: Path, digest: str = "blake3"):
+    With ``full_every`` > 1 a snapshot may be a *delta*: for each tensor with changed elements, a bit mask of them
+    (``<name>:mask``) and their new values (``<name>:values``), against the snapshot before it, whose digest it
+    names (metadata ``base``). Every ``full_every`` versions, after a restart, and whenever a delta would not be
+    under half the full size (float32 weights change everywhere at every update), the snapshot is full. A reader
+    applies the chain from the newest full snapshot (:func:`open_weights`), so one that missed versions needs
+    nothing else. The store keeps the last published state of each model in memory to diff against.
+    """
+
+    def __init__(self, root: Path, digest: str = "blake3", full_every: int = 1):
         _hasher(digest)  # an unknown algorithm fails here, not at the first snapshot
-        self.root, self.digest = Path(root), digest
+        if full_every < 1:
+            raise ValueError(f"full_every must be at least 1, got {full_every}")
+        self.root, self.digest, self.full_every = Path(root), digest, full_every
         self.root.mkdir(parents=True, exist_ok=True)
+        self.published: dict[str, _Published] = {}
 
     def save(self, model_name: str, version: int, module: torch.nn.Module) -> Snapshot:
         return self.save_state(model_name, version, snapshot_state(module))
 
     def save_state(self, model_name: str, version: int, state: dict[str, torch.Tensor]) -> Snapshot:
         """Write ``state`` (CPU tensors, each tied tensor once: :func:`snapshot_state`) as snapshot ``version``."""
+        last = self.published.get(model_name)
+        delta = None
+        if last is not None and last.version == version - 1 and len(last.chain) < self.full_every:
+            delta = _delta(last.state, state)
+        base = last.chain[-1].split(" ", 1)[0] if delta is not None else None
+        written = delta if delta is not None else state
         path = self.root / f"{model_name}-v{version:08d}.safetensors"
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        metadata = {"model": model_name, "version": str(version)} | ({"base": base} if base else {})
 
         def write() -> None:
-            save_file(state, str(tmp), metadata={"model": model_name, "version": str(version)})
+            save_file(written, str(tmp), metadata=metadata)
             os.chmod(tmp, 0o644)  # safetensors writes 0600; readers may run under another uid on a shared volume
 
-        needed = state_nbytes(state) + (1 << 20)
+        needed = state_nbytes(written) + (1 << 20)
         write_or_explain(self.root, f"the {model_name} v{version} snapshot", needed, write, lambda: tmp.unlink(True))
-        digest = _digest_as_written(tmp, state, self.digest)
+        digest = _digest_as_written(tmp, written, self.digest)
         os.replace(tmp, path)
-        return Snapshot(model_name, version, str(path.resolve()), digest, path.stat().st_size)
+        link = f"{digest} {path.resolve()}"
+        chain = (*last.chain, link) if delta is not None else (link,)
+        if self.full_every > 1:
+            self.published[model_name] = _Published(version, {k: v.clone() for k, v in state.items()}, chain)
+        return Snapshot(model_name, version, str(path.resolve()), digest, path.stat().st_size, chain, delta is not None)
 
     def prune(self, model_name: str, keep: int, current: int) -> list[Path]:
         """Keep the snapshots of ``model_name`` at versions ``current − keep + 1 .. current``; delete the rest.
@@ -159,16 +196,98 @@ class WeightStore:
         learner rolled back: they are deleted too, so they can never push the snapshot just announced out of the
         window. Returns what was deleted.
         """
+        last = self.published.get(model_name)
+        oldest = current - keep + 1
+        if last is not None and last.version == current:  # every link of the current chain stays
+            oldest = min(oldest, current - len(last.chain) + 1)
         doomed = [
             p
             for p in self.root.iterdir()
             if (m := _SNAPSHOT_NAME.match(p.name))
             and m["model"] == model_name
-            and not current - keep < int(m["version"]) <= current
+            and not oldest <= int(m["version"]) <= current
         ]
         for path in doomed:
             path.unlink(missing_ok=True)
         return doomed
+
+
+_INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as integers of its width: equal bits, equal integers (NaN included)."""
+    return tensor.reshape(-1).view(_INTEGER_OF_WIDTH[tensor.element_size()])
+
+
+def _delta(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The changed elements of ``after`` against ``before`` (mask bits and values), or None when a full snapshot
+    is as good: other names or shapes, or a delta that would not be under half the full size."""
+    if before.keys() != after.keys() or any(before[k].shape != after[k].shape for k in after):
+        return None
+    delta, size, full = {}, 0, state_nbytes(after)
+    for name, tensor in after.items():
+        changed = _bits(before[name]) != _bits(tensor)
+        if not changed.any():
+            continue
+        delta[f"{name}:mask"] = torch.from_numpy(np.packbits(changed.numpy()))
+        delta[f"{name}:values"] = tensor.reshape(-1)[changed]
+        size += delta[f"{name}:mask"].nbytes + delta[f"{name}:values"].nbytes
+        if size > full // 2:
+            return None
+    return delta
+
+
+def _apply_delta(state: dict[str, torch.Tensor], delta: dict[str, torch.Tensor], uri: str) -> None:
+    """Patch ``state`` (name -> tensor) with a delta's changed elements; patched tensors are new tensors."""
+    for key in delta:
+        name, _, part = key.rpartition(":")
+        if part not in ("mask", "values") or name not in state or f"{name}:mask" not in delta:
+            raise WeightIntegrityError(f"delta snapshot {uri} has an entry {key!r} that fits no tensor of its base")
+        if part == "values":
+            continue
+        target = state[name].reshape(-1).clone()
+        bits = np.unpackbits(delta[key].numpy(), count=target.numel()).astype(bool)
+        values = delta.get(f"{name}:values")
+        if values is None or values.numel() != int(bits.sum()) or values.dtype != target.dtype:
+            raise WeightIntegrityError(f"delta snapshot {uri}: the values of {name} do not match its mask")
+        target[torch.from_numpy(bits)] = values
+        state[name] = target.view(state[name].shape)
+
+
+@contextmanager
+def open_weights(chain: list[str] | tuple[str, ...]) -> Iterator[dict[str, torch.Tensor]]:
+    """The tensors of the last version of ``chain`` (entries ``"<digest> <uri>"``: a full snapshot, then deltas):
+    the full snapshot's memory-mapped views, with each tensor a delta changed patched. Every link is verified
+    against its digest, and each delta against the link before it, before anything is returned.
+
+    Raises:
+        WeightIntegrityError: an empty chain, or a link that is missing, damaged or not chained to the one before.
+    """
+    if not chain:
+        raise WeightIntegrityError("no snapshot named: the announcement's chain is empty")
+    with ExitStack() as stack:
+        state = None
+        previous = None
+        for entry in chain:
+            digest, _, uri = entry.partition(" ")
+            tensors = stack.enter_context(open_snapshot(uri, digest))
+            base = _metadata(uri).get("base")
+            if state is None:
+                if base is not None:
+                    raise WeightIntegrityError(f"snapshot {uri} is a delta, but its chain starts with it")
+                state = dict(tensors)
+            else:
+                if base != previous:
+                    raise WeightIntegrityError(f"delta snapshot {uri} applies to {base}, not to {previous}")
+                _apply_delta(state, tensors, uri)
+            previous = digest
+        yield state
+
+
+def _metadata(uri: str) -> dict[str, str]:
+    with safe_open(uri.removeprefix("file://"), framework="pt") as snapshot:
+        return snapshot.metadata() or {}
 
 
 @contextmanager
@@ -228,14 +347,15 @@ def check_fits(uri: str, shapes: dict[str, tuple[int, ...]], module: torch.nn.Mo
         )
 
 
-def load_snapshot_into(module: torch.nn.Module, uri: str, digest: str) -> None:
-    """Verify the snapshot at ``uri`` against ``digest`` and copy it into ``module`` in place.
+def load_snapshot_into(module: torch.nn.Module, chain: list[str] | tuple[str, ...]) -> None:
+    """Verify the snapshots of ``chain`` (:func:`open_weights`) and copy their last version into ``module``.
 
     Raises:
-        WeightIntegrityError: missing file, digest mismatch, or tensors that do not fit the module. The module is
-        unchanged in every one of these cases.
+        WeightIntegrityError: missing file, digest mismatch, a broken chain, or tensors that do not fit the module.
+        The module is unchanged in every one of these cases.
     """
-    with open_snapshot(uri, digest) as state:
+    uri = chain[-1].partition(" ")[2] if chain else "(none)"
+    with open_weights(chain) as state:
         check_fits(uri, {k: tuple(v.shape) for k, v in state.items()}, module)
         own = module.state_dict()
         with torch.no_grad():

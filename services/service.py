@@ -172,13 +172,13 @@ def check_token_ids(message: Message, model, role: str) -> None:
 
 
 def load_announced_weights(load, announcement: WeightAnnouncement, replica_id: str, current_version: int) -> bool:
-    """Load an announced snapshot with ``load(uri, digest)``; a damaged one is refused and the current weights kept.
+    """Load an announced snapshot with ``load(chain)``; a damaged one is refused and the current weights kept.
 
     ``load`` raises :class:`WeightIntegrityError` for a snapshot it refuses (a sampler's ``load_snapshot``, or
     :func:`common.weights.load_snapshot_into` bound to a module).
     """
     try:
-        load(announcement.uri, announcement.digest)
+        load(announcement.chain)
     except WeightIntegrityError as exc:
         log.error("%s: keeping %s v%d: %s", replica_id, announcement.model, current_version, exc)
         return False

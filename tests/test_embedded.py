@@ -107,3 +107,32 @@ def test_max_staleness_one_lets_generation_run_one_version_ahead(make_config, ba
     staleness = [json.loads(line)["staleness"] for line in (config.run.dir / "metrics.jsonl").open()]
     assert summary.steps == 6 and summary.dropped_stale == 0
     assert set(staleness) <= {0.0, 1.0} and 1.0 in staleness, "batch v+1 was sampled while v was being trained"
+
+
+def test_delta_snapshots_train_exactly_as_full_ones(make_config, tmp_path):
+    """bfloat16 snapshots at a small learning rate: deltas between full snapshots, bit for bit the same run."""
+    from safetensors import safe_open
+
+    runs = {}
+    for full_every in (1, 4):
+        config = make_config(
+            "run.steps=6",
+            f"run.dir={tmp_path / f'full-every-{full_every}'}",
+            "weights.dtype=bfloat16",
+            f"weights.full_every={full_every}",
+            "learner.actor_lr=1e-5",
+            "learner.critic_lr=1e-5",
+            "pipeline.keep_snapshots=8",
+            "data.eval_prompts=0",
+        )
+        run_embedded(config, progress=False)
+        records = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").read_text().splitlines()]
+        runs[full_every] = [{k: v for k, v in r.items() if "seconds" not in k and k != "time"} for r in records]
+        kinds = {}
+        for path in sorted((config.run.dir / "weights").glob("actor-*.safetensors")):
+            with safe_open(str(path), "pt") as snapshot:
+                kinds[path.name] = "delta" if "base" in (snapshot.metadata() or {}) else "full"
+        runs[f"kinds-{full_every}"] = list(kinds.values())
+    assert runs["kinds-1"] == ["full"] * 6
+    assert runs["kinds-4"] == ["full", "delta", "delta", "delta", "full", "delta"], "v1..v6, full every 4"
+    assert runs[1] == runs[4], "the generator and the advantage service saw the same weights"

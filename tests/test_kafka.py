@@ -273,7 +273,8 @@ def test_a_refused_weight_announcement_does_not_block_the_real_one(make_config, 
         return [a for a in announcements if a.model == "critic"][0]
 
     real_v1 = announce(1)
-    forged_v2 = dataclasses.replace(real_v1, policy_version=2, uri=real_v1.uri + ".missing")
+    missing = real_v1.uri + ".missing"
+    forged_v2 = dataclasses.replace(real_v1, policy_version=2, uri=missing, chain=[f"{real_v1.digest} {missing}"])
     producer = bus.producer("test")
     producer.send("weights", encode(forged_v2), key=message_key(forged_v2))
     producer.flush()

@@ -211,7 +211,7 @@ def test_a_bfloat16_snapshot_is_half_the_size_and_loads_into_a_float32_model(tin
     half = store.save_state("actor", 2, trainer.full_state("actor", "bfloat16"))
     assert half.num_bytes < 0.55 * full.num_bytes
     reader = load_actor(tiny_model)
-    load_snapshot_into(reader, half.uri, half.digest)
+    load_snapshot_into(reader, half.chain)
     for name, tensor in trainer.actor.state_dict().items():
         loaded = reader.state_dict()[name]
         assert loaded.dtype == torch.float32

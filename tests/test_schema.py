@@ -32,7 +32,7 @@ PROTOS = Path(__file__).resolve().parent.parent / "protos"
 
 def sample_message(cls, rng: np.random.Generator, dims: dict[str, int] | None = None):
     """A valid message of ``cls`` with random content."""
-    dims = dims or {"B": 2, "N": 3, "P": 4, "T": 5}
+    dims = dims or {"B": 2, "N": 3, "P": 4, "T": 5, "L": 2}
     values = {}
     for name, wire in cls.wire_fields():
         if isinstance(wire, Array):
@@ -52,6 +52,8 @@ def sample_message(cls, rng: np.random.Generator, dims: dict[str, int] | None = 
             values[name] = {"sampling.temperature": 0.7, "actor.model": "m", "n": 4, "flag": True, "none": None}
         else:
             values[name] = {"str": "x-1", "int": 7, "float": 1.5, "bool": True, "bytes": b"\x00\x01"}[wire.kind]
+    if cls is WeightAnnouncement:  # a chain ends with the snapshot announced
+        values["chain"][-1] = f"{values['digest']} {values['uri']}"
     return cls(**values)
 
 
@@ -258,11 +260,12 @@ def test_a_version_1_weight_announcement_reads_as_version_2_with_a_sha256_digest
     raw = msgpack.unpackb(encode(current), raw=False)
     assert raw["version"] == 2
     raw["version"], raw["sha256"] = 1, "ab" * 32
-    del raw["digest"]
+    del raw["digest"], raw["chain"]
     old = decode(msgpack.packb(raw, use_bin_type=True))
     assert old.digest == "sha256:" + "ab" * 32 and old.uri == current.uri
+    assert old.chain == [f"{old.digest} {old.uri}"], "a version 1 snapshot is always full"
     raw["sha256"] = 7  # an upgrade does not hide what is wrong with the old record
-    with pytest.raises(SchemaError, match="missing fields \\['digest'\\], unexpected fields \\['sha256'\\]"):
+    with pytest.raises(SchemaError, match="missing fields \\['chain', 'digest'\\], unexpected fields \\['sha256'\\]"):
         decode(msgpack.packb(raw, use_bin_type=True))
     raw["version"] = 3
     with pytest.raises(SchemaError, match="unsupported schema version 3 .this build reads version 2, 1."):

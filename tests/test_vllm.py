@@ -67,7 +67,7 @@ def mismatch(sampler, actor, prompts, params=PARAMS) -> float:
 
 def test_samples_n_per_prompt_with_the_actors_logprobs(engine, tiny_model, tokenizer, prompts, tmp_path):
     initial = WeightStore(tmp_path).save("actor", 0, load_actor(tiny_model))
-    engine.load_snapshot(initial.uri, initial.digest)  # other tests of the module may have run first
+    engine.load_snapshot(initial.chain)  # other tests of the module may have run first
     prompt_tokens, prompt_lengths = prompts
     samples = engine.sample(prompt_tokens, prompt_lengths, PARAMS)
     assert samples.group_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
@@ -97,26 +97,45 @@ def test_an_update_in_place_matches_transformers_with_the_same_weights(engine, t
     updated = perturbed(load_actor(tiny_model), seed=1)
     snapshot = WeightStore(tmp_path).save("actor", 1, updated)
     starts = engine.engine_starts
-    engine.load_snapshot(snapshot.uri, snapshot.digest)
+    engine.load_snapshot(snapshot.chain)
     assert engine.engine_starts == starts, "in place: the engine was not restarted"
     assert mismatch(engine, updated, prompts) < 1e-4
     assert mismatch(engine, initial, prompts) > 1e-2, "the update changed what the engine samples from"
+
+
+def test_a_bfloat16_delta_chain_loads_in_place_as_transformers_loads_it(engine, tiny_model, prompts, tmp_path):
+    from common.weights import load_snapshot_into, snapshot_state
+
+    store = WeightStore(tmp_path, full_every=4)
+    model = perturbed(load_actor(tiny_model), seed=4)
+    store.save_state("actor", 0, {k: v.to(torch.bfloat16) for k, v in snapshot_state(model).items()})
+    delta = store.save_state(
+        "actor", 1, {k: v.to(torch.bfloat16) for k, v in snapshot_state(perturbed(model, 1e-4, 5)).items()}
+    )
+    assert delta.is_delta and len(delta.chain) == 2
+    engine.load_snapshot(delta.chain)
+    reference = load_actor(tiny_model)
+    load_snapshot_into(reference, delta.chain)
+    assert mismatch(engine, reference, prompts) < 1e-4
+    full_only = load_actor(tiny_model)
+    load_snapshot_into(full_only, delta.chain[:1])
+    assert mismatch(engine, full_only, prompts) > 1e-3, "the delta changed what the engine computes"
 
 
 def test_a_damaged_snapshot_is_refused_and_the_engine_keeps_its_weights(engine, tiny_model, prompts, tmp_path):
     store = WeightStore(tmp_path)
     current = perturbed(load_actor(tiny_model), seed=2)
     good = store.save("actor", 2, current)
-    engine.load_snapshot(good.uri, good.digest)
+    engine.load_snapshot(good.chain)
     bad = store.save("actor", 3, perturbed(load_actor(tiny_model), seed=3))
     with open(bad.uri, "r+b") as fh:
         fh.seek(-64, 2)
         fh.write(b"\x00" * 64)
     with pytest.raises(WeightIntegrityError, match="has blake3"):
-        engine.load_snapshot(bad.uri, bad.digest)
+        engine.load_snapshot(bad.chain)
     critic = store.save("critic", 3, load_critic(tiny_model))
     with pytest.raises(WeightIntegrityError, match="does not fit"):
-        engine.load_snapshot(critic.uri, critic.digest)
+        engine.load_snapshot(critic.chain)
     assert mismatch(engine, current, prompts) < 1e-4
 
 
@@ -135,7 +154,7 @@ def test_a_dead_engine_is_restarted_with_the_last_good_weights(engine, tiny_mode
     store = WeightStore(tmp_path)
     last_good = perturbed(load_actor(tiny_model), seed=4)
     snapshot = store.save("actor", 4, last_good)
-    engine.load_snapshot(snapshot.uri, snapshot.digest)
+    engine.load_snapshot(snapshot.chain)
     starts = engine.engine_starts
 
     _kill_engine_processes()
@@ -145,6 +164,6 @@ def test_a_dead_engine_is_restarted_with_the_last_good_weights(engine, tiny_mode
     _kill_engine_processes()
     newer = perturbed(load_actor(tiny_model), seed=5)
     snapshot = store.save("actor", 5, newer)
-    engine.load_snapshot(snapshot.uri, snapshot.digest)  # fails on the dead engine, then loads on a fresh one
+    engine.load_snapshot(snapshot.chain)  # fails on the dead engine, then loads on a fresh one
     assert engine.engine_starts == starts + 2
     assert mismatch(engine, newer, prompts) < 1e-4

@@ -32,7 +32,7 @@ def test_snapshot_round_trip_with_tied_embeddings(tiny_model, tmp_path, algorith
     # Taken from the tensors in memory while writing, it is the digest of the file's bytes.
     assert snapshot.digest == file_digest(snapshot.uri, algorithm)
     target = load_actor(tiny_model)
-    load_snapshot_into(target, snapshot.uri, snapshot.digest)
+    load_snapshot_into(target, snapshot.chain)
     for (name, a), b in zip(source.state_dict().items(), target.state_dict().values()):
         assert torch.equal(a, b), name
     assert target.lm_head.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
@@ -68,7 +68,7 @@ def test_damaged_snapshots_are_rejected_and_leave_the_model_unchanged(tiny_model
     target = load_actor(tiny_model)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(WeightIntegrityError):
-        load_snapshot_into(target, snapshot.uri, digest)
+        load_snapshot_into(target, [f"{digest} {snapshot.uri}"])
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
 
 
@@ -77,7 +77,7 @@ def test_a_snapshot_of_another_architecture_is_rejected(tiny_model, tmp_path):
 
     snapshot = WeightStore(tmp_path).save("critic", 1, load_critic(tiny_model))
     with pytest.raises(WeightIntegrityError, match="does not fit"):
-        load_snapshot_into(load_actor(tiny_model), snapshot.uri, snapshot.digest)
+        load_snapshot_into(load_actor(tiny_model), snapshot.chain)
 
 
 def test_prune_keeps_the_newest(tiny_model, tmp_path):
@@ -118,10 +118,76 @@ def test_a_bfloat16_snapshot_is_digested_as_written(tiny_model, tmp_path):
     snapshot = WeightStore(tmp_path).save_state("actor", 2, state)
     assert snapshot.digest == file_digest(snapshot.uri, "blake3")
     target = load_actor(tiny_model)
-    load_snapshot_into(target, snapshot.uri, snapshot.digest)
+    load_snapshot_into(target, snapshot.chain)
     assert torch.equal(target.model.embed_tokens.weight, state["model.embed_tokens.weight"].float())
 
 
 def test_an_unknown_digest_algorithm_is_refused_by_the_store(tmp_path):
     with pytest.raises(WeightIntegrityError, match="unknown digest algorithm 'md5'"):
         WeightStore(tmp_path, "md5")
+
+
+def bf16_state(model, seed, scale):
+    """The model's snapshot state in bfloat16 after a small update: few elements change at bf16 precision."""
+    from common.weights import snapshot_state
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return {k: v.to(torch.bfloat16) for k, v in snapshot_state(model).items()}
+
+
+def test_deltas_chain_to_the_newest_full_snapshot_and_rebuild_each_version(tiny_model, tmp_path):
+    store = WeightStore(tmp_path, full_every=3)
+    model, states, snapshots = load_actor(tiny_model), [], []
+    for version in range(5):
+        states.append(bf16_state(model, version, 1e-6))
+        snapshots.append(store.save_state("actor", version, states[-1]))
+    assert [s.is_delta for s in snapshots] == [False, True, True, False, True], "full every 3 versions"
+    assert [len(s.chain) for s in snapshots] == [1, 2, 3, 1, 2]
+    assert snapshots[1].num_bytes * 5 < snapshots[0].num_bytes, "a delta of a small bf16 update is small"
+    for version in (1, 2, 4):  # a reader that missed versions needs nothing but the chain
+        target = load_actor(tiny_model, "bfloat16")
+        load_snapshot_into(target, snapshots[version].chain)
+        for name, tensor in states[version].items():
+            assert torch.equal(target.state_dict()[name], tensor), (version, name)
+
+
+def test_a_chain_with_a_missing_or_foreign_link_is_refused_and_the_model_kept(tiny_model, tmp_path):
+    store = WeightStore(tmp_path, full_every=4)
+    model = load_actor(tiny_model)
+    snapshots = [store.save_state("actor", v, bf16_state(model, v, 1e-5)) for v in range(3)]
+    target = load_actor(tiny_model, "bfloat16")
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(WeightIntegrityError, match="applies to"):  # version 1 skipped: 2 is not chained to 0
+        load_snapshot_into(target, [snapshots[0].chain[0], snapshots[2].chain[-1]])
+    with pytest.raises(WeightIntegrityError, match="chain starts with it"):
+        load_snapshot_into(target, snapshots[2].chain[1:])
+    Path(snapshots[1].uri).unlink()
+    with pytest.raises(WeightIntegrityError, match="cannot be read"):
+        load_snapshot_into(target, snapshots[2].chain)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
+def test_float32_updates_change_every_element_so_snapshots_stay_full(tiny_model, tmp_path):
+    from common.weights import snapshot_state
+
+    store = WeightStore(tmp_path, full_every=8)
+    model = perturbed(load_actor(tiny_model))
+    first = store.save("actor", 0, model)
+    second = store.save("actor", 1, perturbed(model))
+    assert not second.is_delta and second.chain == (f"{second.digest} {second.uri}",)
+    assert second.num_bytes == first.num_bytes
+    unchanged = store.save_state("actor", 2, snapshot_state(model))
+    assert unchanged.is_delta and unchanged.num_bytes < 1024, "nothing changed: an empty delta"
+
+
+def test_pruning_keeps_every_link_of_the_current_chain(tiny_model, tmp_path):
+    store = WeightStore(tmp_path, full_every=5)
+    model = load_actor(tiny_model)
+    for version in range(4):
+        snapshot = store.save_state("actor", version, bf16_state(model, version, 1e-5))
+        store.prune("actor", keep=2, current=version)
+    assert len(list(tmp_path.glob("actor-*"))) == 4, "versions 0..3 form the chain of version 3"
+    load_snapshot_into(load_actor(tiny_model, "bfloat16"), snapshot.chain)

@@ -61,7 +61,7 @@ class LearnerService(Service):
             seed=config.run.seed,
             ranks=self.ranks,
         )
-        self.store = WeightStore(config.weight_store, config.weights.digest)
+        self.store = WeightStore(config.weight_store, config.weights.digest, config.weights.full_every)
         self.run_dir = Path(config.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
@@ -270,6 +270,7 @@ class LearnerService(Service):
                     model=name,
                     uri=snapshot.uri,
                     digest=snapshot.digest,
+                    chain=list(snapshot.chain),
                     num_bytes=snapshot.num_bytes,
                 )
             )
