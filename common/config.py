@@ -374,6 +374,11 @@ class RunConfig(_Section):
                 f"learner.mini_batch_size ({self.learner.mini_batch_size}) is smaller than the learner's ranks "
                 f"(learner.parallel.processes = {parallel.processes}): some ranks would train on nothing"
             )
+        if parallel.strategy == "fsdp" and parallel.processes > 1 and self.weights.full_every > 1:
+            raise ValueError(
+                "weights.full_every > 1 (delta snapshots) needs the whole state on one process: a learner of "
+                "several ranks writes sharded full snapshots; set weights.full_every=1"
+            )
         return self
 
     @property

@@ -88,6 +88,14 @@ class Ranks:
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
         return int(box)
 
+    def gather(self, item):
+        """Every rank's ``item`` as a list on rank 0 (None on the others)."""
+        if self.world_size == 1:
+            return [item]
+        out = [None] * self.world_size if self.leads else None
+        dist.gather_object(item, out, dst=0, group=self.control)
+        return out
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.control)

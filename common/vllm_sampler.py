@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from common.models import actor_skeleton
 from common.sampling import Samples, SamplingParams
-from common.weights import WeightIntegrityError, check_fits, open_weights
+from common.weights import WeightIntegrityError, check_fits, open_weights, snapshot_shapes
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +137,8 @@ class VllmSampler:
 
     def load_snapshot(self, chain: list[str]) -> None:
         uri = chain[-1].partition(" ")[2] if chain else "(none)"
-        full = chain[0].partition(" ")[2].removeprefix("file://") if chain else ""
-        try:
-            with safe_open(full, framework="pt") as snapshot:  # the header only: names and shapes
-                shapes = {name: tuple(snapshot.get_slice(name).get_shape()) for name in snapshot.keys()}
-        except Exception as exc:
-            raise WeightIntegrityError(f"snapshot {full} cannot be opened as safetensors: {exc}") from None
-        check_fits(full, shapes, self.skeleton)
+        full = chain[0].partition(" ")[2] if chain else ""
+        check_fits(full, snapshot_shapes(full), self.skeleton)  # the header only: names and shapes
         for attempt in (1, 2):
             try:
                 refused = _first_refusal(self.llm.collective_rpc("load_snapshot", args=(list(chain),)))

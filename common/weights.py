@@ -23,6 +23,7 @@ import json
 import mmap
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -46,10 +47,14 @@ __all__ = [
     "load_snapshot_into",
     "open_snapshot",
     "open_weights",
+    "snapshot_shapes",
+    "write_part",
     "snapshot_state",
 ]
 
-_SNAPSHOT_NAME = re.compile(r"^(?P<model>[a-z0-9_-]+)-v(?P<version>\d{8})\.safetensors$")
+# A snapshot is one file, or (written by a sharded learner) an index plus a folder of parts.
+_SNAPSHOT_NAME = re.compile(r"^(?P<model>[a-z0-9_-]+)-v(?P<version>\d{8})\.(safetensors|index\.json|parts)$")
+INDEX_SUFFIX = ".index.json"
 
 
 class WeightIntegrityError(RuntimeError):
@@ -208,8 +213,65 @@ class WeightStore:
             and not oldest <= int(m["version"]) <= current
         ]
         for path in doomed:
-            path.unlink(missing_ok=True)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
         return doomed
+
+    def save_sharded(self, model_name: str, version: int, write_parts) -> Snapshot:
+        """Snapshot ``version`` written in parts by the learner's ranks, in parallel, and an index that names them.
+
+        ``write_parts(folder)`` has every rank write its part into ``folder`` (:func:`write_part`) and returns, on
+        this rank, ``[(file name, digest, {tensor name: shape}), ...]`` for all parts. The index, like transformers'
+        ``model.safetensors.index.json``, maps each tensor to its part and lists each part's digest; the
+        announcement carries the index's digest, so the index vouches for the parts. Sharded snapshots are full.
+        """
+        stem = f"{model_name}-v{version:08d}"
+        folder, index = self.root / f"{stem}.parts", self.root / f"{stem}{INDEX_SUFFIX}"
+        staging = self.root / f".{stem}.parts.{os.getpid()}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(mode=0o755)
+        parts = write_parts(str(staging))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(staging, folder)
+        body = json.dumps(
+            {
+                "metadata": {"model": model_name, "version": str(version), "format": "streamppo-sharded"},
+                "parts": {name: digest for name, digest, _ in parts},
+                "weight_map": {tensor: name for name, _, shapes in parts for tensor in shapes},
+                "shapes": {tensor: list(shape) for _, _, shapes in parts for tensor, shape in shapes.items()},
+            },
+            indent=1,
+        ).encode()
+        hasher = _hasher(self.digest)
+        hasher.update(body)
+        tmp = index.with_name(f".{index.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(body)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, index)
+        digest = f"{self.digest}:{hasher.hexdigest()}"
+        size = len(body) + sum((folder / name).stat().st_size for name, _, _ in parts)
+        link = f"{digest} {index.resolve()}"
+        self.published.pop(model_name, None)  # a delta after this would need the whole state on one rank
+        return Snapshot(model_name, version, str(index.resolve()), digest, size, (link,), False)
+
+
+def write_part(folder: str, name: str, state: dict[str, torch.Tensor], algorithm: str) -> str:
+    """Write one rank's part of a sharded snapshot (CPU tensors) as ``folder/name``; returns its digest."""
+    path = Path(folder) / name
+    tmp = path.with_name(f".{name}.tmp")
+
+    def write() -> None:
+        save_file(state, str(tmp))
+        os.chmod(tmp, 0o644)
+
+    write_or_explain(
+        Path(folder), f"snapshot part {name}", state_nbytes(state) + (1 << 20), write, lambda: tmp.unlink(True)
+    )
+    digest = _digest_as_written(tmp, state, algorithm)
+    os.replace(tmp, path)
+    return digest
 
 
 _INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -286,8 +348,26 @@ def open_weights(chain: list[str] | tuple[str, ...]) -> Iterator[dict[str, torch
 
 
 def _metadata(uri: str) -> dict[str, str]:
+    if uri.endswith(INDEX_SUFFIX):
+        return {}  # sharded snapshots are full
     with safe_open(uri.removeprefix("file://"), framework="pt") as snapshot:
         return snapshot.metadata() or {}
+
+
+def snapshot_shapes(uri: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a full snapshot, from its header or index alone (before it is verified).
+
+    Raises:
+        WeightIntegrityError: the file cannot be read as a snapshot.
+    """
+    path = uri.removeprefix("file://")
+    try:
+        if path.endswith(INDEX_SUFFIX):
+            return {name: tuple(shape) for name, shape in json.loads(Path(path).read_bytes())["shapes"].items()}
+        with safe_open(path, framework="pt") as snapshot:
+            return {name: tuple(snapshot.get_slice(name).get_shape()) for name in snapshot.keys()}
+    except Exception as exc:  # OSError, a malformed header or index
+        raise WeightIntegrityError(f"snapshot {uri} cannot be opened: {exc}") from None
 
 
 @contextmanager
@@ -300,6 +380,10 @@ def open_snapshot(uri: str, digest: str) -> Iterator[dict[str, torch.Tensor]]:
     """
     algorithm, _, expected = digest.partition(":")
     path = Path(uri.removeprefix("file://"))
+    if path.name.endswith(INDEX_SUFFIX):
+        with _open_sharded(path, algorithm, expected) as tensors:
+            yield tensors
+        return
     try:
         with open(path, "rb") as fh:
             mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
@@ -320,6 +404,38 @@ def open_snapshot(uri: str, digest: str) -> Iterator[dict[str, torch.Tensor]]:
             tensors = {name: snapshot.get_tensor(name) for name in snapshot.keys()}
         except Exception as exc:  # safetensors raises its own error type for malformed headers
             raise WeightIntegrityError(f"snapshot {uri} is not a valid safetensors file: {exc}") from None
+        yield tensors
+
+
+@contextmanager
+def _open_sharded(index: Path, algorithm: str, expected: str) -> Iterator[dict[str, torch.Tensor]]:
+    """The tensors of a sharded snapshot: its index verified against the announced digest, then every part
+    against the digest the index lists for it, part by part."""
+    try:
+        body = index.read_bytes()
+    except OSError as exc:
+        raise WeightIntegrityError(f"snapshot index {index} cannot be read: {exc}") from None
+    hasher = _hasher(algorithm)
+    hasher.update(body)
+    if hasher.hexdigest() != expected:
+        raise WeightIntegrityError(f"snapshot index {index} does not match its announced {algorithm}; rejected")
+    try:
+        listing = json.loads(body)
+        parts, weight_map = dict(listing["parts"]), dict(listing["weight_map"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise WeightIntegrityError(f"snapshot index {index} is malformed: {exc}") from None
+    folder = index.with_name(index.name.removesuffix(INDEX_SUFFIX) + ".parts")
+    with ExitStack() as stack:
+        tensors: dict[str, torch.Tensor] = {}
+        for name, digest in parts.items():
+            if "/" in name or name.startswith("."):
+                raise WeightIntegrityError(f"snapshot index {index} names a part outside its folder: {name!r}")
+            part = stack.enter_context(open_snapshot(str(folder / name), digest))
+            if any(weight_map.get(tensor) != name for tensor in part):
+                raise WeightIntegrityError(f"snapshot part {name} holds tensors its index does not map to it")
+            tensors.update(part)
+        if set(tensors) != set(weight_map):
+            raise WeightIntegrityError(f"snapshot index {index} maps tensors that no part holds")
         yield tensors
 
 

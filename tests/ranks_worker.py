@@ -1,13 +1,15 @@
 """One rank of a sharded trainer, for tests/test_parallel.py: run under ``torchrun --nproc-per-node N``.
 
-``ranks_worker.py MODEL EXPERIENCE OUT [--load FOLDER] [--save FOLDER] [--updates K] [--set key=value ...]``:
-builds the learner's trainer (FSDP2 over the launcher's ranks), optionally loads a checkpoint, applies
-``EXPERIENCE`` (a ``torch.save``d :class:`common.trainer.Experience`) K times, optionally saves a checkpoint, and
-on rank 0 writes the full actor and critic states and the last update's statistics to ``OUT``. Rank 0 leads, the
+``ranks_worker.py MODEL EXPERIENCE OUT [--load FOLDER] [--save FOLDER] [--snapshot FOLDER] [--updates K]
+[--set key=value ...]``: builds the learner's trainer (FSDP2 over the launcher's ranks), optionally loads a
+checkpoint, applies ``EXPERIENCE`` (a ``torch.save``d :class:`common.trainer.Experience`) K times, optionally saves
+a checkpoint and writes sharded actor and critic snapshots (a part from each rank) into a weight store, and on rank
+0 writes the full actor and critic states, the snapshots and the last update's statistics to ``OUT``. Rank 0 leads, the
 others follow, as in the learner service.
 """
 
 import argparse
+import functools
 import os
 import sys
 
@@ -19,6 +21,7 @@ from common.config import AlgorithmSection, LearnerSection  # noqa: E402
 from common.models import load_actor, load_critic, load_tokenizer  # noqa: E402
 from common.parallel import init_ranks, shard_model  # noqa: E402
 from common.trainer import PPOTrainer  # noqa: E402
+from common.weights import WeightStore  # noqa: E402
 
 
 def main() -> None:
@@ -28,6 +31,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--load")
     parser.add_argument("--save")
+    parser.add_argument("--snapshot")
     parser.add_argument("--updates", type=int, default=1)
     parser.add_argument("--set", nargs="*", default=[])
     args = parser.parse_args()
@@ -58,9 +62,15 @@ def main() -> None:
     if args.save:
         os.makedirs(args.save, exist_ok=True)
         trainer.save(args.save)
+    snapshots = {}
+    if args.snapshot:
+        store = WeightStore(args.snapshot)
+        for name in ("actor", "critic"):
+            write = functools.partial(trainer.write_snapshot_parts, name, "float32", digest="blake3")
+            snapshots[name] = store.save_sharded(name, trainer.version, lambda folder, write=write: write(folder))
     states = {name: trainer.full_state(name) for name in ("actor", "critic")}
     trainer.release()
-    torch.save({"states": states, "stats": stats, "version": trainer.version}, args.out)
+    torch.save({"states": states, "stats": stats, "version": trainer.version, "snapshots": snapshots}, args.out)
 
 
 def trainer_settings(overrides: dict) -> dict:

@@ -157,6 +157,22 @@ def test_incomplete_kafka_security_is_rejected(overrides, message):
         load_config(EXAMPLE / "config.yaml", overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["weights.digest=md5"], "weights.digest"),
+        (["weights.full_every=0"], "weights.full_every"),
+        (
+            ["learner.parallel.strategy=fsdp", "learner.parallel.processes=2", "weights.full_every=4"],
+            "delta snapshots.*needs the whole state on one process",
+        ),
+    ],
+)
+def test_weight_settings_that_cannot_work_are_rejected(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(EXAMPLE / "config.yaml", overrides)
+
+
 def _one_line_error(result, code: int, *fragments: str) -> None:
     assert result.returncode == code, result.stderr[-2000:]
     assert "Traceback" not in result.stderr

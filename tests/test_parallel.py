@@ -218,6 +218,22 @@ def test_a_bfloat16_snapshot_is_half_the_size_and_loads_into_a_float32_model(tin
         assert torch.equal(loaded, tensor.to(torch.bfloat16).float()), name
 
 
+def test_two_ranks_write_a_sharded_snapshot_each_rank_a_part_that_readers_load_whole(tiny_model, experience, tmp_path):
+    from common.weights import load_snapshot_into
+
+    _, _, path = experience
+    sharded = run_ranks(2, tiny_model, path, tmp_path / "out.pt", "--snapshot", str(tmp_path / "store"))
+    for name, load in (("actor", load_actor), ("critic", load_critic)):
+        snapshot = sharded["snapshots"][name]
+        parts = sorted((tmp_path / "store" / f"{name}-v00000001.parts").iterdir())
+        assert [p.name for p in parts] == ["part-00000-of-00002.safetensors", "part-00001-of-00002.safetensors"]
+        assert all(p.stat().st_size > 0.2 * snapshot.num_bytes for p in parts), "both ranks wrote a fair share"
+        reader = load(tiny_model)
+        load_snapshot_into(reader, snapshot.chain)
+        for key, tensor in sharded["states"][name].items():
+            assert torch.equal(reader.state_dict()[key], tensor), (name, key)
+
+
 def test_the_scorer_and_advantage_passes_by_token_budget_match_one_pass(tiny_model, experience):
     """The reference log-probs (scorer) and critic values (advantage service), cut by a token budget into passes
     trimmed to their own longest rows, are those of one pass over the batch."""

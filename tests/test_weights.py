@@ -191,3 +191,71 @@ def test_pruning_keeps_every_link_of_the_current_chain(tiny_model, tmp_path):
         store.prune("actor", keep=2, current=version)
     assert len(list(tmp_path.glob("actor-*"))) == 4, "versions 0..3 form the chain of version 3"
     load_snapshot_into(load_actor(tiny_model, "bfloat16"), snapshot.chain)
+
+
+def split_into_parts(state, count, algorithm="blake3"):
+    """``write_parts`` as the learner's ranks do it, here from one process: ``count`` parts of ``state``."""
+    from common.weights import write_part
+
+    def write_parts(folder):
+        names = sorted(state)
+        parts = []
+        for rank in range(count):
+            mine = {n: state[n] for n in names[rank::count]}
+            name = f"part-{rank:05d}-of-{count:05d}.safetensors"
+            parts.append(
+                (name, write_part(folder, name, mine, algorithm), {n: tuple(t.shape) for n, t in mine.items()})
+            )
+        return parts
+
+    return write_parts
+
+
+def test_a_sharded_snapshot_is_verified_and_loaded_part_by_part(tiny_model, tmp_path):
+    from common.weights import snapshot_shapes, snapshot_state
+
+    source = perturbed(load_actor(tiny_model))
+    state = snapshot_state(source)
+    store = WeightStore(tmp_path)
+    snapshot = store.save_sharded("actor", 4, split_into_parts(state, 3))
+    assert snapshot.uri.endswith("actor-v00000004.index.json") and len(snapshot.chain) == 1
+    assert len(list((tmp_path / "actor-v00000004.parts").iterdir())) == 3
+    assert snapshot_shapes(snapshot.uri) == {k: tuple(v.shape) for k, v in state.items()}
+    target = load_actor(tiny_model)
+    load_snapshot_into(target, snapshot.chain)
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(target.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("damage", ["flip-a-part", "remove-a-part", "edit-the-index"])
+def test_a_damaged_sharded_snapshot_is_refused_and_the_model_kept(tiny_model, tmp_path, damage):
+    from common.weights import snapshot_state
+
+    snapshot = WeightStore(tmp_path).save_sharded(
+        "actor", 1, split_into_parts(snapshot_state(perturbed(load_actor(tiny_model))), 2)
+    )
+    part = tmp_path / "actor-v00000001.parts" / "part-00001-of-00002.safetensors"
+    if damage == "flip-a-part":
+        data = part.read_bytes()
+        part.write_bytes(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
+    elif damage == "remove-a-part":
+        part.unlink()
+    else:
+        index = Path(snapshot.uri)
+        index.write_text(index.read_text().replace("part-00001", "part-00000", 1))
+    target = load_actor(tiny_model)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(WeightIntegrityError):
+        load_snapshot_into(target, snapshot.chain)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
+def test_pruning_removes_old_sharded_snapshots_with_their_parts(tiny_model, tmp_path):
+    from common.weights import snapshot_state
+
+    store = WeightStore(tmp_path)
+    state = snapshot_state(load_actor(tiny_model))
+    for version in range(3):
+        store.save_sharded("actor", version, split_into_parts(state, 2))
+    store.prune("actor", keep=1, current=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["actor-v00000002.index.json", "actor-v00000002.parts"]

@@ -249,12 +249,23 @@ class LearnerService(Service):
         self.since_checkpoint += 1
         return Dropped(f"sampled by v{message.policy_version}, learner at v{self.trainer.version}: {why}")
 
+    def _publish(self, name: str, version: int):
+        """Snapshot ``name`` into the store: one file from rank 0, or with several ranks, a part from each."""
+        dtype = self.config.weights.dtype
+        if self.ranks.world_size > 1:
+            return self.store.save_sharded(
+                name,
+                version,
+                lambda folder: self.trainer.write_snapshot_parts(name, dtype, folder, self.store.digest),
+            )
+        return self.store.save_state(name, version, self.trainer.full_state(name, dtype))
+
     def announce(self) -> list[WeightAnnouncement]:
         """Snapshot actor and critic at the current version into the weight store and announce both."""
         version = self.trainer.version
         announcements = []
         for name, _, _ in self.trainer.models():
-            snapshot = self.store.save_state(name, version, self.trainer.full_state(name, self.config.weights.dtype))
+            snapshot = self._publish(name, version)
             self.store.prune(name, self.config.pipeline.keep_snapshots, version)
             lineage = {
                 RUN_ID: self.config.run.run_id,
