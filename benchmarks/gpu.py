@@ -199,6 +199,21 @@ def publish_and_load(trainer: PPOTrainer, dtype: str, load: bool = True) -> dict
     }
 
 
+def publish_sharded(trainer: PPOTrainer, dtype: str) -> dict:
+    """Seconds to write the actor as a sharded snapshot: every rank gathers and writes its part, rank 0 the index."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = WeightStore(Path(tmp))
+        started = time.perf_counter()
+        snapshot = store.save_sharded(
+            "actor", 1, lambda folder: trainer.write_snapshot_parts("actor", dtype, folder, store.digest)
+        )
+        written = time.perf_counter() - started
+    return {
+        f"sharded snapshot ({dtype}) MB": snapshot.num_bytes / 1e6,
+        "sharded snapshot seconds: gather + write parts + index": written,
+    }
+
+
 def synthetic_experience(args, vocab: int, version: int) -> Experience:
     """A batch shaped like the generation phase's, with random tokens and full-length responses."""
     g = torch.Generator().manual_seed(version)
@@ -282,7 +297,8 @@ def fsdp_rank(args) -> int:
         if step > 0:
             seconds += time.perf_counter() - started
             tokens += int(exp.prompt_lengths.sum() + exp.response_lengths.sum())
-    publish_load = publish_and_load(trainer, "bfloat16" if args.device.startswith("cuda") else "float32", load=False)
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    publish_load = publish_and_load(trainer, dtype, load=False) | publish_sharded(trainer, dtype)
     trainer.release()
     memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else "n/a"
     args.rank_phase.write_text(

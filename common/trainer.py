@@ -409,7 +409,8 @@ class PPOTrainer:
 
         Tensors are dealt to the ranks largest first, each to the rank with the fewest bytes so far, the same way
         on every rank. Each is gathered whole (``full_tensor``, a collective every rank joins, in one order) and
-        kept by its owner only: the traffic of gathering the state to rank 0, and no rank holds more than its part.
+        kept by its owner only: the traffic of gathering the state to rank 0, and no rank holds more than its part
+        plus the one tensor in flight.
         """
         module = {"actor": self.actor, "critic": self.critic}[model]
         state = module.state_dict()
