@@ -340,6 +340,11 @@ def bench_generation() -> dict:
 SHM = "/dev/shm"
 
 
+def _store_dir() -> tempfile.TemporaryDirectory:
+    """A temporary weight store on tmpfs where there is one (see bench_weights)."""
+    return tempfile.TemporaryDirectory(dir=SHM if os.path.isdir(SHM) else None)
+
+
 def _interleaved(paths: dict[str, tuple], rounds: int) -> dict[str, tuple[float, float]]:
     """Median (publish, load) seconds per path, the paths taking turns in each round: this VM now and then stalls
     a few seconds on fresh memory (its host backs pages at first touch), and turns spread that over every path."""
@@ -370,7 +375,7 @@ def bench_weights(rounds: int = 7) -> dict:
         for dtype in (torch.float32, torch.bfloat16):
             state = {k: v.to(dtype) for k, v in snapshot_state(model).items()}
             into = load_actor(path, "bfloat16") if dtype == torch.bfloat16 else target
-            with tempfile.TemporaryDirectory(dir=SHM if os.path.isdir(SHM) else None) as tmp:
+            with _store_dir() as tmp:
                 version = iter(range(1, 10_000))
 
                 def publish_before():
@@ -434,7 +439,7 @@ def _delta_paths(state: dict[str, torch.Tensor], into: torch.nn.Module, rounds: 
         stepped = {
             k: (v.float() + lr * torch.randn(v.shape, generator=gen).sign()).to(v.dtype) for k, v in state.items()
         }
-        with tempfile.TemporaryDirectory(dir=SHM if os.path.isdir(SHM) else None) as tmp:
+        with _store_dir() as tmp:
             store = WeightStore(Path(tmp), full_every=10_000)
             full = store.save_state("actor", 0, state)
             delta = store.save_state("actor", 1, stepped)
@@ -463,6 +468,7 @@ def _change_rates(steps: int = 6) -> list[dict]:
     from safetensors.torch import load_file
 
     from common.config import load_config
+    from common.weights import delta_state
     from services.embedded import run_embedded
 
     rows = []
@@ -493,11 +499,7 @@ def _change_rates(steps: int = 6) -> list[dict]:
                 elements.append(sum(int(c.sum()) for c in changed.values()) / total)
                 full = sum(t.nbytes for t in after.values())
                 tensor_bytes.append(sum(after[k].nbytes for k, c in changed.items() if c.any()) / full)
-                # A delta holds, per tensor that changed, a bit mask and the changed values (common/weights.py).
-                delta = sum(
-                    (c.numel() + 7) // 8 + int(c.sum()) * after[k].element_size() for k, c in changed.items() if c.any()
-                )
-                delta_share.append(delta / full)
+                delta_share.append(sum(t.nbytes for t in delta_state(before, after).values()) / full)
             rows.append(
                 {
                     "actor_lr": lr,

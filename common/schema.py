@@ -34,6 +34,8 @@ __all__ = [
     "SchemaError",
     "ScoredBatch",
     "TOPIC_MESSAGE",
+    "chain_link",
+    "split_link",
     "WeightAnnouncement",
     "decode",
     "derive",
@@ -223,12 +225,26 @@ class ExperienceBatch(ScoredBatch):
     returns: np.ndarray = array("float32", "N", "T", doc="GAE returns, advantages + values.")
 
 
+def chain_link(digest: str, uri: str) -> str:
+    """One entry of a weight announcement's ``chain``: ``"<digest> <uri>"`` (a digest has no space; a uri may)."""
+    return f"{digest} {uri}"
+
+
+def split_link(link: str) -> tuple[str, str]:
+    """``(digest, uri)`` of a ``chain`` entry."""
+    digest, _, uri = link.partition(" ")
+    return digest, uri
+
+
 def _weights_v1_to_v2(raw: dict) -> dict:
     """Version 1 named its digest ``sha256`` (hex): it reads as version 2 with a ``sha256:`` digest."""
     if not isinstance(raw.get("sha256"), str):
         return raw  # validation names what is wrong
     digest = f"sha256:{raw['sha256']}"
-    return {k: v for k, v in raw.items() if k != "sha256"} | {"digest": digest, "chain": [f"{digest} {raw.get('uri')}"]}
+    return {k: v for k, v in raw.items() if k != "sha256"} | {
+        "digest": digest,
+        "chain": [chain_link(digest, raw.get("uri"))],
+    }
 
 
 @dataclass
@@ -524,7 +540,9 @@ _TOKENS = ("prompt_tokens", "response_tokens", "prompt_index", "group_index")
 
 
 def _check_semantics(schema: str, values: dict, dims: dict[str, int]) -> None:
-    if schema == "weights" and (not values["chain"] or values["chain"][-1] != f"{values['digest']} {values['uri']}"):
+    if schema == "weights" and (
+        not values["chain"] or values["chain"][-1] != chain_link(values["digest"], values["uri"])
+    ):
         raise SchemaError("weights: the chain must end with this snapshot's '<digest> <uri>'")
     for name, dim in _LENGTHS:
         if name in values:

@@ -22,6 +22,7 @@ import torch
 
 from common.models import actor_skeleton
 from common.sampling import Samples, SamplingParams
+from common.schema import split_link
 from common.weights import WeightIntegrityError, check_fits, open_weights, snapshot_shapes
 
 log = logging.getLogger(__name__)
@@ -136,8 +137,8 @@ class VllmSampler:
     # ------------------------------------------------------------------------------------------------ weights
 
     def load_snapshot(self, chain: list[str]) -> None:
-        uri = chain[-1].partition(" ")[2] if chain else "(none)"
-        full = chain[0].partition(" ")[2] if chain else ""
+        uri = split_link(chain[-1])[1] if chain else "(none)"
+        full = split_link(chain[0])[1] if chain else ""
         check_fits(full, snapshot_shapes(full), self.skeleton)  # the header only: names and shapes
         for attempt in (1, 2):
             try:

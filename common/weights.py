@@ -35,6 +35,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from common.schema import chain_link, split_link
 from common.storage import state_nbytes, write_or_explain
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "check_fits",
     "first_names",
     "DIGEST_ALGORITHMS",
+    "delta_state",
     "load_snapshot_into",
     "open_snapshot",
     "open_weights",
@@ -173,22 +175,15 @@ class WeightStore:
         last = self.published.get(model_name)
         delta = None
         if last is not None and last.version == version - 1 and len(last.chain) < self.full_every:
-            delta = _delta(last.state, state)
-        base = last.chain[-1].split(" ", 1)[0] if delta is not None else None
-        written = delta if delta is not None else state
+            delta = delta_state(last.state, state, max_bytes=state_nbytes(state) // 2)
+        metadata = {"model": model_name, "version": str(version)}
+        if delta is not None:
+            metadata["base"] = split_link(last.chain[-1])[0]
         path = self.root / f"{model_name}-v{version:08d}.safetensors"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        metadata = {"model": model_name, "version": str(version)} | ({"base": base} if base else {})
-
-        def write() -> None:
-            save_file(written, str(tmp), metadata=metadata)
-            os.chmod(tmp, 0o644)  # safetensors writes 0600; readers may run under another uid on a shared volume
-
-        needed = state_nbytes(written) + (1 << 20)
-        write_or_explain(self.root, f"the {model_name} v{version} snapshot", needed, write, lambda: tmp.unlink(True))
-        digest = _digest_as_written(tmp, written, self.digest)
-        os.replace(tmp, path)
-        link = f"{digest} {path.resolve()}"
+        digest = _write_safetensors(
+            path, state if delta is None else delta, self.digest, f"the {model_name} v{version} snapshot", metadata
+        )
+        link = chain_link(digest, str(path.resolve()))
         chain = (*last.chain, link) if delta is not None else (link,)
         if self.full_every > 1:
             self.published[model_name] = _Published(version, {k: v.clone() for k, v in state.items()}, chain)
@@ -252,23 +247,27 @@ class WeightStore:
         os.replace(tmp, index)
         digest = f"{self.digest}:{hasher.hexdigest()}"
         size = len(body) + sum((folder / name).stat().st_size for name, _, _ in parts)
-        link = f"{digest} {index.resolve()}"
+        link = chain_link(digest, str(index.resolve()))
         self.published.pop(model_name, None)  # a delta after this would need the whole state on one rank
         return Snapshot(model_name, version, str(index.resolve()), digest, size, (link,), False)
 
 
 def write_part(folder: str, name: str, state: dict[str, torch.Tensor], algorithm: str) -> str:
     """Write one rank's part of a sharded snapshot (CPU tensors) as ``folder/name``; returns its digest."""
-    path = Path(folder) / name
-    tmp = path.with_name(f".{name}.tmp")
+    return _write_safetensors(Path(folder) / name, state, algorithm, f"snapshot part {name}")
+
+
+def _write_safetensors(
+    path: Path, state: dict[str, torch.Tensor], algorithm: str, what: str, metadata: dict[str, str] | None = None
+) -> str:
+    """Write ``state`` to a temporary name, digest it as written, rename it to ``path``; returns the digest."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
     def write() -> None:
-        save_file(state, str(tmp))
-        os.chmod(tmp, 0o644)
+        save_file(state, str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o644)  # safetensors writes 0600; readers may run under another uid on a shared volume
 
-    write_or_explain(
-        Path(folder), f"snapshot part {name}", state_nbytes(state) + (1 << 20), write, lambda: tmp.unlink(True)
-    )
+    write_or_explain(path.parent, what, state_nbytes(state) + (1 << 20), write, lambda: tmp.unlink(True))
     digest = _digest_as_written(tmp, state, algorithm)
     os.replace(tmp, path)
     return digest
@@ -282,12 +281,15 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(_INTEGER_OF_WIDTH[tensor.element_size()])
 
 
-def _delta(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """The changed elements of ``after`` against ``before`` (mask bits and values), or None when a full snapshot
-    is as good: other names or shapes, or a delta that would not be under half the full size."""
+def delta_state(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], max_bytes: int | None = None
+) -> dict[str, torch.Tensor] | None:
+    """A delta snapshot's tensors: for each tensor of ``after`` that differs from ``before`` in any bit, a bit mask
+    of the changed elements (``<name>:mask``) and their values (``<name>:values``). None when a full snapshot is
+    needed or as good: other names or shapes, or a delta of more than ``max_bytes``."""
     if before.keys() != after.keys() or any(before[k].shape != after[k].shape for k in after):
         return None
-    delta, size, full = {}, 0, state_nbytes(after)
+    delta, size = {}, 0
     for name, tensor in after.items():
         changed = _bits(before[name]) != _bits(tensor)
         if not changed.any():
@@ -295,7 +297,7 @@ def _delta(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> d
         delta[f"{name}:mask"] = torch.from_numpy(np.packbits(changed.numpy()))
         delta[f"{name}:values"] = tensor.reshape(-1)[changed]
         size += delta[f"{name}:mask"].nbytes + delta[f"{name}:values"].nbytes
-        if size > full // 2:
+        if max_bytes is not None and size > max_bytes:
             return None
     return delta
 
@@ -332,9 +334,9 @@ def open_weights(chain: list[str] | tuple[str, ...]) -> Iterator[dict[str, torch
         state = None
         previous = None
         for entry in chain:
-            digest, _, uri = entry.partition(" ")
-            tensors = stack.enter_context(open_snapshot(uri, digest))
-            base = _metadata(uri).get("base")
+            digest, uri = split_link(entry)
+            tensors, metadata = stack.enter_context(_open_verified(uri, digest))
+            base = metadata.get("base")
             if state is None:
                 if base is not None:
                     raise WeightIntegrityError(f"snapshot {uri} is a delta, but its chain starts with it")
@@ -345,13 +347,6 @@ def open_weights(chain: list[str] | tuple[str, ...]) -> Iterator[dict[str, torch
                 _apply_delta(state, tensors, uri)
             previous = digest
         yield state
-
-
-def _metadata(uri: str) -> dict[str, str]:
-    if uri.endswith(INDEX_SUFFIX):
-        return {}  # sharded snapshots are full
-    with safe_open(uri.removeprefix("file://"), framework="pt") as snapshot:
-        return snapshot.metadata() or {}
 
 
 def snapshot_shapes(uri: str) -> dict[str, tuple[int, ...]]:
@@ -378,11 +373,18 @@ def open_snapshot(uri: str, digest: str) -> Iterator[dict[str, torch.Tensor]]:
     Raises:
         WeightIntegrityError: missing or unreadable file, digest mismatch, or not a safetensors file.
     """
+    with _open_verified(uri, digest) as (tensors, _):
+        yield tensors
+
+
+@contextmanager
+def _open_verified(uri: str, digest: str) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, str]]]:
+    """:func:`open_snapshot`'s tensors and the file's metadata (none for a sharded snapshot, which is full)."""
     algorithm, _, expected = digest.partition(":")
     path = Path(uri.removeprefix("file://"))
     if path.name.endswith(INDEX_SUFFIX):
         with _open_sharded(path, algorithm, expected) as tensors:
-            yield tensors
+            yield tensors, {}
         return
     try:
         with open(path, "rb") as fh:
@@ -402,9 +404,10 @@ def open_snapshot(uri: str, digest: str) -> Iterator[dict[str, torch.Tensor]]:
         try:
             snapshot = stack.enter_context(safe_open(str(path), framework="pt"))
             tensors = {name: snapshot.get_tensor(name) for name in snapshot.keys()}
+            metadata = snapshot.metadata() or {}
         except Exception as exc:  # safetensors raises its own error type for malformed headers
             raise WeightIntegrityError(f"snapshot {uri} is not a valid safetensors file: {exc}") from None
-        yield tensors
+        yield tensors, metadata
 
 
 @contextmanager
@@ -470,7 +473,7 @@ def load_snapshot_into(module: torch.nn.Module, chain: list[str] | tuple[str, ..
         WeightIntegrityError: missing file, digest mismatch, a broken chain, or tensors that do not fit the module.
         The module is unchanged in every one of these cases.
     """
-    uri = chain[-1].partition(" ")[2] if chain else "(none)"
+    uri = split_link(chain[-1])[1] if chain else "(none)"
     with open_weights(chain) as state:
         check_fits(uri, {k: tuple(v.shape) for k, v in state.items()}, module)
         own = module.state_dict()

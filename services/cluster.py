@@ -94,14 +94,12 @@ def up(
     common = ["--config", str(config_path), "--bootstrap", bootstrap]
     common += [arg for override in overrides for arg in ("--set", override)]
     flags = ["-v"] if verbose else []
+    env = child_environment(sum(replicas.values()))
     children = {
-        f"{role}-{i}": _Child(f"{role}-{i}", [*flags, role, "--replica-id", f"{role}-{i}", *common])
+        f"{role}-{i}": _Child(f"{role}-{i}", [*flags, role, "--replica-id", f"{role}-{i}", *common], env=env)
         for role in ROLES
         for i in range(replicas[role])
     }
-    env = child_environment(len(children))
-    for child in children.values():
-        child.env = env
     ending = [children[f"{role}-{i}"] for role in ROLES if ROLES[role].ends_run for i in range(replicas[role])]
     # The topics first, replacing a weights topic that a new, empty broker made on its own.
     topics = subprocess.run([sys.executable, "-m", "services.cli", *flags, "topics", *common])
