@@ -95,6 +95,7 @@ def weights(m):
         digest="blake3:" + "0" * 64,
         chain=["blake3:" + "0" * 64 + " /dev/null"],
         num_bytes=0,
+        broadcast_digest="",
     )
 
 

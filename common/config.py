@@ -235,6 +235,27 @@ class PipelineSection(_Section):
     )
 
 
+class BroadcastSection(_Section):
+    """The broadcast path: the learner sends each actor version straight to the generators (torch.distributed, gloo)
+    besides writing it to the store, which late joiners and every fallback read."""
+
+    address: str | None = Field(
+        None,
+        pattern=r"^\S+:\d{1,5}$",
+        description="HOST:PORT where the learner's rank 0 listens for the generators (a port of its own, not "
+        "torchrun's); unset: weights go by the store alone.",
+    )
+    receivers: int = Field(
+        1, ge=1, description="How many generator replicas make the group; the learner sends once all have joined."
+    )
+    timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest wait for any step of a broadcast (a round to fill, a tensor to go): a receiver that "
+        "died or hangs costs the learner this once, then the update goes by the store and a new group forms.",
+    )
+
+
 class WeightsSection(_Section):
     dtype: DType = Field(
         "float32",
@@ -253,6 +274,7 @@ class WeightsSection(_Section):
         "always full. Pays with bfloat16 snapshots and small learning rates, where few elements change per update; "
         "float32 weights change everywhere, and a delta not under half the full size is written full anyway.",
     )
+    broadcast: BroadcastSection = BroadcastSection()
 
 
 class KafkaSection(_Section):
@@ -373,6 +395,11 @@ class RunConfig(_Section):
             raise ValueError(
                 f"learner.mini_batch_size ({self.learner.mini_batch_size}) is smaller than the learner's ranks "
                 f"(learner.parallel.processes = {parallel.processes}): some ranks would train on nothing"
+            )
+        if self.weights.broadcast.address is not None and self.generation.backend != "transformers":
+            raise ValueError(
+                "weights.broadcast feeds the transformers generator (set generation.backend=transformers): the vLLM "
+                "engine's workers are processes of the engine, outside the learner's group"
             )
         if parallel.strategy == "fsdp" and parallel.processes > 1 and self.weights.full_every > 1:
             raise ValueError(

@@ -21,7 +21,7 @@ import torch
 from common.models import load_actor
 from common.sampling import Sampler, Samples, SamplingParams
 from common.sequences import lengths_to_mask, pack
-from common.weights import load_snapshot_into
+from common.weights import load_snapshot_into, load_state_into
 
 __all__ = ["TransformersSampler", "make_sampler", "sample_responses", "vllm_installed"]
 
@@ -97,6 +97,10 @@ class TransformersSampler:
 
     def load_snapshot(self, chain: list[str]) -> None:
         load_snapshot_into(self.model, chain)
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy tensors (one per storage, as a snapshot holds them) into the model: the broadcast path."""
+        load_state_into(self.model, state, "the broadcast")
 
     def close(self) -> None:
         pass

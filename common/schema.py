@@ -236,15 +236,20 @@ def split_link(link: str) -> tuple[str, str]:
     return digest, uri
 
 
-def _weights_v1_to_v2(raw: dict) -> dict:
-    """Version 1 named its digest ``sha256`` (hex): it reads as version 2 with a ``sha256:`` digest."""
+def _weights_v1_to_v3(raw: dict) -> dict:
+    """Version 1 named its digest ``sha256`` (hex): it reads as a ``sha256:`` digest, a chain of that one file."""
     if not isinstance(raw.get("sha256"), str):
         return raw  # validation names what is wrong
     digest = f"sha256:{raw['sha256']}"
-    return {k: v for k, v in raw.items() if k != "sha256"} | {
-        "digest": digest,
-        "chain": [chain_link(digest, raw.get("uri"))],
-    }
+    return _weights_v2_to_v3(
+        {k: v for k, v in raw.items() if k != "sha256"}
+        | {"digest": digest, "chain": [chain_link(digest, raw.get("uri"))]}
+    )
+
+
+def _weights_v2_to_v3(raw: dict) -> dict:
+    """Version 2 had no broadcast path: nothing was broadcast."""
+    return raw | {"broadcast_digest": ""}
 
 
 @dataclass
@@ -255,8 +260,8 @@ class WeightAnnouncement(Message):
         "survives; policy_version is the version the snapshot holds."
     )
 
-    VERSION: ClassVar[int] = 2
-    UPGRADES: ClassVar[dict] = {1: _weights_v1_to_v2}
+    VERSION: ClassVar[int] = 3
+    UPGRADES: ClassVar[dict] = {1: _weights_v1_to_v3, 2: _weights_v2_to_v3}
 
     model: str = scalar("str", "Which model: 'actor' or 'critic'.")
     uri: str = scalar("str", "Where the safetensors snapshot lies (a path in the shared weight store, or a URL).")
@@ -271,6 +276,12 @@ class WeightAnnouncement(Message):
         )
     )
     num_bytes: int = scalar("int", "Size of the snapshot file in bytes.")
+    broadcast_digest: str = scalar(
+        "str",
+        "'<algorithm>:<hex>' of the tensors the learner also broadcast for this version (manifest, then each "
+        "tensor's bytes), sent only when every receiver held exactly that; '' when nothing was broadcast. A "
+        "generator that holds it loads it instead of the snapshot.",
+    )
 
 
 class _Record:

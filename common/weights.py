@@ -91,13 +91,13 @@ DIGEST_ALGORITHMS = {
 }
 
 
-def _hasher(algorithm: str):
+def new_hasher(algorithm: str):
     if algorithm not in DIGEST_ALGORITHMS:
         raise WeightIntegrityError(f"unknown digest algorithm {algorithm!r} (known: {', '.join(DIGEST_ALGORITHMS)})")
     return DIGEST_ALGORITHMS[algorithm]()
 
 
-def _bytes_of(tensor: torch.Tensor):
+def tensor_bytes(tensor: torch.Tensor):
     """The bytes of a contiguous CPU tensor as safetensors writes them (little-endian, row-major), not copied."""
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
@@ -110,7 +110,7 @@ def _digest_as_written(path: Path, state: dict[str, torch.Tensor], algorithm: st
         header_bytes = fh.read(int.from_bytes(prefix, "little"))
     header = json.loads(header_bytes)
     header.pop("__metadata__", None)
-    hasher = _hasher(algorithm)
+    hasher = new_hasher(algorithm)
     hasher.update(prefix)
     hasher.update(header_bytes)
     end = 0
@@ -118,7 +118,7 @@ def _digest_as_written(path: Path, state: dict[str, torch.Tensor], algorithm: st
         start, stop = entry["data_offsets"]
         if start != end or stop - start != state[name].nbytes:
             raise RuntimeError(f"{path}: tensor {name} is not where its bytes were expected; digest not taken")
-        hasher.update(_bytes_of(state[name]))
+        hasher.update(tensor_bytes(state[name]))
         end = stop
     if path.stat().st_size != 8 + len(header_bytes) + end:
         raise RuntimeError(f"{path}: {path.stat().st_size} bytes, not the {8 + len(header_bytes) + end} written")
@@ -160,7 +160,7 @@ class WeightStore:
     """
 
     def __init__(self, root: Path, digest: str = "blake3", full_every: int = 1):
-        _hasher(digest)  # an unknown algorithm fails here, not at the first snapshot
+        new_hasher(digest)  # an unknown algorithm fails here, not at the first snapshot
         if full_every < 1:
             raise ValueError(f"full_every must be at least 1, got {full_every}")
         self.root, self.digest, self.full_every = Path(root), digest, full_every
@@ -239,7 +239,7 @@ class WeightStore:
             },
             indent=1,
         ).encode()
-        hasher = _hasher(self.digest)
+        hasher = new_hasher(self.digest)
         hasher.update(body)
         tmp = index.with_name(f".{index.name}.{os.getpid()}.tmp")
         tmp.write_bytes(body)
@@ -393,7 +393,7 @@ def _open_verified(uri: str, digest: str) -> Iterator[tuple[dict[str, torch.Tens
         raise WeightIntegrityError(f"snapshot {uri} cannot be read: {exc}") from None
     with ExitStack() as stack:
         stack.callback(mapped.close)
-        hasher = _hasher(algorithm)
+        hasher = new_hasher(algorithm)
         with memoryview(mapped) as view:
             hasher.update(view)
         actual = hasher.hexdigest()
@@ -418,7 +418,7 @@ def _open_sharded(index: Path, algorithm: str, expected: str) -> Iterator[dict[s
         body = index.read_bytes()
     except OSError as exc:
         raise WeightIntegrityError(f"snapshot index {index} cannot be read: {exc}") from None
-    hasher = _hasher(algorithm)
+    hasher = new_hasher(algorithm)
     hasher.update(body)
     if hasher.hexdigest() != expected:
         raise WeightIntegrityError(f"snapshot index {index} does not match its announced {algorithm}; rejected")
@@ -475,8 +475,17 @@ def load_snapshot_into(module: torch.nn.Module, chain: list[str] | tuple[str, ..
     """
     uri = split_link(chain[-1])[1] if chain else "(none)"
     with open_weights(chain) as state:
-        check_fits(uri, {k: tuple(v.shape) for k, v in state.items()}, module)
-        own = module.state_dict()
-        with torch.no_grad():
-            for name, tensor in state.items():
-                own[name].copy_(tensor)
+        load_state_into(module, state, uri)
+
+
+def load_state_into(module: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``state`` (one tensor per storage, as snapshots hold it) into ``module``.
+
+    Raises:
+        WeightIntegrityError: tensors that do not fit the module (named after ``source``); the module is unchanged.
+    """
+    check_fits(source, {k: tuple(v.shape) for k, v in state.items()}, module)
+    own = module.state_dict()
+    with torch.no_grad():
+        for name, tensor in state.items():
+            own[name].copy_(tensor)

@@ -166,6 +166,16 @@ def test_incomplete_kafka_security_is_rejected(overrides, message):
             ["learner.parallel.strategy=fsdp", "learner.parallel.processes=2", "weights.full_every=4"],
             "delta snapshots.*needs the whole state on one process",
         ),
+        (["weights.broadcast.address=learner"], "weights.broadcast.address"),
+        (["weights.broadcast.address=learner:29600", "weights.broadcast.receivers=0"], "weights.broadcast.receivers"),
+        (
+            ["weights.broadcast.address=learner:29600", "generation.backend=vllm"],
+            "weights.broadcast feeds the transformers generator",
+        ),
+        (
+            ["weights.broadcast.address=learner:29600", "generation.backend=auto"],
+            "weights.broadcast feeds the transformers generator",
+        ),
     ],
 )
 def test_weight_settings_that_cannot_work_are_rejected(overrides, message):

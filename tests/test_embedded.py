@@ -136,3 +136,28 @@ def test_delta_snapshots_train_exactly_as_full_ones(make_config, tmp_path):
     assert runs["kinds-1"] == ["full"] * 6
     assert runs["kinds-4"] == ["full", "delta", "delta", "delta", "full", "delta"], "v1..v6, full every 4"
     assert runs[1] == runs[4], "the generator and the advantage service saw the same weights"
+
+
+def test_broadcast_weights_train_exactly_as_stored_ones(make_config, tmp_path, caplog):
+    """The actor sent to the generator over a gloo group: the same run, bit for bit, with the store's reads spared."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    runs = {}
+    for path in ("store", "broadcast"):
+        caplog.clear()
+        broadcast = [f"weights.broadcast.address=127.0.0.1:{port}"] if path == "broadcast" else []
+        config = make_config("run.steps=4", f"run.dir={tmp_path / path}", "data.eval_prompts=0", *broadcast)
+        with caplog.at_level(logging.INFO, logger="services.generator.service"):
+            run_embedded(config, progress=False)
+        records = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").read_text().splitlines()]
+        runs[path] = [{k: v for k, v in r.items() if "seconds" not in k and k != "time"} for r in records]
+        runs[f"{path}-loads"] = [
+            r.getMessage().split()[3] for r in caplog.records if "loaded from the broadcast" in r.getMessage()
+        ]
+    assert runs["store-loads"] == []
+    # Every version after the initial weights came by the broadcast (the first waited for the group to form).
+    assert runs["broadcast-loads"] == ["v1", "v2", "v3", "v4"]
+    assert runs["store"] == runs["broadcast"]

@@ -255,18 +255,24 @@ def test_fuzz_structured_maps(name, fields):
         pass
 
 
-def test_a_version_1_weight_announcement_reads_as_version_2_with_a_sha256_digest():
+def test_older_weight_announcements_read_as_version_3():
     current = sample_message(WeightAnnouncement, np.random.default_rng(5))
     raw = msgpack.unpackb(encode(current), raw=False)
-    assert raw["version"] == 2
+    assert raw["version"] == 3
+    # Version 2 had no broadcast path: nothing was broadcast.
+    raw["version"] = 2
+    del raw["broadcast_digest"]
+    v2 = decode(msgpack.packb(raw, use_bin_type=True))
+    assert v2.broadcast_digest == "" and v2.chain == current.chain
+    # Version 1 named its digest sha256 (hex), and had no chain.
     raw["version"], raw["sha256"] = 1, "ab" * 32
     del raw["digest"], raw["chain"]
     old = decode(msgpack.packb(raw, use_bin_type=True))
-    assert old.digest == "sha256:" + "ab" * 32 and old.uri == current.uri
+    assert old.digest == "sha256:" + "ab" * 32 and old.uri == current.uri and old.broadcast_digest == ""
     assert old.chain == [f"{old.digest} {old.uri}"], "a version 1 snapshot is always full"
     raw["sha256"] = 7  # an upgrade does not hide what is wrong with the old record
-    with pytest.raises(SchemaError, match="missing fields \\['chain', 'digest'\\], unexpected fields \\['sha256'\\]"):
+    with pytest.raises(SchemaError, match="missing fields \\['broadcast_digest', 'chain', 'digest'\\], unexpected "):
         decode(msgpack.packb(raw, use_bin_type=True))
-    raw["version"] = 3
-    with pytest.raises(SchemaError, match="unsupported schema version 3 .this build reads version 2, 1."):
+    raw["version"] = 4
+    with pytest.raises(SchemaError, match="unsupported schema version 4 .this build reads version 3, 1, 2."):
         decode(msgpack.packb(raw, use_bin_type=True))

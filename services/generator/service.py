@@ -6,11 +6,13 @@ import logging
 
 import torch
 
+from common.broadcast import WeightReceiver
 from common.config import RunConfig
 from common.generation import make_sampler
 from common.models import load_tokenizer, resolve_model
 from common.sampling import SamplingParams
 from common.schema import PromptBatch, RolloutBatch, WeightAnnouncement, new_header
+from common.weights import WeightIntegrityError
 from services.service import InputError, Service, check_token_ids, load_announced_weights
 
 log = logging.getLogger(__name__)
@@ -27,12 +29,38 @@ class GeneratorService(Service):
         log.info("%s: sampling with the %s backend", self.replica_id, self.sampler.backend)
         self.model_id = str(path)
         self.policy_version = 0  # the configured initial weights are version 0
+        broadcast = config.weights.broadcast
+        self.receiver = (
+            WeightReceiver(broadcast.address, broadcast.timeout_s, config.weights.digest, self.replica_id)
+            if broadcast.address is not None
+            else None
+        )
+        self.broadcast_loads = 0  # versions loaded from the broadcast rather than the store
 
     def on_weights(self, announcement: WeightAnnouncement) -> bool:
-        if not load_announced_weights(self.sampler.load_snapshot, announcement, self.replica_id, self.policy_version):
+        if not self._load_broadcast(announcement) and not load_announced_weights(
+            self.sampler.load_snapshot, announcement, self.replica_id, self.policy_version
+        ):
             return False
         self.policy_version = announcement.policy_version
         return True
+
+    def _load_broadcast(self, announcement: WeightAnnouncement) -> bool:
+        """Load the announced version from what the learner broadcast, if this replica holds exactly that."""
+        if self.receiver is None or not announcement.broadcast_digest:
+            return False
+        version = announcement.policy_version
+        try:
+            loaded = self.receiver.load_into(version, announcement.broadcast_digest, self.sampler.load_state)
+        except WeightIntegrityError as exc:
+            log.error(
+                "%s: the broadcast of actor v%d does not fit (%s); reading the store", self.replica_id, version, exc
+            )
+            return False
+        if loaded:
+            self.broadcast_loads += 1
+            log.info("%s: actor weights v%d loaded from the broadcast", self.replica_id, version)
+        return loaded
 
     def ready_for(self, message: PromptBatch) -> bool:
         # Bounded staleness: batch `step` may be sampled by a policy at most max_staleness versions behind it. A step
@@ -84,4 +112,6 @@ class GeneratorService(Service):
         ]
 
     def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
         self.sampler.close()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from common.broadcast import WeightSender
 from common.checkpoint import load_latest_checkpoint, next_epoch, save_checkpoint
 from common.config import RunConfig
 from common.dedupe import RecentIds
@@ -74,6 +75,7 @@ class LearnerService(Service):
         self.unsaved_records: list[dict] = []  # metrics lines of those updates, written with the next checkpoint
         self.started = time.time()
         self.epoch = 0  # taken in start(): 0 only for a learner that announces without having started (tests)
+        self.sender: WeightSender | None = None  # the broadcast path, opened in start() when configured
         if self.ranks.leads:  # the other ranks load the checkpoint when rank 0 leads them to
             self._resume()
 
@@ -103,6 +105,8 @@ class LearnerService(Service):
         self.ranks.follow(self.trainer)
 
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
         self.trainer.release()
 
     def _resume(self) -> None:
@@ -130,6 +134,11 @@ class LearnerService(Service):
     def start(self) -> list[WeightAnnouncement]:
         self.epoch = next_epoch(self.config.checkpoint_dir)
         log.info("%s: learner epoch %d", self.replica_id, self.epoch)
+        broadcast = self.config.weights.broadcast
+        if broadcast.address is not None:
+            self.sender = WeightSender(
+                broadcast.address, broadcast.receivers, broadcast.timeout_s, self.config.weights.digest
+            )
         if self.trainer.version == 0:
             if self.config.data.eval_prompts:
                 before = self.trainer.answer(answer_eval_prompts, self.tokenizer, self.config, 0)
@@ -249,8 +258,9 @@ class LearnerService(Service):
         self.since_checkpoint += 1
         return Dropped(f"sampled by v{message.policy_version}, learner at v{self.trainer.version}: {why}")
 
-    def _publish(self, name: str, version: int):
-        """Snapshot ``name`` into the store: one file from rank 0, or with several ranks, a part from each."""
+    def _publish(self, name: str, version: int, state: dict[str, torch.Tensor] | None):
+        """Snapshot ``name`` into the store: one file from rank 0 (of ``state`` when it is already gathered), or
+        with several ranks, a part from each."""
         dtype = self.config.weights.dtype
         if self.ranks.world_size > 1:
             return self.store.save_sharded(
@@ -258,14 +268,26 @@ class LearnerService(Service):
                 version,
                 lambda folder: self.trainer.write_snapshot_parts(name, dtype, folder, self.store.digest),
             )
-        return self.store.save_state(name, version, self.trainer.full_state(name, dtype))
+        return self.store.save_state(
+            name, version, state if state is not None else self.trainer.full_state(name, dtype)
+        )
+
+    def _broadcast(self, name: str, version: int) -> tuple[dict[str, torch.Tensor] | None, str]:
+        """Send the actor to the generators' group before the store has it: (the state sent, the digest every
+        receiver holds or ``""``)."""
+        if name != "actor" or self.sender is None:
+            return None, ""
+        state = self.trainer.full_state(name, self.config.weights.dtype)
+        return state, self.sender.send(version, state)
 
     def announce(self) -> list[WeightAnnouncement]:
-        """Snapshot actor and critic at the current version into the weight store and announce both."""
+        """Snapshot actor and critic at the current version into the weight store and announce both (the actor
+        broadcast first, when configured)."""
         version = self.trainer.version
         announcements = []
         for name, _, _ in self.trainer.models():
-            snapshot = self._publish(name, version)
+            state, broadcast_digest = self._broadcast(name, version)
+            snapshot = self._publish(name, version, state)
             self.store.prune(name, self.config.pipeline.keep_snapshots, version)
             lineage = {
                 RUN_ID: self.config.run.run_id,
@@ -283,6 +305,7 @@ class LearnerService(Service):
                     digest=snapshot.digest,
                     chain=list(snapshot.chain),
                     num_bytes=snapshot.num_bytes,
+                    broadcast_digest=broadcast_digest,
                 )
             )
         return announcements
