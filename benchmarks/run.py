@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -403,7 +404,8 @@ def bench_weights(rounds: int = 7) -> dict:
                         publish_after,
                         lambda snapshot=snapshot: load_snapshot_into(into, snapshot.chain),
                     )
-                measured = _interleaved(paths, rounds)
+                with _broadcast_paths(Path(tmp), state, into) as broadcast:
+                    measured = _interleaved(paths | broadcast, rounds)
                 nbytes = snapshot.num_bytes
             for label, (publish_s, load_s) in measured.items():
                 row[f"{str(dtype).removeprefix('torch.')}, {label}"] = {
@@ -425,6 +427,44 @@ def bench_weights(rounds: int = 7) -> dict:
         "reload_weights); before and after measured side by side in this run, taking turns, median of 7",
         "models": rows,
     }
+
+
+@contextmanager
+def _broadcast_paths(tmp: Path, state: dict[str, torch.Tensor], into: torch.nn.Module):
+    """The broadcast path (``weights.broadcast``), a receiver in this process (its own thread, as in a generator):
+    as the learner runs it (send, then the snapshot to the store, then the copy at the announcement), and the
+    transfer alone (send and copy, as if the store write were off the way)."""
+    from common.broadcast import WeightReceiver, WeightSender
+    from common.weights import WeightStore, load_state_into
+    from services.transport.local_broker import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    sender = WeightSender(address, 1, 60.0, "blake3")
+    receiver = WeightReceiver(address, 60.0, "blake3", name="bench")
+    store = WeightStore(tmp / "broadcast")
+    version, sent = iter(range(1, 10_000)), {}
+
+    def send(with_store: bool):
+        v = next(version)
+        sent["version"], sent["digest"] = v, sender.send(v, state)
+        if not sent["digest"]:
+            raise RuntimeError(f"the broadcast of v{v} did not reach the receiver")
+        if with_store:
+            store.save_state("actor", v, state)
+            store.prune("actor", 2, v)
+
+    def load():
+        if not receiver.load_into(sent["version"], sent["digest"], lambda t: load_state_into(into, t, "broadcast")):
+            raise RuntimeError("the receiver does not hold what was sent")
+
+    try:
+        yield {
+            "after, blake3, broadcast, then the store (weights.broadcast)": (lambda: send(True), load),
+            "after, blake3, broadcast alone (store write off the way)": (lambda: send(False), load),
+        }
+    finally:
+        receiver.close()
+        sender.close()
 
 
 def _delta_paths(state: dict[str, torch.Tensor], into: torch.nn.Module, rounds: int) -> dict:

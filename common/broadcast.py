@@ -24,10 +24,13 @@ generator.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,6 +44,18 @@ __all__ = ["WeightReceiver", "WeightSender", "split_address"]
 
 log = logging.getLogger(__name__)
 
+# Senders and receivers not yet closed. Their threads wait inside torch's C++ code; one still there when the
+# interpreter finalises is unwound through a noexcept frame, and the process aborts ("terminate called without an
+# active exception"). So every one is closed, and its thread joined, at exit.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for endpoint in list(_OPEN):
+        endpoint.close()
+
+
 _POLL_S = 0.02  # how often a receiver looks for the next send in the store
 _DIGEST_BYTES = 128  # room for "<algorithm>:<hex>" in the digest tensor
 
@@ -51,6 +66,18 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{address!r} is not HOST:PORT")
     return host, int(port)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _listening(address: str) -> bool:
+    try:
+        socket.create_connection(split_address(address), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
 
 
 def _store(address: str, is_master: bool, timeout_s: float) -> dist.TCPStore:
@@ -108,10 +135,10 @@ class WeightSender:
         self._closed = False
         self._thread = threading.Thread(target=self._form_groups, name="weights-broadcast", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
 
     def _form_groups(self) -> None:
-        # A client of its own: forming a group blocks its store connection for up to timeout_s, and send() must not
-        # wait behind it.
+        # A client of its own: forming a group holds its store connection, and send() must not wait behind it.
         store = _store(self.address, False, self.timeout_s)
         world = 1 + self.receivers
         while not self._closed:
@@ -119,12 +146,16 @@ class WeightSender:
             r = self._round
             store.set(f"r{r}/world", str(world))
             store.set("round", str(r))
+            # The group is made only once every receiver holds a ticket: a group made early would wait on the store,
+            # time out and start over for as long as a generator is missing.
+            while not self._closed and int(store.add(f"r{r}/ticket", 0)) < self.receivers:
+                time.sleep(_POLL_S)
             try:
                 group = dist.ProcessGroupGloo(
                     dist.PrefixStore(f"r{r}/group/", store), 0, world, timedelta(seconds=self.timeout_s)
                 )
-            except RuntimeError:
-                log.debug("broadcast round %d: %s", r, self.waiting_for())
+            except RuntimeError as exc:  # a receiver took its ticket and died: the next round forms without it
+                log.warning("broadcast round %d did not form (%s); opening round %d", r, _first_line(exc), r + 1)
                 continue
             with self._lock:
                 self._group, self._sends = group, 0
@@ -172,7 +203,11 @@ class WeightSender:
             _broadcast(group, _digest_tensor(sent))
             holders = _count_holders(group, False)
         except RuntimeError as exc:
-            log.warning("actor v%d: broadcast failed (%s); it goes by the store, and a new group forms", version, exc)
+            log.warning(
+                "actor v%d: broadcast failed (%s); it goes by the store, and a new group forms",
+                version,
+                _first_line(exc),
+            )
             self._drop()
             return ""
         with self._lock:
@@ -195,8 +230,11 @@ class WeightSender:
         self._dropped.set()
 
     def close(self) -> None:
+        """Stop forming groups and release the one formed; returns once the thread has (at most ``timeout_s``)."""
         self._closed = True
         self._drop()
+        self._thread.join(self.timeout_s + 1.0)
+        _OPEN.discard(self)
 
 
 @dataclass
@@ -218,6 +256,7 @@ class WeightReceiver:
         self.received = 0  # versions received and verified
         self._thread = threading.Thread(target=self._run, name="weights-broadcast", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
 
     def load_into(self, version: int, digest: str, load: Callable[[dict[str, torch.Tensor]], None]) -> bool:
         """Call ``load(tensors)`` with the staged tensors if they are ``version`` with ``digest``; False otherwise
@@ -230,16 +269,27 @@ class WeightReceiver:
             return True
 
     def close(self) -> None:
+        """Leave the group; returns once the thread has (at most ``timeout_s``, when a version is arriving)."""
         self._closed = True
+        self._thread.join(self.timeout_s + 2.0)
+        _OPEN.discard(self)
 
     # ------------------------------------------------------------------ the receiving thread
 
     def _run(self) -> None:
+        said = False
         while not self._closed:
+            if not _listening(self.address):  # probed first: the store's own connect retries fill the log
+                if not said:
+                    log.info("%s: waiting for the learner's broadcast at %s", self.name, self.address)
+                    said = True
+                time.sleep(1.0)
+                continue
+            said = False
             try:
                 self._serve(_store(self.address, False, self.timeout_s))
             except (RuntimeError, ValueError) as exc:  # the learner gone, a round that failed: join again
-                log.info("%s: broadcast: %s; joining again", self.name, str(exc).splitlines()[0])
+                log.info("%s: broadcast: %s; joining again", self.name, _first_line(exc))
                 time.sleep(1.0)
 
     def _serve(self, store: dist.TCPStore) -> None:
@@ -254,8 +304,11 @@ class WeightReceiver:
                     r.decode(),
                     world - 1,
                 )
-                self._wait_for_round(store, r)
+                self._wait_for_round(store, r, lambda: False)
                 continue
+            ticket, receivers = f"r{int(r)}/ticket", world - 1
+            if not self._wait_for_round(store, r, lambda: int(store.add(ticket, 0)) >= receivers):  # noqa: B023
+                continue  # replaced before it filled
             group = dist.ProcessGroupGloo(
                 dist.PrefixStore(f"r{int(r)}/group/", store), rank, world, timedelta(seconds=self.timeout_s)
             )
@@ -263,17 +316,19 @@ class WeightReceiver:
             sends = 0
             while not self._closed:
                 key = f"r{int(r)}/send/{sends}"
-                if not store.check([key]):
-                    if store.get("round") != r:
-                        break  # the learner dropped this group: join the next
-                    time.sleep(_POLL_S)
-                    continue
-                self._receive(group, store.get(key))
-                sends += 1
+                if store.check([key]):
+                    self._receive(group, store.get(key))
+                    sends += 1
+                elif not self._wait_for_round(store, r, lambda key=key: store.check([key])):
+                    break  # the learner dropped this group: join the next
 
-    def _wait_for_round(self, store: dist.TCPStore, r: bytes) -> None:
+    def _wait_for_round(self, store: dist.TCPStore, r: bytes, condition: Callable[[], bool]) -> bool:
+        """Poll until ``condition()`` holds (True) or round ``r`` is replaced or this receiver closed (False)."""
         while not self._closed and store.get("round") == r:
-            time.sleep(1.0)
+            if condition():
+                return True
+            time.sleep(_POLL_S)
+        return False
 
     def _receive(self, group, manifest: bytes) -> None:
         layout = json.loads(manifest)

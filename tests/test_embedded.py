@@ -140,11 +140,9 @@ def test_delta_snapshots_train_exactly_as_full_ones(make_config, tmp_path):
 
 def test_broadcast_weights_train_exactly_as_stored_ones(make_config, tmp_path, caplog):
     """The actor sent to the generator over a gloo group: the same run, bit for bit, with the store's reads spared."""
-    import socket
+    from services.transport.local_broker import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     runs = {}
     for path in ("store", "broadcast"):
         caplog.clear()

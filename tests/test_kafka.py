@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,9 +37,9 @@ def streamppo_command(*args: str, overrides: list[str] = ()) -> list[str]:
     return command + [a for o in overrides for a in ("--set", o)]
 
 
-def start_up(kafka_broker, tmp_path, model_cache, steps, run_id, up_args=(), overrides=()):
+def start_up(kafka_broker, tmp_path, model_cache, steps, run_id, up_args=(), overrides=(), verbose=False):
     """`streamppo up` in the background (its own session, transformers generator) for a run of ``steps``; returns
-    the process, its log file and the run's metrics.jsonl."""
+    the process, its log file (every service's INFO lines with ``verbose``) and the run's metrics.jsonl."""
     bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
     settings = [
         f"run.steps={steps}",
@@ -49,7 +50,7 @@ def start_up(kafka_broker, tmp_path, model_cache, steps, run_id, up_args=(), ove
         *overrides,
         *kafka_broker,
     ]
-    args = streamppo_command("up", "--bootstrap", bootstrap, *up_args, overrides=settings)
+    args = streamppo_command(*(["-v"] if verbose else []), "up", "--bootstrap", bootstrap, *up_args, overrides=settings)
     output, metrics = tmp_path / "up.log", tmp_path / "run" / "metrics.jsonl"
     with open(output, "w") as log:
         up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -746,9 +747,10 @@ def learner_ranks(run_id: str) -> dict[int, int]:
 def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_once(
     own_broker, make_config, tmp_path, model_cache
 ):
-    """`streamppo up` with an FSDP learner of two ranks and two generator replicas; one rank is killed mid-run,
-    then the other: `streamppo learner` restarts both from the sharded checkpoint each time, and the run ends with
-    each update once, reward up, and prompt batches shared by both generators."""
+    """`streamppo up` with an FSDP learner of two ranks and two generator replicas that take the actor by broadcast;
+    one rank is killed mid-run, then the other: `streamppo learner` restarts both from the sharded checkpoint each
+    time, the generators join each new learner's broadcast group, and the run ends with each update once, reward
+    up, and prompt batches shared by both generators."""
     kafka_broker = own_broker
     steps, run_id = 16, unique("ranks")
     up, output, metrics = start_up(
@@ -758,7 +760,15 @@ def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_
         steps,
         run_id,
         ("--replicas", "generator=2"),
-        ("learner.parallel.strategy=fsdp", "learner.parallel.processes=2", "learner.checkpoint_every=2"),
+        (
+            "learner.parallel.strategy=fsdp",
+            "learner.parallel.processes=2",
+            "learner.checkpoint_every=2",
+            f"weights.broadcast.address=127.0.0.1:{free_port()}",
+            "weights.broadcast.receivers=2",
+            "weights.broadcast.timeout_s=10",
+        ),
+        verbose=True,
     )
     killed = []
     try:
@@ -777,6 +787,10 @@ def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_
             os.killpg(up.pid, signal.SIGKILL)
     text = output.read_text()
     assert text.count("exitcode  : -9") >= 2 or text.count("Signal 9") >= 2, text[-3000:]
+    for generator in ("generator-0", "generator-1"):
+        by_broadcast = re.findall(rf"{generator}: actor weights v(\d+) loaded from the broadcast", text)
+        # From every learner the generators joined: before the first kill, between the kills, after the second.
+        assert len(by_broadcast) >= 3, (generator, by_broadcast)
     records = [json.loads(line) for line in metrics.open()]
     assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
     assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
