@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from common.models import enable_activation_checkpointing, load_actor, load_crit
 from common.parallel import init_ranks, shard_model
 from common.schema import LEARNER_EPOCH, RUN_ID, ExperienceBatch, WeightAnnouncement, new_header
 from common.trainer import Experience, PPOTrainer
-from common.weights import WeightStore
+from common.weights import Snapshot, WeightStore
 from services.service import Dropped, InputError, Service, check_token_ids
 
 log = logging.getLogger(__name__)
@@ -258,36 +259,40 @@ class LearnerService(Service):
         self.since_checkpoint += 1
         return Dropped(f"sampled by v{message.policy_version}, learner at v{self.trainer.version}: {why}")
 
-    def _publish(self, name: str, version: int, state: dict[str, torch.Tensor] | None):
-        """Snapshot ``name`` into the store: one file from rank 0 (of ``state`` when it is already gathered), or
-        with several ranks, a part from each."""
+    def _publish(self, name: str, version: int) -> tuple[Snapshot, str]:
+        """Snapshot ``name`` into the store, and the actor also to the generators when the broadcast is configured.
+
+        Returns:
+            The snapshot, and the digest of the broadcast every receiver holds (``""`` when none was made).
+        """
         dtype = self.config.weights.dtype
-        if self.ranks.world_size > 1:
-            return self.store.save_sharded(
+        if self.ranks.world_size > 1:  # a part from each rank; one call that all ranks run at a time
+            sent = self.sender.send(version, self.trainer.full_state(name, dtype)) if self._broadcasts(name) else ""
+            snapshot = self.store.save_sharded(
                 name,
                 version,
                 lambda folder: self.trainer.write_snapshot_parts(name, dtype, folder, self.store.digest),
             )
-        return self.store.save_state(
-            name, version, state if state is not None else self.trainer.full_state(name, dtype)
-        )
+            return snapshot, sent
+        state = self.trainer.full_state(name, dtype)
+        if not self._broadcasts(name):
+            return self.store.save_state(name, version, state), ""
+        # The snapshot is written while the tensors travel: the announcement waits for both.
+        with ThreadPoolExecutor(1, thread_name_prefix="snapshot") as pool:
+            writing = pool.submit(self.store.save_state, name, version, state)
+            broadcast_digest = self.sender.send(version, state)
+            return writing.result(), broadcast_digest
 
-    def _broadcast(self, name: str, version: int) -> tuple[dict[str, torch.Tensor] | None, str]:
-        """Send the actor to the generators' group before the store has it: (the state sent, the digest every
-        receiver holds or ``""``)."""
-        if name != "actor" or self.sender is None:
-            return None, ""
-        state = self.trainer.full_state(name, self.config.weights.dtype)
-        return state, self.sender.send(version, state)
+    def _broadcasts(self, name: str) -> bool:
+        return name == "actor" and self.sender is not None
 
     def announce(self) -> list[WeightAnnouncement]:
-        """Snapshot actor and critic at the current version into the weight store and announce both (the actor
-        broadcast first, when configured)."""
+        """Snapshot actor and critic at the current version into the weight store (the actor also broadcast, when
+        configured) and announce both."""
         version = self.trainer.version
         announcements = []
         for name, _, _ in self.trainer.models():
-            state, broadcast_digest = self._broadcast(name, version)
-            snapshot = self._publish(name, version, state)
+            snapshot, broadcast_digest = self._publish(name, version)
             self.store.prune(name, self.config.pipeline.keep_snapshots, version)
             lineage = {
                 RUN_ID: self.config.run.run_id,
