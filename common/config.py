@@ -140,14 +140,48 @@ class AdaptiveKL(_Section):
     horizon: int = Field(10000, gt=0, description="Sequences over which β moves by at most 20%.")
 
 
+Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+# The estimators that need no critic: a run with one of them has none anywhere (common.ppo.ADVANTAGE_ESTIMATORS
+# says the same of each; tests/test_ppo.py holds the two lists together).
+CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# Group estimators compare the n responses of one prompt.
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
 class AlgorithmSection(_Section):
-    advantage_estimator: Literal["gae"] = "gae"
+    estimator: Estimator = Field(
+        "gae",
+        description="gae: PPO with a critic. Critic-free: grpo (group mean/std), dr_grpo (group mean, no std), rloo "
+        "(leave-one-out mean), reinforce_pp (discounted returns whitened over the batch), reinforce_pp_baseline "
+        "(group mean, then whitened over the batch).",
+    )
     gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ (gae only).")
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    kl_coef: float = Field(0.05, ge=0, description="β of the KL penalty in the token rewards (initial β if adaptive).")
+    kl_coef: float = Field(0.05, ge=0, description="β of the KL penalty (initial β if adaptive).")
+    kl_in: Literal["reward", "loss"] = Field(
+        "reward",
+        description="reward: −β·KL in every token's reward (PPO-RLHF); loss: β·KL(π‖π_ref) added to the policy loss "
+        "with kl_estimator (k3 as in GRPO), the rewards carrying the score alone.",
+    )
     adaptive_kl: AdaptiveKL | None = None
-    whiten_advantages: bool = True
+    whiten_advantages: bool = Field(
+        True, description="Whiten GAE advantages over each batch (gae only: the other estimators normalise their own)."
+    )
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.estimator not in CRITIC_FREE
+
+    @property
+    def whitens(self) -> bool:
+        """Whether the learner whitens the advantages it receives."""
+        return self.uses_critic and self.whiten_advantages
+
+    def gae_settings(self) -> list[str]:
+        """The settings of GAE with a critic this config sets explicitly (which a critic-free estimator refuses)."""
+        return [f"algorithm.{k}" for k in ("lam", "whiten_advantages") if k in self.model_fields_set]
+
     score_clip: float | None = Field(None, gt=0)
     missing_eos_penalty: float | None = Field(None, description="Subtracted from the score of truncated responses.")
 
@@ -192,7 +226,12 @@ class LearnerSection(_Section):
     value_coef: float = Field(1.0, gt=0, description="Scale of the critic's loss (it has its own optimizer).")
     entropy_coef: float = Field(0.0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean",
+        description="How per-token losses add up: every token alike (token-mean), every sequence alike "
+        "(seq-mean-token-mean), token sums (seq-mean-token-sum), or token sums over generation.max_new_tokens "
+        "(seq-mean-token-sum-norm, Dr. GRPO).",
+    )
     off_policy_correction: bool = Field(True, description="Truncated importance weight on stale experience.")
     checkpoint_dir: Path | None = Field(None, description="Default: <run.dir>/checkpoints.")
     checkpoint_every: int = Field(
@@ -395,6 +434,25 @@ class RunConfig(_Section):
             raise ValueError(
                 f"learner.mini_batch_size ({self.learner.mini_batch_size}) is smaller than the learner's ranks "
                 f"(learner.parallel.processes = {parallel.processes}): some ranks would train on nothing"
+            )
+        algorithm = self.algorithm
+        if not algorithm.uses_critic:
+            critic_settings = ["model.critic"] if self.model.critic is not None else []
+            critic_settings += ["model.dtypes.critic"] if self.model.dtypes.critic is not None else []
+            critic_settings += [
+                f"learner.{k}" for k in ("critic_lr", "value_clip", "value_coef") if k in self.learner.model_fields_set
+            ]
+            critic_settings += algorithm.gae_settings()
+            if critic_settings:
+                raise ValueError(
+                    f"algorithm.estimator {algorithm.estimator} runs without a critic or GAE, but "
+                    f"{', '.join(critic_settings)} {'is' if len(critic_settings) == 1 else 'are'} set: remove "
+                    f"{'it' if len(critic_settings) == 1 else 'them'}"
+                )
+        if algorithm.estimator in GROUP_ESTIMATORS and self.generation.n < 2:
+            raise ValueError(
+                f"algorithm.estimator {algorithm.estimator} compares the responses to one prompt: "
+                f"generation.n must be at least 2 (it is {self.generation.n})"
             )
         if self.weights.broadcast.address is not None and self.generation.backend != "transformers":
             raise ValueError(

@@ -1,4 +1,4 @@
-"""The advantage service's core: from scores, log-probs and values to KL-shaped rewards and GAE.
+"""The advantage service's core: from scores, log-probs and values to token rewards and advantages.
 
 Pure tensor code around :mod:`common.ppo`; the critic forward pass lives in :mod:`common.sequences`.
 """
@@ -23,13 +23,14 @@ class ShapingParams:
     score_clip: float | None = None
     missing_eos_penalty: float | None = None
     estimator: str = "gae"
+    kl_in: str = "reward"  # "loss": the learner adds the KL term to its loss, the rewards carry none
 
 
 @dataclass(frozen=True)
 class Estimate:
     kl: torch.Tensor  # (N, T)
     token_rewards: torch.Tensor  # (N, T)
-    advantages: torch.Tensor  # (N, T), not whitened
+    advantages: torch.Tensor  # (N, T), not whitened by the learner's switch (an estimator may whiten its own)
     returns: torch.Tensor  # (N, T)
 
 
@@ -40,14 +41,18 @@ def estimate_advantages(
     values: torch.Tensor,
     mask: torch.Tensor,
     finished: torch.Tensor,
+    group_index: torch.Tensor,
     params: ShapingParams,
 ) -> Estimate:
-    """Shapes: ``scores`` and ``finished`` ``(N,)``; everything else ``(N, T)``."""
+    """Shapes: ``scores``, ``finished`` and ``group_index`` ``(N,)``; everything else ``(N, T)``. ``values`` are
+    zeros in a critic-free run."""
     if params.missing_eos_penalty is not None:
         scores = ppo.missing_eos_penalty(scores, finished, params.missing_eos_penalty)
     kl = ppo.kl_estimate(behaviour_logprobs, ref_logprobs, params.kl_estimator) * mask
-    rewards = ppo.token_rewards(scores, kl, mask, params.kl_coef, clip=params.score_clip)
-    advantages, returns = ppo.ADVANTAGE_ESTIMATORS[params.estimator](
-        rewards, values * mask, mask, params.gamma, params.lam
+    beta = params.kl_coef if params.kl_in == "reward" else 0.0
+    rewards = ppo.token_rewards(scores, kl, mask, beta, clip=params.score_clip)
+    advantages, returns = ppo.ADVANTAGE_ESTIMATORS[params.estimator].fn(
+        ppo.EstimatorInput(rewards, values, mask, group_index),
+        ppo.EstimatorParams(gamma=params.gamma, lam=params.lam),
     )
     return Estimate(kl, rewards, advantages, returns)

@@ -24,11 +24,16 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "AdaptiveKLController",
+    "AdvantageEstimator",
+    "EstimatorInput",
+    "EstimatorParams",
     "FixedKLController",
     "agg_loss",
     "entropy_from_logits",
     "explained_variance",
     "gae",
+    "group_mean_std",
+    "grpo",
     "kl_estimate",
     "last_token_index",
     "logprobs_from_logits",
@@ -38,12 +43,15 @@ __all__ = [
     "missing_eos_penalty",
     "policy_loss",
     "register_advantage_estimator",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "rloo",
     "token_rewards",
     "truncated_importance_weights",
     "value_loss",
 ]
 
-LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 # --------------------------------------------------------------------------------------------- masked statistics
@@ -219,23 +227,53 @@ def token_rewards(
 
 # --------------------------------------------------------------------------------------------- advantages
 
-AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+@dataclass(frozen=True)
+class EstimatorInput:
+    """What an advantage estimator may use, for ``N`` sequences of ``T`` response tokens."""
+
+    token_rewards: torch.Tensor
+    """``(N, T)``: each sequence's score on its last real token, and ``−β·kl_t`` on every token when the KL penalty
+    is in the reward (:func:`token_rewards`)."""
+    values: torch.Tensor
+    """``(N, T)`` critic values ``V(s_t)``; zeros in a critic-free run."""
+    mask: torch.Tensor
+    """``(N, T)``."""
+    group_index: torch.Tensor
+    """``(N,)`` the prompt each response was sampled for: responses with one index form a group."""
+
+
+@dataclass(frozen=True)
+class EstimatorParams:
+    gamma: float = 1.0
+    lam: float = 0.95
+    eps: float = 1e-6
+    """Added to a group's standard deviation before dividing by it (GRPO)."""
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    fn: Callable[[EstimatorInput, EstimatorParams], tuple[torch.Tensor, torch.Tensor]]
+    """``fn(input, params) -> (advantages, returns)``, each ``(N, T)``, zero at padding."""
+    uses_critic: bool
+    """False: the run has no critic anywhere (values are zeros, nobody trains or loads one)."""
+
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Register ``fn(rewards, values, mask, gamma, lam) -> (advantages, returns)`` under ``name``."""
+def register_advantage_estimator(name: str, uses_critic: bool):
+    """Register ``fn(input: EstimatorInput, params: EstimatorParams) -> (advantages, returns)`` under ``name``."""
 
-    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
+    def decorator(fn):
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, uses_critic)
         return fn
 
     return decorator
 
 
-@register_advantage_estimator("gae")
 def gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -276,19 +314,170 @@ def gae(
     return advantages, returns
 
 
+def group_mean_std(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sequence, the mean, the (Bessel-corrected) standard deviation and the size of its group's scores.
+
+    A group of one has mean 0 and std 1, as in verl's ``core_algos.py`` (its advantage is its score).
+
+    Args:
+        scores: ``(N,)``.
+        group_index: ``(N,)``, any integers; equal ones form a group.
+    Returns:
+        ``(mean, std, size)``, each ``(N,)``.
+    """
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    groups = int(inverse.max()) + 1 if len(inverse) else 0
+    size = torch.zeros(groups, dtype=scores.dtype, device=scores.device).index_add_(0, inverse, torch.ones_like(scores))
+    total = torch.zeros_like(size).index_add_(0, inverse, scores)
+    mean = total / size
+    squares = torch.zeros_like(size).index_add_(0, inverse, (scores - mean[inverse]) ** 2)
+    std = torch.sqrt(squares / (size - 1).clamp(min=1.0))
+    single = size == 1
+    mean, std = torch.where(single, 0.0, mean), torch.where(single, 1.0, std)
+    return mean[inverse], std[inverse], size[inverse]
+
+
+def _outcome(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(N,)``: the sum of each sequence's token rewards (its score, less the KL penalty when it is in the reward)."""
+    return (token_rewards * mask.to(token_rewards.dtype)).sum(dim=-1)
+
+
+def grpo(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_index: torch.Tensor,
+    eps: float = 1e-6,
+    scale_by_std: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO (Shao et al. 2024): ``A_i = (s_i − mean_g) / (std_g + ε)`` on every token of response ``i``, where ``s_i``
+    is its outcome (summed token rewards) and ``g`` its group (the ``n`` samples of one prompt).
+
+    With ``scale_by_std=False`` it is Dr. GRPO's advantage (Liu et al. 2025): ``A_i = s_i − mean_g``.
+
+    Args:
+        token_rewards: ``(N, T)``.
+        mask: ``(N, T)``.
+        group_index: ``(N,)``.
+    Returns:
+        ``(advantages, returns)``, each ``(N, T)`` and equal, zero at padding.
+    """
+    with torch.no_grad():
+        scores = _outcome(token_rewards, mask)
+        mean, std, _ = group_mean_std(scores, group_index)
+        advantages = scores - mean
+        if scale_by_std:
+            advantages = advantages / (std + eps)
+        advantages = advantages.unsqueeze(-1) * mask.to(scores.dtype)
+    return advantages, advantages
+
+
+def rloo(
+    token_rewards: torch.Tensor, mask: torch.Tensor, group_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO (Ahmadian et al. 2024): ``A_i = s_i − mean_{j≠i} s_j = n/(n−1)·(s_i − mean_g)`` over its group of ``n``;
+    a group of one keeps its score.
+
+    Args:
+        token_rewards: ``(N, T)``.
+        mask: ``(N, T)``.
+        group_index: ``(N,)``.
+    Returns:
+        ``(advantages, returns)``, each ``(N, T)`` and equal, zero at padding.
+    """
+    with torch.no_grad():
+        scores = _outcome(token_rewards, mask)
+        mean, _, size = group_mean_std(scores, group_index)
+        factor = torch.where(size > 1, size / (size - 1).clamp(min=1.0), 1.0)
+        advantages = torch.where(size > 1, factor * (scores - mean), scores)
+        advantages = advantages.unsqueeze(-1) * mask.to(scores.dtype)
+    return advantages, advantages
+
+
+def reinforce_pp(
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025): discounted returns of the KL-shaped token rewards, ``R_t = r_t + γ·R_{t+1}`` within
+    each response, whitened over the whole batch to give the advantages.
+
+    Args:
+        token_rewards: ``(N, T)``.
+        mask: ``(N, T)``.
+        gamma: discount γ.
+    Returns:
+        ``(advantages, returns)``, each ``(N, T)``, zero at padding.
+    """
+    with torch.no_grad():
+        mask = mask.to(token_rewards.dtype)
+        returns = torch.zeros_like(token_rewards)
+        running = torch.zeros_like(token_rewards[:, 0])
+        for t in reversed(range(token_rewards.shape[1])):
+            running = (token_rewards[:, t] + gamma * running) * mask[:, t]
+            returns[:, t] = running
+        advantages = masked_whiten(returns, mask)
+    return advantages, returns
+
+
+def reinforce_pp_baseline(
+    token_rewards: torch.Tensor, mask: torch.Tensor, group_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline (Hu 2025): ``s_i − mean_g`` on every token of response ``i``, then whitened
+    over the whole batch.
+
+    Args:
+        token_rewards: ``(N, T)``.
+        mask: ``(N, T)``.
+        group_index: ``(N,)``.
+    Returns:
+        ``(advantages, returns)``, each ``(N, T)`` and equal, zero at padding.
+    """
+    with torch.no_grad():
+        scores = _outcome(token_rewards, mask)
+        mean, _, _ = group_mean_std(scores, group_index)
+        centred = (scores - mean).unsqueeze(-1) * mask.to(scores.dtype)
+        advantages = masked_whiten(centred, mask)
+    return advantages, advantages
+
+
+register_advantage_estimator("gae", uses_critic=True)(
+    lambda x, p: gae(x.token_rewards, x.values * x.mask, x.mask, p.gamma, p.lam)
+)
+register_advantage_estimator("grpo", uses_critic=False)(
+    lambda x, p: grpo(x.token_rewards, x.mask, x.group_index, p.eps)
+)
+register_advantage_estimator("dr_grpo", uses_critic=False)(
+    lambda x, p: grpo(x.token_rewards, x.mask, x.group_index, scale_by_std=False)
+)
+register_advantage_estimator("rloo", uses_critic=False)(lambda x, p: rloo(x.token_rewards, x.mask, x.group_index))
+register_advantage_estimator("reinforce_pp", uses_critic=False)(
+    lambda x, p: reinforce_pp(x.token_rewards, x.mask, p.gamma)
+)
+register_advantage_estimator("reinforce_pp_baseline", uses_critic=False)(
+    lambda x, p: reinforce_pp_baseline(x.token_rewards, x.mask, x.group_index)
+)
+
+
 # --------------------------------------------------------------------------------------------- losses
 
 
-def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: LossAgg = "token-mean", num_tokens: float | None = None):
+def agg_loss(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: LossAgg = "token-mean",
+    num_tokens: float | None = None,
+    norm_length: int | None = None,
+):
     """Reduce a ``(B, T)`` per-token loss to a scalar.
 
     Args:
         loss: ``(B, T)``.
         mask: ``(B, T)``.
-        mode: ``token-mean`` (every real token of the batch weighs the same), ``seq-mean-token-sum``, or
-            ``seq-mean-token-mean`` (every sequence weighs the same).
+        mode: ``token-mean`` (every real token of the batch weighs the same), ``seq-mean-token-sum``,
+            ``seq-mean-token-mean`` (every sequence weighs the same), or ``seq-mean-token-sum-norm`` (Dr. GRPO: each
+            sequence's token sum divided by the constant ``norm_length``, then the mean over sequences, so neither
+            a response's length nor the batch's padding changes a token's weight).
         num_tokens: for ``token-mean`` under gradient accumulation, the number of real tokens of the *whole*
             mini-batch, so that the micro-batch losses add up to the global token mean. Default: ``mask.sum()``.
+        norm_length: for ``seq-mean-token-sum-norm``: the longest response the sampler may produce.
     """
     mask = mask.to(loss.dtype)
     if mode == "token-mean":
@@ -298,6 +487,10 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: LossAgg = "token-mean
         return (loss * mask).sum(dim=-1).mean()
     if mode == "seq-mean-token-mean":
         return masked_mean(loss, mask, dim=-1).mean()
+    if mode == "seq-mean-token-sum-norm":
+        if norm_length is None or norm_length < 1:
+            raise ValueError("seq-mean-token-sum-norm needs norm_length, the longest response (≥ 1)")
+        return (loss * mask).sum(dim=-1).mean() / norm_length
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
@@ -328,6 +521,7 @@ def policy_loss(
     importance_weights: torch.Tensor | None = None,
     agg: LossAgg = "token-mean",
     num_tokens: float | None = None,
+    norm_length: int | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """PPO clipped surrogate: ``−min(ratio·A, clip(ratio, 1−ε_low, 1+ε_high)·A)`` per token, aggregated.
 
@@ -339,7 +533,7 @@ def policy_loss(
         clip_low, clip_high: ε_low and ε_high (asymmetric clipping, "clip-higher").
         dual_clip: c > 1: for ``A < 0`` the loss is bounded by ``−c·A`` (Ye et al. 2020).
         importance_weights: ``(B, T)`` off-policy correction multiplied into the per-token loss.
-        agg, num_tokens: see :func:`agg_loss`.
+        agg, num_tokens, norm_length: see :func:`agg_loss`.
     Returns:
         ``(loss, stats)``; ``loss`` is a scalar with gradient w.r.t. ``logp``.
     """
@@ -361,7 +555,7 @@ def policy_loss(
         losses = torch.where(negative, bounded, losses)
     if importance_weights is not None:
         losses = losses * importance_weights
-    loss = agg_loss(losses, mask_f, agg, num_tokens)
+    loss = agg_loss(losses, mask_f, agg, num_tokens, norm_length)
     with torch.no_grad():
         approx_kl = masked_mean(torch.exp(-log_ratio) - 1.0 + log_ratio, mask_f)
     return loss, PolicyLossStats(clip_frac.detach(), approx_kl, dual_clip_frac.detach())
@@ -381,6 +575,7 @@ def value_loss(
     clip: float | None = 0.2,
     agg: LossAgg = "token-mean",
     num_tokens: float | None = None,
+    norm_length: int | None = None,
 ) -> tuple[torch.Tensor, ValueLossStats]:
     """Clipped value loss ``½·max((V − R)², (clip(V, V_old ± ε_v) − R)²)``, aggregated.
 
@@ -403,7 +598,7 @@ def value_loss(
         clipped = (values_clipped - returns) ** 2
         losses = torch.maximum(unclipped, clipped)
         clip_frac = masked_mean((clipped > unclipped).to(values.dtype), mask_f).detach()
-    return 0.5 * agg_loss(losses, mask_f, agg, num_tokens), ValueLossStats(clip_frac)
+    return 0.5 * agg_loss(losses, mask_f, agg, num_tokens, norm_length), ValueLossStats(clip_frac)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

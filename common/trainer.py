@@ -1,6 +1,7 @@
 """The learner's core: PPO epochs over one batch of experience, for the actor and the critic.
 
-It owns the trainable actor and critic, their optimizers, the KL controller and the policy version. No I/O:
+It owns the trainable actor and critic (none with a critic-free estimator), their optimizers, the KL controller and
+the policy version. No I/O:
 the learner service decodes experience into :class:`Experience`, calls :meth:`PPOTrainer.train`, and publishes.
 """
 
@@ -47,6 +48,7 @@ class Experience:
     values: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None  # (N, T), for the KL term of the loss (algorithm.kl_in: loss)
 
     @classmethod
     def from_message(cls, msg: ExperienceBatch) -> Experience:
@@ -64,10 +66,12 @@ class Experience:
             t(msg.values),
             t(msg.advantages),
             t(msg.returns),
+            t(msg.ref_logprobs),
         )
 
     def to(self, device) -> Experience:
-        return Experience(self.policy_version, *(getattr(self, f).to(device) for f in _TENSOR_FIELDS))
+        tensors = (getattr(self, f) for f in _TENSOR_FIELDS)
+        return Experience(self.policy_version, *(t.to(device) if t is not None else None for t in tensors))
 
     @property
     def mask(self) -> torch.Tensor:
@@ -106,25 +110,34 @@ class PPOTrainer:
     def __init__(
         self,
         actor: torch.nn.Module,
-        critic: torch.nn.Module,
+        critic: torch.nn.Module | None,
         learner: LearnerSection,
         algorithm: AlgorithmSection,
         temperature: float,
         pad_token_id: int,
         seed: int = 0,
         ranks: Ranks | None = None,
+        max_response_length: int | None = None,
     ):
         """``actor`` and ``critic`` come sharded already when ``ranks.sharded`` (:func:`common.parallel.shard_model`):
-        the optimizers must see the sharded parameters."""
+        the optimizers must see the sharded parameters. ``critic`` is None with a critic-free estimator.
+        ``max_response_length`` (the sampler's limit) normalises the ``seq-mean-token-sum-norm`` loss."""
+        if (critic is None) == algorithm.uses_critic:
+            raise ValueError(
+                f"estimator {algorithm.estimator} {'needs' if algorithm.uses_critic else 'takes no'} critic"
+            )
         self.actor, self.critic = actor, critic
         self.ranks = ranks or Ranks()
         self.cfg, self.algo = learner, algorithm
         self.temperature, self.pad_token_id = temperature, pad_token_id
+        self.max_response_length = max_response_length
         self.actor_optimizer = torch.optim.AdamW(
             actor.parameters(), lr=learner.actor_lr, weight_decay=learner.weight_decay
         )
-        self.critic_optimizer = torch.optim.AdamW(
-            critic.parameters(), lr=learner.critic_lr, weight_decay=learner.weight_decay
+        self.critic_optimizer = (
+            torch.optim.AdamW(critic.parameters(), lr=learner.critic_lr, weight_decay=learner.weight_decay)
+            if critic is not None
+            else None
         )
         if algorithm.adaptive_kl is not None:
             self.kl_controller = ppo.AdaptiveKLController(
@@ -158,7 +171,7 @@ class PPOTrainer:
         packed = pack(
             exp.prompt_tokens, exp.prompt_lengths, exp.response_tokens, exp.response_lengths, self.pad_token_id
         )
-        advantages = ppo.masked_whiten(exp.advantages, mask) if self.algo.whiten_advantages else exp.advantages
+        advantages = ppo.masked_whiten(exp.advantages, mask) if self.algo.whitens else exp.advantages
         # π_old is the learner's own policy now: the sampler's log-probs differ (other kernels, other engine).
         # Each rank computes its share of the rows; the sum over ranks (zeros elsewhere) is every row's.
         old_logp = torch.zeros_like(mask)
@@ -183,13 +196,12 @@ class PPOTrainer:
             for key, value in values.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
 
-        steps, norms = 0, {"grad_norm_actor": 0.0, "grad_norm_critic": 0.0}
+        steps, norms = 0, {f"grad_norm_{name}": 0.0 for name, _, _ in self.models()}
         for _ in range(self.cfg.ppo_epochs):
             order = torch.randperm(len(batch.mask), generator=self.generator)
             for mini in _chunks(order, self.cfg.mini_batch_size):
-                actor_norm, critic_norm = self._mini_batch_step(exp, batch, mini, add)
-                norms["grad_norm_actor"] += actor_norm
-                norms["grad_norm_critic"] += critic_norm
+                for name, norm in self._mini_batch_step(exp, batch, mini, add).items():
+                    norms[f"grad_norm_{name}"] += norm
                 steps += 1
         # Each rank summed the statistics of its rows; the norms are global already.
         keys = sorted(sums)
@@ -221,17 +233,18 @@ class PPOTrainer:
             return packed.rows(rows)
         return microbatch_view(packed, exp.prompt_lengths, exp.response_lengths, rows)
 
-    def _mini_batch_step(self, exp: Experience, batch: _Batch, mini: torch.Tensor, add) -> tuple[float, float]:
+    def _mini_batch_step(self, exp: Experience, batch: _Batch, mini: torch.Tensor, add) -> dict[str, float]:
         """Accumulate the gradients of this rank's passes over the mini-batch, then step actor and critic;
         statistics (this rank's part of the mini-batch's) go to ``add(name=value, ...)``; returns the gradient
-        norms."""
+        norms by model."""
         cfg = self.cfg
         num_tokens = float(batch.mask[mini].sum())
+        agg = {"agg": cfg.loss_agg, "num_tokens": num_tokens, "norm_length": self.max_response_length}
         # Sharded gradients are averaged over the ranks; each rank's loss is its rows' part of the whole
         # mini-batch's, so the sum is wanted.
         world = self.ranks.world_size
-        self.actor_optimizer.zero_grad(set_to_none=True)
-        self.critic_optimizer.zero_grad(set_to_none=True)
+        for _, _, optimizer in self.models():
+            optimizer.zero_grad(set_to_none=True)
         for step in self._passes(exp, mini):
             rows = step.rows
             view = self._view(exp, batch.packed, rows)
@@ -251,29 +264,33 @@ class PPOTrainer:
                 cfg.clip_high,
                 cfg.dual_clip,
                 batch.importance[rows, :width] if batch.importance is not None else None,
-                cfg.loss_agg,
-                num_tokens,
+                **agg,
             )
-            entropy_loss = ppo.agg_loss(entropy, m, cfg.loss_agg, num_tokens)
-            ((pg_loss - cfg.entropy_coef * entropy_loss) * scale * world).backward()
-            values = response_values(self.critic, view)
-            vf_loss, vf_stats = ppo.value_loss(
-                values, exp.values[rows, :width], exp.returns[rows, :width], m, cfg.value_clip, cfg.loss_agg, num_tokens
-            )
-            (cfg.value_coef * vf_loss * scale * world).backward()
+            loss = pg_loss - cfg.entropy_coef * ppo.agg_loss(entropy, m, agg["agg"], num_tokens, agg["norm_length"])
             # Token statistics are means over the mini-batch's tokens (so the same however its rows are split over
             # passes and ranks), then over the optimizer steps.
             share = step.weight * float(m.sum()) / max(num_tokens, 1.0)
+            if self.algo.kl_in == "loss":
+                kl = ppo.kl_estimate(logp, exp.ref_logprobs[rows, :width], self.algo.kl_estimator)
+                kl_loss = ppo.agg_loss(kl, m, agg["agg"], num_tokens, agg["norm_length"])
+                loss = loss + self.kl_controller.value * kl_loss
+                add(kl_loss=kl_loss.detach() * scale)
+            (loss * scale * world).backward()
             add(
                 policy_loss=pg_loss.detach() * scale,
-                value_loss=vf_loss.detach() * scale,
                 entropy=ppo.masked_mean(entropy.detach(), m) * share,
                 clip_frac=pg_stats.clip_frac * share,
                 approx_kl=pg_stats.approx_kl * share,
                 dual_clip_frac=pg_stats.dual_clip_frac * share,
-                value_clip_frac=vf_stats.clip_frac * share,
             )
-        return self._step(self.actor, self.actor_optimizer), self._step(self.critic, self.critic_optimizer)
+            if self.critic is not None:
+                values = response_values(self.critic, view)
+                vf_loss, vf_stats = ppo.value_loss(
+                    values, exp.values[rows, :width], exp.returns[rows, :width], m, cfg.value_clip, **agg
+                )
+                (cfg.value_coef * vf_loss * scale * world).backward()
+                add(value_loss=vf_loss.detach() * scale, value_clip_frac=vf_stats.clip_frac * share)
+        return {name: self._step(model, optimizer) for name, model, optimizer in self.models()}
 
     def _batch_statistics(self, exp: Experience, batch: _Batch, kl_per_sequence: torch.Tensor) -> dict[str, float]:
         """What the experience itself says: reward, KL, critic fit, lengths, the sampler/learner log-prob gap."""
@@ -284,7 +301,11 @@ class PPOTrainer:
             "kl": float(ppo.masked_mean(exp.kl, mask)),
             "kl_per_sequence": float(kl_per_sequence.mean()),
             "kl_coef": self.kl_controller.value,
-            "explained_variance": float(ppo.explained_variance(exp.values, exp.returns, mask)),
+            **(
+                {"explained_variance": float(ppo.explained_variance(exp.values, exp.returns, mask))}
+                if self.critic is not None
+                else {}
+            ),
             "advantage_mean": float(ppo.masked_mean(exp.advantages, mask)),
             "response_length": float(exp.response_lengths.float().mean()),
             "finished_frac": float(exp.finished.float().mean()),
@@ -298,19 +319,18 @@ class PPOTrainer:
     def state_dict(self) -> dict:
         """Everything needed to continue training exactly: weights, optimizers, KL controller, version, RNG.
         Single process only; sharded trainers checkpoint with :meth:`save`."""
-        return {
-            "actor": self.actor.state_dict(),
-            "critic": self.critic.state_dict(),
-            "actor_optimizer": self.actor_optimizer.state_dict(),
-            "critic_optimizer": self.critic_optimizer.state_dict(),
-            **self._small_state(),
-        }
+        state = self._small_state()
+        for name, model, optimizer in self.models():
+            state[name], state[f"{name}_optimizer"] = model.state_dict(), optimizer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.actor.load_state_dict(state["actor"])
-        self.critic.load_state_dict(state["critic"])
-        self.actor_optimizer.load_state_dict(state["actor_optimizer"])
-        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        missing = [name for name, _, _ in self.models() if name not in state]
+        if missing:
+            raise RuntimeError(f"the checkpoint holds no {', '.join(missing)}: it was written with another estimator")
+        for name, model, optimizer in self.models():
+            model.load_state_dict(state[name])
+            optimizer.load_state_dict(state[f"{name}_optimizer"])
         self._load_small_state(state)
 
     def _small_state(self) -> dict:
@@ -377,7 +397,14 @@ class PPOTrainer:
         return sum(3 * t.numel() * t.element_size() for t in local)
 
     def models(self) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
-        return [("actor", self.actor, self.actor_optimizer), ("critic", self.critic, self.critic_optimizer)]
+        """What trains: the actor, and the critic when the estimator uses one."""
+        models = [("actor", self.actor, self.actor_optimizer)]
+        if self.critic is not None:
+            models.append(("critic", self.critic, self.critic_optimizer))
+        return models
+
+    def _module(self, model: str) -> torch.nn.Module:
+        return {name: module for name, module, _ in self.models()}[model]
 
     def _sharded_state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -391,7 +418,7 @@ class PPOTrainer:
     def full_state(self, model: str, dtype: str = "float32") -> dict[str, torch.Tensor] | None:
         """The whole ``actor`` or ``critic`` state in ``dtype`` on rank 0's CPU (None on the other ranks), each
         tied tensor once, under its first name (as a transformers checkpoint has it)."""
-        module = {"actor": self.actor, "critic": self.critic}[model]
+        module = self._module(model)
         state = gather_full_state(module, self.ranks)
         if state is None:
             return None
@@ -412,7 +439,7 @@ class PPOTrainer:
         kept by its owner only: the traffic of gathering the state to rank 0, and no rank holds more than its part
         plus the one tensor in flight.
         """
-        module = {"actor": self.actor, "critic": self.critic}[model]
+        module = self._module(model)
         state = module.state_dict()
         names = sorted(first_names(module))  # one order on every rank
         load, owner = [0] * self.ranks.world_size, {}

@@ -160,6 +160,34 @@ def test_incomplete_kafka_security_is_rejected(overrides, message):
 @pytest.mark.parametrize(
     "overrides, message",
     [
+        (
+            ["algorithm.estimator=grpo"],
+            "estimator grpo runs without a critic or GAE, but learner.critic_lr, learner.value_clip, algorithm.lam are",
+        ),
+        (["algorithm.estimator=rloo", "model.critic=some/critic"], "model.critic"),
+        (["algorithm.estimator=ppo"], "algorithm.estimator"),
+        (["algorithm.kl_in=advantage"], "algorithm.kl_in"),
+        (["learner.loss_agg=seq-sum"], "learner.loss_agg"),
+    ],
+)
+def test_algorithm_settings_that_do_not_fit_the_estimator_are_rejected(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(EXAMPLE / "config.yaml", overrides)
+
+
+def test_the_grpo_example_needs_groups():
+    grpo = EXAMPLE / "grpo.yaml"
+    config = load_config(grpo)
+    assert config.algorithm.estimator == "grpo" and not config.algorithm.uses_critic and not config.algorithm.whitens
+    with pytest.raises(ConfigError, match="generation.n must be at least 2 .it is 1."):
+        load_config(grpo, ["generation.n=1", "learner.mini_batch_size=16"])
+    with pytest.raises(ConfigError, match="algorithm.whiten_advantages is set: remove it"):
+        load_config(grpo, ["algorithm.whiten_advantages=true"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
         (["weights.digest=md5"], "weights.digest"),
         (["weights.full_every=0"], "weights.full_every"),
         (

@@ -11,6 +11,7 @@ import time
 import uuid
 
 import pytest
+import torch
 from conftest import EXAMPLE, REPO
 
 from common.schema import DeadLetter, SchemaError, decode
@@ -31,9 +32,9 @@ def bus(kafka_config):
     return kafka_bus(kafka_config)
 
 
-def streamppo_command(*args: str, overrides: list[str] = ()) -> list[str]:
-    """``python -m services.cli ARGS --config <the example> --set OVERRIDE ...``."""
-    command = [sys.executable, "-m", "services.cli", *args, "--config", str(EXAMPLE / "config.yaml")]
+def streamppo_command(*args: str, overrides: list[str] = (), config: str = "config.yaml") -> list[str]:
+    """``python -m services.cli ARGS --config <the example's config> --set OVERRIDE ...``."""
+    command = [sys.executable, "-m", "services.cli", *args, "--config", str(EXAMPLE / config)]
     return command + [a for o in overrides for a in ("--set", o)]
 
 
@@ -187,6 +188,49 @@ def test_streamppo_up_runs_the_pipeline_as_processes(kafka_broker, kafka_config,
                 scored[message.batch_id] = message.lineage["scorer.replica"]
     assert len(scored) == steps
     assert set(scored.values()) == {"scorer-0", "scorer-1"}, "both scorer replicas did work"
+
+
+def test_a_critic_free_run_has_no_critic_anywhere(kafka_broker, kafka_config, tmp_path, model_cache):
+    """GRPO as processes over the broker: no service loads, trains, checkpoints or publishes a critic, and the
+    experience on the topic says which estimator made it."""
+    steps, run_id = 8, unique("grpo")
+    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
+    overrides = [
+        f"run.steps={steps}",
+        f"run.dir={tmp_path / 'run'}",
+        f"run.run_id={run_id}",
+        f"model.cache_dir={model_cache}",
+        "generation.backend=transformers",
+        *kafka_broker,
+    ]
+    args = streamppo_command("-v", "up", "--bootstrap", bootstrap, overrides=overrides, config="grpo.yaml")
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "advantage-0: grpo needs no critic; none is loaded" in result.stdout
+    assert "critic weights" not in result.stdout  # nobody loaded, nor was offered, a critic snapshot
+    run = tmp_path / "run"
+    assert {p.name.split("-v")[0] for p in (run / "weights").iterdir()} == {"actor"}
+    checkpoint = (run / "checkpoints" / (run / "checkpoints" / "LATEST").read_text().strip()) / "trainer.pt"
+    assert set(torch.load(checkpoint, weights_only=True)) >= {"actor", "actor_optimizer"}
+    assert not {"critic", "critic_optimizer"} & set(torch.load(checkpoint, weights_only=True))
+    assert sorted(p.name for p in (run / "final").iterdir()) == ["actor"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert len(records) == steps and all("grad_norm_critic" not in r and "value_loss" not in r for r in records)
+    audit = kafka_bus(kafka_config).consumer("experience", None, "audit")
+    experience, deadline = [], time.monotonic() + 60
+    while len(experience) < steps and time.monotonic() < deadline:
+        for record in audit.poll(0.5, max_records=1000):
+            try:
+                message = decode(record.value)
+            except SchemaError:
+                continue  # other tests put garbage on the shared topics
+            if message.batch_id.startswith(run_id):
+                experience.append(message)
+    assert len(experience) == steps
+    for message in experience:
+        assert message.lineage["shaping.estimator"] == "grpo" and "critic.version" not in message.lineage
+        assert not message.values.any(), "values are zeros: there is no critic"
+        assert message.advantages.any()
 
 
 def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path):

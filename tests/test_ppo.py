@@ -296,3 +296,150 @@ def test_property_k3_is_non_negative_and_zero_on_equal_policies(batch):
     a, b, _ = batch
     assert (ppo.kl_estimate(a, b, "k3") >= -1e-6).all()
     assert torch.allclose(ppo.kl_estimate(a, a, "k3"), torch.zeros_like(a))
+
+
+# --------------------------------------------------------------------------------------------- critic-free estimators
+
+# Two prompts, three responses each; prompt 1's responses all score 2 (a group with nothing to learn from).
+GROUP_SCORES = [1.0, 0.0, 0.5, 2.0, 2.0, 2.0]
+GROUP_INDEX = torch.tensor([0, 0, 0, 1, 1, 1])
+GROUP_LENGTHS = [3, 2, 1, 3, 3, 2]
+
+
+def outcome_rewards(scores, lengths, width=4):
+    """Token rewards with each score on its response's last token (no KL term), and the mask."""
+    mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).float()
+    rewards = torch.zeros(len(scores), width)
+    for i, (score, length) in enumerate(zip(scores, lengths)):
+        if length:
+            rewards[i, length - 1] = score
+    return rewards, mask
+
+
+@pytest.mark.parametrize(
+    "estimator, per_response",
+    [
+        # group 0: mean 0.5, std (Bessel) 0.5; group 1: std 0, so 0 / (0 + ε)
+        ("grpo", [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0.0, 0.0, 0.0, 0.0]),
+        ("dr_grpo", [0.5, -0.5, 0.0, 0.0, 0.0, 0.0]),
+        # 1 − mean(0, 0.5) = 0.75; 0 − mean(1, 0.5) = −0.75; 0.5 − mean(1, 0) = 0
+        ("rloo", [0.75, -0.75, 0.0, 0.0, 0.0, 0.0]),
+    ],
+)
+def test_group_estimators_on_worked_numbers(estimator, per_response):
+    rewards, mask = outcome_rewards(GROUP_SCORES, GROUP_LENGTHS)
+    advantages, returns = ppo.ADVANTAGE_ESTIMATORS[estimator].fn(
+        ppo.EstimatorInput(rewards, torch.zeros_like(rewards), mask, GROUP_INDEX), ppo.EstimatorParams()
+    )
+    expected = torch.tensor(per_response)[:, None] * mask  # the same advantage on every token of a response
+    assert torch.allclose(advantages, expected, atol=1e-6)
+    assert torch.equal(returns, advantages)
+
+
+def test_reinforce_pp_baseline_centres_on_the_group_then_whitens_the_batch():
+    rewards, mask = outcome_rewards(GROUP_SCORES, GROUP_LENGTHS)
+    advantages, _ = ppo.reinforce_pp_baseline(rewards, mask, GROUP_INDEX)
+    # Centred: 0.5 on 3 tokens, −0.5 on 2, 0 on the other 9 of the 14 real tokens: mean 0.5/14, Bessel variance.
+    centred = torch.tensor([0.5, -0.5, 0.0, 0.0, 0.0, 0.0])[:, None] * mask
+    values = centred[mask.bool()]
+    mean, var = values.mean(), values.var(unbiased=True)
+    assert float(mean) == pytest.approx(0.5 / 14)
+    assert torch.allclose(advantages, (centred - mean) / torch.sqrt(var + 1e-8) * mask, atol=1e-6)
+    assert float(advantages[mask.bool()].mean()) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_reinforce_pp_discounts_the_kl_shaped_rewards_within_each_response():
+    # One response of 3 tokens, rewards −0.1, −0.2, 1 − 0.3 (KL-shaped, score 1), γ = 0.5; a second of 1 token.
+    rewards = torch.tensor([[-0.1, -0.2, 0.7], [2.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    advantages, returns = ppo.reinforce_pp(rewards, mask, gamma=0.5)
+    # R_2 = 0.7; R_1 = −0.2 + 0.35 = 0.15; R_0 = −0.1 + 0.075 = −0.025; the second row's padding never counts.
+    assert torch.allclose(returns, torch.tensor([[-0.025, 0.15, 0.7], [2.0, 0.0, 0.0]]), atol=1e-6)
+    real = torch.tensor([-0.025, 0.15, 0.7, 2.0])
+    whitened = (real - real.mean()) / torch.sqrt(real.var(unbiased=True) + 1e-8)
+    assert torch.allclose(advantages[mask.bool()], whitened, atol=1e-6)
+    assert (advantages[mask == 0] == 0).all()
+
+
+def reference_outcomes(rewards, lengths):
+    return [sum(rewards[i, t].item() for t in range(length)) for i, length in enumerate(lengths)]
+
+
+def reference_group_advantages(estimator, rewards, lengths, groups, eps=1e-6):
+    """The group estimators written as plain loops over lists, from their papers' formulas."""
+    scores = reference_outcomes(rewards, lengths)
+    out = []
+    for i, s in enumerate(scores):
+        members = [scores[j] for j in range(len(scores)) if groups[j] == groups[i]]
+        n = len(members)
+        mean = sum(members) / n if n > 1 else 0.0
+        std = math.sqrt(sum((x - mean) ** 2 for x in members) / (n - 1)) if n > 1 else 1.0
+        if estimator == "grpo":
+            out.append((s - mean) / (std + eps))
+        elif estimator in ("dr_grpo", "reinforce_pp_baseline"):
+            out.append(s - mean)
+        elif estimator == "rloo":
+            out.append(s - (sum(members) - s) / (n - 1) if n > 1 else s)  # the mean of the others
+    return out
+
+
+def reference_whiten(values_by_row, lengths):
+    real = [values_by_row[i][t] for i, length in enumerate(lengths) for t in range(length)]
+    mean = sum(real) / len(real)
+    var = sum((x - mean) ** 2 for x in real) / (len(real) - 1)
+    return [
+        [(values_by_row[i][t] - mean) / math.sqrt(var + 1e-8) for t in range(length)]
+        for i, length in enumerate(lengths)
+    ]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("seed", range(3))
+def test_critic_free_estimators_match_plain_loops(estimator, seed):
+    g = torch.Generator().manual_seed(seed)
+    groups = torch.randint(0, 4, (12,), generator=g)  # uneven groups, some of one response
+    width = 7
+    lengths = torch.randint(1, width + 1, (12,), generator=g).tolist()
+    mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).float()
+    rewards = torch.randn(12, width, generator=g) * mask  # KL-shaped: a reward on every token
+    gamma = [1.0, 0.9, 0.5][seed]
+    advantages, _ = ppo.ADVANTAGE_ESTIMATORS[estimator].fn(
+        ppo.EstimatorInput(rewards, torch.zeros_like(rewards), mask, groups), ppo.EstimatorParams(gamma=gamma)
+    )
+    if estimator == "reinforce_pp":
+        returns = []
+        for i, length in enumerate(lengths):
+            row, running = [0.0] * length, 0.0
+            for t in reversed(range(length)):
+                running = rewards[i, t].item() + gamma * running
+                row[t] = running
+            returns.append(row)
+        expected_rows = reference_whiten(returns, lengths)
+    else:
+        per_response = reference_group_advantages(estimator, rewards, lengths, groups.tolist())
+        expected_rows = [[a] * length for a, length in zip(per_response, lengths)]
+        if estimator == "reinforce_pp_baseline":
+            expected_rows = reference_whiten(expected_rows, lengths)
+    for i, length in enumerate(lengths):
+        assert torch.allclose(advantages[i, :length], torch.tensor(expected_rows[i]), atol=1e-5), (estimator, i)
+        assert (advantages[i, length:] == 0).all()
+
+
+def test_the_registry_and_the_config_name_the_same_estimators():
+    from typing import get_args
+
+    from common.config import CRITIC_FREE, Estimator
+
+    assert set(ppo.ADVANTAGE_ESTIMATORS) == set(get_args(Estimator))
+    assert {name for name, e in ppo.ADVANTAGE_ESTIMATORS.items() if not e.uses_critic} == set(CRITIC_FREE)
+
+
+def test_dr_grpo_aggregation_divides_token_sums_by_a_constant_length():
+    loss = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    # Token sums 6 and 4; their mean 5, over the longest response the sampler may write (10).
+    assert float(ppo.agg_loss(loss, mask, "seq-mean-token-sum-norm", norm_length=10)) == pytest.approx(0.5)
+    # Unlike seq-mean-token-mean, a response's length does not change its tokens' weight.
+    assert float(ppo.agg_loss(loss, mask, "seq-mean-token-mean")) == pytest.approx((2.0 + 4.0) / 2)
+    with pytest.raises(ValueError, match="needs norm_length"):
+        ppo.agg_loss(loss, mask, "seq-mean-token-sum-norm")

@@ -50,19 +50,21 @@ def experience(tiny_model):
     )
 
 
-def make_trainer(tiny_model, tokenizer, **learner):
+def make_trainer(tiny_model, tokenizer, algorithm=None, **learner):
     settings = dict(ppo_epochs=1, mini_batch_size=8, actor_lr=1e-2, critic_lr=1e-2, max_grad_norm=None) | learner
+    algorithm = algorithm or AlgorithmSection(whiten_advantages=False)
     return PPOTrainer(
         load_actor(tiny_model),
-        load_critic(tiny_model),
+        load_critic(tiny_model) if algorithm.uses_critic else None,
         LearnerSection(**settings),
-        AlgorithmSection(whiten_advantages=False),
+        algorithm,
         temperature=1.0,
         pad_token_id=tokenizer.pad_token_id,
+        max_response_length=10,
     )
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_micro_batches_accumulate_to_the_same_update(tiny_model, experience, agg):
     tokenizer, exp = experience
     whole = make_trainer(tiny_model, tokenizer, loss_agg=agg)
@@ -126,3 +128,53 @@ def test_stale_experience_gets_importance_weights(tiny_model, experience):
     assert corrected["policy_loss"] == pytest.approx(math.exp(0.5) * ignored["policy_loss"], rel=1e-4)
     assert any(not torch.equal(corrected_actor[k], ignored_actor[k]) for k in corrected_actor), "weights applied"
     assert all(torch.equal(fresh_actor[k], ignored_actor[k]) for k in fresh_actor), "on-policy data: no weights"
+
+
+def test_a_critic_free_trainer_has_no_critic_to_train_save_or_publish(tiny_model, experience, tmp_path):
+    tokenizer, exp = experience
+    trainer = make_trainer(tiny_model, tokenizer, AlgorithmSection(estimator="grpo"))
+    assert [name for name, _, _ in trainer.models()] == ["actor"]
+    before = copy.deepcopy(trainer.actor)
+    stats = trainer.train(exp)
+    assert "grad_norm_critic" not in stats and "value_loss" not in stats and "explained_variance" not in stats
+    assert any(not torch.equal(a, b) for a, b in zip(before.parameters(), trainer.actor.parameters()))
+    trainer.save(tmp_path)
+    saved = torch.load(tmp_path / "trainer.pt", weights_only=True)
+    assert "critic" not in saved and "critic_optimizer" not in saved and "actor_optimizer" in saved
+    # A checkpoint of a critic-free run does not resume a run with a critic (nor the other way round).
+    with_critic = make_trainer(tiny_model, tokenizer)
+    with pytest.raises(RuntimeError, match="holds no critic: it was written with another estimator"):
+        with_critic.load(tmp_path)
+    with pytest.raises(ValueError, match="estimator grpo takes no critic"):
+        PPOTrainer(
+            load_actor(tiny_model),
+            load_critic(tiny_model),
+            LearnerSection(),
+            AlgorithmSection(estimator="grpo"),
+            temperature=1.0,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+
+
+@pytest.mark.parametrize("kl_in", ["reward", "loss"])
+def test_kl_in_the_loss_pulls_the_policy_toward_the_reference(tiny_model, experience, kl_in):
+    tokenizer, exp = experience
+    # Nothing to gain from the advantages; the reference puts every sampled token 1 nat below the policy.
+    still = dataclasses.replace(
+        exp, advantages=torch.zeros_like(exp.advantages), ref_logprobs=exp.behaviour_logprobs - exp.mask
+    )
+    algorithm = AlgorithmSection(estimator="grpo", kl_in=kl_in, kl_estimator="k3", kl_coef=1.0)
+    trainer = make_trainer(tiny_model, tokenizer, algorithm, actor_lr=1e-3)
+    before = copy.deepcopy(trainer.actor)
+    stats = trainer.train(still)
+    packed = pack(
+        exp.prompt_tokens, exp.prompt_lengths, exp.response_tokens, exp.response_lengths, tokenizer.pad_token_id
+    )
+    with torch.no_grad():
+        old, _ = response_logprobs(before, packed, exp.response_tokens)
+        new, _ = response_logprobs(trainer.actor, packed, exp.response_tokens)
+    moved = float(((new - old) * exp.mask).sum())
+    if kl_in == "reward":  # the KL was in the rewards the advantages came from: the loss has no KL term
+        assert "kl_loss" not in stats and moved == 0.0
+    else:  # k3's gradient lowers log π where π_ref is lower
+        assert stats["kl_loss"] > 0 and moved < 0

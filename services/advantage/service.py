@@ -1,7 +1,8 @@
-"""advantage: scored → experience. Critic values, KL-shaped token rewards and GAE.
+"""advantage: scored → experience. Critic values, KL-shaped token rewards and advantages (``algorithm.estimator``).
 
-Holds a read-only copy of the critic, refreshed from the learner's critic announcements; the learner's current
-KL coefficient β travels in those announcements' lineage.
+With GAE it holds a read-only copy of the critic, refreshed from the learner's critic announcements; the learner's
+current KL coefficient β travels in those announcements' lineage. A critic-free estimator (GRPO and its family)
+loads no critic: values are zeros, the lineage names the estimator, and β comes from the actor's announcements.
 """
 
 from __future__ import annotations
@@ -28,13 +29,25 @@ class AdvantageService(Service):
     def __init__(self, config: RunConfig, replica_id: str | None = None):
         super().__init__(config, replica_id)
         m = config.model
-        path = resolve_model(m.critic or m.actor, m.cache_dir)
-        self.critic = load_critic(path, m.dtype_of("critic"), m.trust_remote_code, m.device).requires_grad_(False)
+        self.critic = None
+        if config.algorithm.uses_critic:
+            path = resolve_model(m.critic or m.actor, m.cache_dir)
+            self.critic = load_critic(path, m.dtype_of("critic"), m.trust_remote_code, m.device).requires_grad_(False)
+        else:
+            path = resolve_model(m.actor, m.cache_dir)
+            log.info("%s: %s needs no critic; none is loaded", self.replica_id, config.algorithm.estimator)
         self.pad_token_id = load_tokenizer(path, m.trust_remote_code).pad_token_id
         self.critic_version = 0
         self.kl_coef = config.algorithm.kl_coef
 
+    @property
+    def weight_models(self) -> tuple[str, ...]:
+        return super().weight_models if self.critic is not None else ("actor",)  # for β alone
+
     def on_weights(self, announcement: WeightAnnouncement) -> bool:
+        if self.critic is None:  # critic-free: the announcement brings β, and no weights to load
+            self.kl_coef = float(announcement.lineage.get("kl_coef", self.kl_coef))
+            return True
         if not load_announced_weights(
             partial(load_snapshot_into, self.critic), announcement, self.replica_id, self.critic_version
         ):
@@ -46,15 +59,9 @@ class AdvantageService(Service):
     @torch.no_grad()
     def process(self, message: ScoredBatch) -> list[ExperienceBatch]:
         tokens = torch.from_numpy(message.response_tokens)
-        check_token_ids(message, self.critic, "critic")
         lengths = torch.from_numpy(message.response_lengths)
         mask = lengths_to_mask(lengths, tokens.shape[1])
-        prompt_lengths = torch.from_numpy(message.prompt_lengths)
-        packed = pack(torch.from_numpy(message.prompt_tokens), prompt_lengths, tokens, lengths, self.pad_token_id)
-        values = batched_response_values(
-            self.critic, packed, prompt_lengths, lengths, max_tokens=self.config.model.max_tokens_per_microbatch
-        )
-        values = values.cpu() * mask
+        values = self._values(message, tokens, lengths) * mask
         algo = self.config.algorithm
         params = ShapingParams(
             kl_coef=self.kl_coef,
@@ -63,7 +70,8 @@ class AdvantageService(Service):
             lam=algo.lam,
             score_clip=algo.score_clip,
             missing_eos_penalty=algo.missing_eos_penalty,
-            estimator=algo.advantage_estimator,
+            estimator=algo.estimator,
+            kl_in=algo.kl_in,
         )
         est = estimate_advantages(
             torch.from_numpy(message.scores),
@@ -72,9 +80,12 @@ class AdvantageService(Service):
             values,
             mask,
             torch.from_numpy(message.finished),
+            torch.from_numpy(message.group_index),
             params,
         )
-        lineage = {f"shaping.{k}": v for k, v in params.__dict__.items()} | {"critic.version": self.critic_version}
+        lineage = {f"shaping.{k}": v for k, v in params.__dict__.items()}
+        if self.critic is not None:
+            lineage["critic.version"] = self.critic_version
         return [
             derive(
                 message,
@@ -88,3 +99,15 @@ class AdvantageService(Service):
                 returns=est.returns.numpy(),
             )
         ]
+
+    def _values(self, message: ScoredBatch, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``(N, T)`` critic values of the responses; zeros without a critic."""
+        if self.critic is None:
+            return torch.zeros(tokens.shape, dtype=torch.float32)
+        check_token_ids(message, self.critic, "critic")
+        prompt_lengths = torch.from_numpy(message.prompt_lengths)
+        packed = pack(torch.from_numpy(message.prompt_tokens), prompt_lengths, tokens, lengths, self.pad_token_id)
+        values = batched_response_values(
+            self.critic, packed, prompt_lengths, lengths, max_tokens=self.config.model.max_tokens_per_microbatch
+        )
+        return values.cpu()

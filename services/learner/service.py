@@ -49,10 +49,12 @@ class LearnerService(Service):
         m, parallel = config.model, config.learner.parallel
         self.ranks = init_ranks(parallel.strategy, parallel.processes, m.device)
         actor_path = resolve_model(m.actor, m.cache_dir)
-        critic_path = resolve_model(m.critic or m.actor, m.cache_dir)
         self.tokenizer = load_tokenizer(actor_path, m.trust_remote_code)
         actor = self._trainable(load_actor, actor_path, m.dtype_of("actor"))
-        critic = self._trainable(load_critic, critic_path, m.dtype_of("critic"))
+        critic = None  # a critic-free estimator: no critic, optimizer, checkpoint or snapshot
+        if config.algorithm.uses_critic:
+            critic_path = resolve_model(m.critic or m.actor, m.cache_dir)
+            critic = self._trainable(load_critic, critic_path, m.dtype_of("critic"))
         self.trainer = PPOTrainer(
             actor,
             critic,
@@ -62,6 +64,7 @@ class LearnerService(Service):
             self.tokenizer.pad_token_id,
             seed=config.run.seed,
             ranks=self.ranks,
+            max_response_length=config.generation.max_new_tokens,
         )
         self.store = WeightStore(config.weight_store, config.weights.digest, config.weights.full_every)
         self.run_dir = Path(config.run.dir)
