@@ -164,6 +164,14 @@ def write_markdown(results: dict, path: Path) -> None:
             "cost more CPU than the bytes saved); it pays where the store's bandwidth is the limit (a network "
             "volume, an object store).",
             "",
+            "Broadcast rows (`weights.broadcast`): the receiver is a thread of the benchmark's process, as it is of a "
+            "generator's; publish is the learner's send over gloo on loopback, both sides digesting what travels "
+            "(the receivers agree on it before the send returns), with the snapshot written to the store at the same "
+            "time in the first row; load is the copy from the received buffers at the announcement. On this 2-core "
+            "machine the loopback copy and the two digests cost as much as the tmpfs store, and the store is still "
+            "written: the broadcast pays where reading the store is slow (a network volume, many generators reading "
+            "at once) and between GPUs, where NCCL would carry it (not built: the group is gloo).",
+            "",
         ]
         if "changes" in w:
             out += [
@@ -200,6 +208,21 @@ def write_markdown(results: dict, path: Path) -> None:
                     for m, v in engines
                 ],
             )
+    if "adapters" in s:
+        a = s["adapters"]
+        out += ["## 5b. LoRA adapters against the whole model", "", a["what"], ""]
+        out += _table(
+            ["snapshot", "MB", "publish (s)", "load, transformers (s)", "publish + load (s)"],
+            [
+                [k, v["snapshot_mb"], v["publish_s"], v["load_transformers_s"], v["publish_plus_load_s"]]
+                for k, v in a["rows"].items()
+            ],
+        )
+        out += [
+            f"The adapters are **{_f(a['bytes_ratio'])}×** smaller and go from learner to generator "
+            f"**{_f(a['seconds_ratio'])}×** faster.",
+            "",
+        ]
     if "scaling" in s:
         sc = s["scaling"]
         out += ["## 6. Scorer replicas", "", sc["setup"], ""]

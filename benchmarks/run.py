@@ -4,8 +4,8 @@ down by stage. Writes ``benchmarks/results.json`` and ``benchmarks/RESULTS.md``.
     .venv/bin/python -m benchmarks.run                     # everything that fits this machine
     .venv/bin/python -m benchmarks.run --only codec,bus    # some sections
 
-Sections: codec, bus, pipeline, generation, weights, scaling (and GPU numbers merged from ``benchmarks/gpu.py``'s
-JSON when it has been run on a GPU machine: ``--gpu-results FILE``).
+Sections: codec, bus, pipeline, generation, weights, adapters, scaling, recovery (and GPU numbers merged from
+``benchmarks/gpu.py``'s JSON when it has been run on a GPU machine: ``--gpu-results FILE``).
 """
 
 from __future__ import annotations
@@ -659,6 +659,56 @@ def bench_scaling(batches: int = 24) -> dict:
     }
 
 
+def bench_adapters(rounds: int = 7, rank: int = 16) -> dict:
+    """LoRA adapters (``model.lora``) against the whole model, same model, side by side: snapshot bytes, publish (the
+    learner: snapshot with its digest, the one before pruned) and load (a generator: verify, copy into its model; for
+    adapters, its peft model's adapters). Float32, store on tmpfs, interleaved, median of ``rounds``."""
+    from common.config import LoraOptions
+    from common.models import add_lora
+    from common.weights import WeightStore, load_snapshot_into, published_tensors, snapshot_state
+
+    path = smollm2_sized_model()
+    lora = LoraOptions(rank=rank, alpha=2.0 * rank)
+    learner = add_lora(load_actor(path), lora)
+    with torch.no_grad():  # trained adapters: B is no longer zero
+        for tensor in published_tensors(learner).values():
+            tensor.normal_(0.0, 0.01)
+    states = {"whole model": snapshot_state(load_actor(path)), f"LoRA adapters, rank {rank}": snapshot_state(learner)}
+    targets = {"whole model": load_actor(path), f"LoRA adapters, rank {rank}": add_lora(load_actor(path), lora)}
+    with _store_dir() as tmp:
+        paths, sizes = {}, {}
+        for label, state in states.items():
+            store = WeightStore(Path(tmp) / label.replace(" ", "-").replace(",", ""))
+            loaded = store.save_state("loaded", 0, state)
+            sizes[label] = loaded.num_bytes
+            version = iter(range(1, 10_000))
+
+            def publish(store=store, state=state, version=version):
+                v = next(version)
+                store.save_state("actor", v, state)
+                store.prune("actor", 2, v)
+
+            paths[label] = (publish, lambda t=targets[label], c=loaded.chain: load_snapshot_into(t, c))
+        measured = _interleaved(paths, rounds)
+    rows = {
+        label: {
+            "snapshot_mb": sizes[label] / 1e6,
+            "publish_s": publish_s,
+            "load_transformers_s": load_s,
+            "publish_plus_load_s": publish_s + load_s,
+        }
+        for label, (publish_s, load_s) in measured.items()
+    }
+    whole, adapters = rows["whole model"], rows[f"LoRA adapters, rank {rank}"]
+    return {
+        "what": f"SmolLM2-135M shape, float32; LoRA rank {rank}, alpha {2 * rank}, on "
+        f"{', '.join(lora.target_modules)}; store on tmpfs, whole model and adapters taking turns, median of {rounds}",
+        "rows": rows,
+        "bytes_ratio": whole["snapshot_mb"] / adapters["snapshot_mb"],
+        "seconds_ratio": whole["publish_plus_load_s"] / adapters["publish_plus_load_s"],
+    }
+
+
 # ------------------------------------------------------------------------------------------------------ report
 
 
@@ -674,6 +724,7 @@ SECTIONS = {
     "pipeline": bench_pipeline,
     "generation": bench_generation,
     "weights": bench_weights,
+    "adapters": bench_adapters,
     "scaling": bench_scaling,
     "recovery": bench_recovery,
 }

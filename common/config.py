@@ -50,12 +50,25 @@ class ModelDtypes(_Section):
     reward: DType | None = None
 
 
+class LoraOptions(_Section):
+    """Train low-rank adapters on the actor (peft's LoRA) instead of all its weights: the learner trains, checkpoints
+    and publishes the adapters alone; the generators keep the base weights and swap adapters."""
+
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0, description="Scale: the update is alpha / rank · B·A.")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, description="Names of the linear layers adapted."
+    )
+
+
 class ModelSection(_Section):
     actor: str = Field(description="Local transformers folder, or 'builtin:<name>' for a model built locally.")
     reference: str | None = Field(None, description="Frozen reference model; default: the actor's initial weights.")
     critic: str | None = Field(None, description="Critic backbone; default: the actor's. A scalar head is added.")
     dtype: DType = Field("float32", description="Default dtype of every model; `model.dtypes` overrides it per model.")
     dtypes: ModelDtypes = ModelDtypes()
+    lora: LoraOptions | None = Field(None, description="Train LoRA adapters on the actor; unset: all its weights.")
     device: str = Field(
         "cpu",
         pattern=r"^(cpu|cuda(:\d+)?|mps)$",
@@ -435,6 +448,10 @@ class RunConfig(_Section):
                 f"learner.mini_batch_size ({self.learner.mini_batch_size}) is smaller than the learner's ranks "
                 f"(learner.parallel.processes = {parallel.processes}): some ranks would train on nothing"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _settings_fit_the_estimator(self):
         algorithm = self.algorithm
         if not algorithm.uses_critic:
             critic_settings = ["model.critic"] if self.model.critic is not None else []
@@ -453,6 +470,18 @@ class RunConfig(_Section):
             raise ValueError(
                 f"algorithm.estimator {algorithm.estimator} compares the responses to one prompt: "
                 f"generation.n must be at least 2 (it is {self.generation.n})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _weight_flow_fits(self):
+        parallel = self.learner.parallel
+        if self.model.lora is not None and parallel.strategy == "fsdp":
+            raise ValueError("model.lora trains on one process: set learner.parallel.strategy=single")
+        if self.model.lora is not None and self.generation.backend != "transformers":
+            raise ValueError(
+                "model.lora is served by the transformers generator (set generation.backend=transformers): the vLLM "
+                "generator does not swap adapters yet"
             )
         if self.weights.broadcast.address is not None and self.generation.backend != "transformers":
             raise ValueError(

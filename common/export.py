@@ -1,10 +1,13 @@
-"""The trained models as ordinary transformers folders: ``<run dir>/final/{actor,critic}``."""
+"""The trained models as ordinary transformers folders: ``<run dir>/final/{actor,critic}`` (a LoRA actor as a peft
+adapter folder)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+
+from common.weights import is_adapted
 
 __all__ = ["export_final_models"]
 
@@ -17,6 +20,9 @@ def export_final_models(run_dir: Path, models: dict[str, tuple[torch.nn.Module, 
     for name, (model, state) in models.items():
         if state is None:
             continue
-        model.save_pretrained(final / name, state_dict=state)
+        if is_adapted(model):  # a LoRA actor: its adapter folder (adapter_config.json names the base model)
+            model.save_pretrained(final / name)
+        else:
+            model.save_pretrained(final / name, state_dict=state)
         tokenizer.save_pretrained(final / name)
     return final

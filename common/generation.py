@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from common.models import load_actor
+from common.models import add_lora, load_actor
 from common.sampling import Sampler, Samples, SamplingParams
 from common.sequences import lengths_to_mask, pack
 from common.weights import load_snapshot_into, load_state_into
@@ -87,8 +87,11 @@ class TransformersSampler:
         eos_token_id: int,
         pad_token_id: int,
         device: str = "cpu",
+        lora=None,
     ):
         self.model = load_actor(model_dir, dtype, trust_remote_code, device=device)
+        if lora is not None:  # adapters to swap in; the base weights stay as loaded
+            self.model = add_lora(self.model, lora).eval()
         self.skeleton = self.model
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
 
@@ -144,4 +147,5 @@ def make_sampler(config, model_dir: Path, tokenizer) -> Sampler:
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,
         config.model.device,
+        config.model.lora,
     )

@@ -33,6 +33,7 @@ __all__ = [
     "BUILTIN_MODELS",
     "ModelLoadError",
     "actor_skeleton",
+    "add_lora",
     "enable_activation_checkpointing",
     "load_actor",
     "load_critic",
@@ -220,6 +221,20 @@ def load_actor(
 ):
     """A causal LM (actor or reference)."""
     return _load(AutoModelForCausalLM, path, role, dtype, trust_remote_code, device)
+
+
+def add_lora(model, lora):
+    """``model`` with LoRA adapters (``lora``: :class:`common.config.LoraOptions`) on its target modules, peft's
+    way: only the adapters train, and at start (B = 0) the model computes what the base does."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:  # e.g. target modules the model does not have
+        raise ModelLoadError(f"model.lora: {exc}") from None
 
 
 def actor_skeleton(path: Path, trust_remote_code: bool = False):

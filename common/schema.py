@@ -56,6 +56,9 @@ RUN_ID = "run.id"
 # Lineage key of a weight announcement: the epoch of the learner that wrote it, which rises at each learner start,
 # so a reader can ignore a zombie learner (an older epoch) that still announces.
 LEARNER_EPOCH = "learner.epoch"
+# Lineage of an actor announcement whose snapshot holds LoRA adapters: "lora", and the base model they adapt.
+ADAPTER = "actor.adapter"
+ADAPTER_BASE = "actor.base"
 
 
 class SchemaError(ValueError):

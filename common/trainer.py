@@ -27,7 +27,7 @@ from common.sequences import (
     response_values,
 )
 from common.storage import fsync_file
-from common.weights import first_names, write_part
+from common.weights import first_names, is_adapted, load_state_into, published_tensors, write_part
 
 __all__ = ["Experience", "PPOTrainer"]
 
@@ -81,6 +81,11 @@ class Experience:
 _TENSOR_FIELDS = [f for f in Experience.__dataclass_fields__ if f != "policy_version"]
 
 
+def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters that train: all of them, or a LoRA model's adapters."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def _chunks(index: torch.Tensor, size: int) -> list[torch.Tensor]:
     return [index[i : i + size] for i in range(0, len(index), size)]
 
@@ -132,10 +137,10 @@ class PPOTrainer:
         self.temperature, self.pad_token_id = temperature, pad_token_id
         self.max_response_length = max_response_length
         self.actor_optimizer = torch.optim.AdamW(
-            actor.parameters(), lr=learner.actor_lr, weight_decay=learner.weight_decay
+            _trainable(actor), lr=learner.actor_lr, weight_decay=learner.weight_decay
         )
         self.critic_optimizer = (
-            torch.optim.AdamW(critic.parameters(), lr=learner.critic_lr, weight_decay=learner.weight_decay)
+            torch.optim.AdamW(_trainable(critic), lr=learner.critic_lr, weight_decay=learner.weight_decay)
             if critic is not None
             else None
         )
@@ -295,6 +300,7 @@ class PPOTrainer:
     def _batch_statistics(self, exp: Experience, batch: _Batch, kl_per_sequence: torch.Tensor) -> dict[str, float]:
         """What the experience itself says: reward, KL, critic fit, lengths, the sampler/learner log-prob gap."""
         mask, n = batch.mask, len(batch.mask)
+        gap = (batch.old_logp - exp.behaviour_logprobs).abs()  # the sampler's log-probs against the learner's
         return {
             "reward_mean": float(exp.scores.mean()),
             "reward_std": float(exp.scores.std()) if n > 1 else 0.0,
@@ -309,7 +315,8 @@ class PPOTrainer:
             "advantage_mean": float(ppo.masked_mean(exp.advantages, mask)),
             "response_length": float(exp.response_lengths.float().mean()),
             "finished_frac": float(exp.finished.float().mean()),
-            "logprob_mismatch": float(ppo.masked_mean((batch.old_logp - exp.behaviour_logprobs).abs(), mask)),
+            "logprob_mismatch": float(ppo.masked_mean(gap, mask)),
+            "logprob_mismatch_max": float((gap * mask).max()) if n else 0.0,
             "staleness": float(batch.staleness),
             "policy_version": float(self.version),
         }
@@ -321,7 +328,9 @@ class PPOTrainer:
         Single process only; sharded trainers checkpoint with :meth:`save`."""
         state = self._small_state()
         for name, model, optimizer in self.models():
-            state[name], state[f"{name}_optimizer"] = model.state_dict(), optimizer.state_dict()
+            # What trains: a LoRA actor's adapters alone (the base weights are the configured model's).
+            weights = published_tensors(model) if is_adapted(model) else model.state_dict()
+            state[name], state[f"{name}_optimizer"] = weights, optimizer.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -329,7 +338,10 @@ class PPOTrainer:
         if missing:
             raise RuntimeError(f"the checkpoint holds no {', '.join(missing)}: it was written with another estimator")
         for name, model, optimizer in self.models():
-            model.load_state_dict(state[name])
+            if is_adapted(model):
+                load_state_into(model, state[name], f"checkpoint {name}")
+            else:
+                model.load_state_dict(state[name])
             optimizer.load_state_dict(state[f"{name}_optimizer"])
         self._load_small_state(state)
 
@@ -392,8 +404,8 @@ class PPOTrainer:
         self._load_small_state(state)
 
     def checkpoint_nbytes(self) -> int:
-        """What :meth:`save` writes on this rank, about: weights and two Adam moments of its parameters."""
-        local = [getattr(p, "to_local", lambda p=p: p)() for _, m, _ in self.models() for p in m.parameters()]
+        """What :meth:`save` writes on this rank, about: weights and two Adam moments of its trained parameters."""
+        local = [getattr(p, "to_local", lambda p=p: p)() for _, m, _ in self.models() for p in _trainable(m)]
         return sum(3 * t.numel() * t.element_size() for t in local)
 
     def models(self) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
@@ -419,10 +431,12 @@ class PPOTrainer:
         """The whole ``actor`` or ``critic`` state in ``dtype`` on rank 0's CPU (None on the other ranks), each
         tied tensor once, under its first name (as a transformers checkpoint has it)."""
         module = self._module(model)
+        target = getattr(torch, dtype)
+        if is_adapted(module):  # one process (config): the adapters are the snapshot
+            return {name: t.detach().cpu().to(target).contiguous() for name, t in published_tensors(module).items()}
         state = gather_full_state(module, self.ranks)
         if state is None:
             return None
-        target = getattr(torch, dtype)
         return {
             name: (tensor.to(target) if tensor.is_floating_point() else tensor).contiguous()
             for name, tensor in state.items()

@@ -44,6 +44,8 @@ __all__ = [
     "WeightStore",
     "check_fits",
     "first_names",
+    "is_adapted",
+    "published_tensors",
     "DIGEST_ALGORITHMS",
     "delta_state",
     "load_snapshot_into",
@@ -142,10 +144,28 @@ def first_names(module: torch.nn.Module) -> set[str]:
     return names
 
 
-def snapshot_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``module``'s state as a snapshot holds it: on the CPU, each tied tensor once."""
+def is_adapted(module: torch.nn.Module) -> bool:
+    """Whether ``module`` carries LoRA adapters (a peft model): its snapshots then hold the adapters alone."""
+    return hasattr(module, "peft_config")
+
+
+def published_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a snapshot of ``module`` holds, under their names there, sharing storage with the module.
+
+    A LoRA-adapted model (peft) publishes its adapters alone, named as peft saves them (``adapter_model.safetensors``,
+    which vLLM's LoRA loader reads too); any other module its whole state, each tied tensor once.
+    """
+    if is_adapted(module):
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(module)
     keep = first_names(module)
-    return {name: t.detach().cpu().contiguous() for name, t in module.state_dict().items() if name in keep}
+    return {name: t for name, t in module.state_dict().items() if name in keep}
+
+
+def snapshot_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state as a snapshot holds it (:func:`published_tensors`), on the CPU."""
+    return {name: t.detach().cpu().contiguous() for name, t in published_tensors(module).items()}
 
 
 class WeightStore:
@@ -451,6 +471,16 @@ def check_fits(uri: str, shapes: dict[str, tuple[int, ...]], module: torch.nn.Mo
     Raises:
         WeightIntegrityError: naming the missing, unexpected and wrongly shaped tensors.
     """
+    if is_adapted(module):  # adapters: no ties, the names peft saves them under
+        own = published_tensors(module)
+        wrong = sorted(k for k in shapes if k in own and tuple(shapes[k]) != tuple(own[k].shape))
+        missing, unexpected = sorted(set(own) - set(shapes)), sorted(set(shapes) - set(own))
+        if missing or unexpected or wrong:
+            raise WeightIntegrityError(
+                f"snapshot {uri} does not fit the model's adapters: missing {missing[:3]}, unexpected "
+                f"{unexpected[:3]}, wrong shape {wrong[:3]}"
+            )
+        return
     own = module.state_dict()
     # Tied names share one Parameter object (on the meta device too, where there is no data pointer).
     tensors = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
@@ -485,7 +515,7 @@ def load_state_into(module: torch.nn.Module, state: dict[str, torch.Tensor], sou
         WeightIntegrityError: tensors that do not fit the module (named after ``source``); the module is unchanged.
     """
     check_fits(source, {k: tuple(v.shape) for k, v in state.items()}, module)
-    own = module.state_dict()
+    own = published_tensors(module) if is_adapted(module) else module.state_dict()
     with torch.no_grad():
         for name, tensor in state.items():
             own[name].copy_(tensor)

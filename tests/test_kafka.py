@@ -233,6 +233,38 @@ def test_a_critic_free_run_has_no_critic_anywhere(kafka_broker, kafka_config, tm
         assert message.advantages.any()
 
 
+def test_a_lora_run_sends_adapters_and_samples_with_the_learners_log_probs(kafka_broker, tmp_path, model_cache):
+    """LoRA on the actor, as processes over the broker: snapshots hold the adapters alone, and the generator, which
+    swaps them into its base model at each version, samples with the log-probs the learner computes (float32)."""
+    from safetensors.torch import load_file
+
+    steps, run_id = 6, unique("lora")
+    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
+    overrides = [
+        f"run.steps={steps}",
+        f"run.dir={tmp_path / 'run'}",
+        f"run.run_id={run_id}",
+        f"model.cache_dir={model_cache}",
+        "generation.backend=transformers",
+        "model.lora={rank: 8, alpha: 16}",
+        "learner.actor_lr=3e-2",
+        *kafka_broker,
+    ]
+    args = streamppo_command("-v", "up", "--bootstrap", bootstrap, overrides=overrides, config="grpo.yaml")
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert [r["staleness"] for r in records] == [0.0] * steps, "each batch sampled by the adapters of its version"
+    assert max(r["logprob_mismatch_max"] for r in records) < 1e-4, [r["logprob_mismatch_max"] for r in records]
+    for snapshot in (run / "weights").glob("actor-*.safetensors"):
+        assert all(".lora_A." in k or ".lora_B." in k for k in load_file(snapshot)), snapshot.name
+    adapters = load_file(run / "final" / "actor" / "adapter_model.safetensors")
+    assert any(t.abs().max() > 0 for k, t in adapters.items() if "lora_B" in k), "the adapters were trained"
+    for version in range(1, steps):
+        assert f"generator-0: actor weights v{version} loaded" in result.stdout
+
+
 def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path):
     """What compose's `topics` job runs: every data topic with its partitions, its .dlq, and `weights`."""
     from kafka import KafkaConsumer

@@ -8,46 +8,9 @@ import pytest
 import torch
 
 from common.config import AlgorithmSection, LearnerSection
-from common.generation import sample_responses
-from common.models import load_actor, load_critic, load_tokenizer
-from common.sampling import SamplingParams
-from common.sequences import lengths_to_mask, pack, response_logprobs
-from common.trainer import Experience, PPOTrainer
-
-
-@pytest.fixture(scope="module")
-def experience(tiny_model):
-    tokenizer = load_tokenizer(tiny_model)
-    actor = load_actor(tiny_model)
-    enc = tokenizer(["tell me about the cat.", "hi", "say something!", "the sea"], padding=True, return_tensors="pt")
-    prompt_lengths = enc["attention_mask"].sum(1)
-    samples = sample_responses(
-        actor,
-        enc["input_ids"],
-        prompt_lengths,
-        SamplingParams(n=2, max_new_tokens=10, seed=0),
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-    )
-    rows = samples.group_index
-    mask = lengths_to_mask(samples.response_lengths, samples.response_tokens.shape[1])
-    g = torch.Generator().manual_seed(0)
-    advantages = torch.randn(mask.shape, generator=g) * mask
-    values = torch.randn(mask.shape, generator=g) * mask
-    return tokenizer, Experience(
-        policy_version=0,
-        prompt_tokens=enc["input_ids"][rows],
-        prompt_lengths=prompt_lengths[rows],
-        response_tokens=samples.response_tokens,
-        response_lengths=samples.response_lengths,
-        finished=samples.finished,
-        behaviour_logprobs=samples.behaviour_logprobs,
-        scores=torch.randn(len(rows), generator=g),
-        kl=torch.zeros(mask.shape),
-        values=values,
-        advantages=advantages,
-        returns=advantages + values,
-    )
+from common.models import load_actor, load_critic
+from common.sequences import pack, response_logprobs
+from common.trainer import PPOTrainer
 
 
 def make_trainer(tiny_model, tokenizer, algorithm=None, **learner):

@@ -11,7 +11,7 @@ from common.config import RunConfig
 from common.generation import make_sampler
 from common.models import load_tokenizer, resolve_model
 from common.sampling import SamplingParams
-from common.schema import PromptBatch, RolloutBatch, WeightAnnouncement, new_header
+from common.schema import ADAPTER_BASE, PromptBatch, RolloutBatch, WeightAnnouncement, new_header
 from common.weights import WeightIntegrityError
 from services.service import InputError, Service, check_token_ids, load_announced_weights
 
@@ -38,6 +38,20 @@ class GeneratorService(Service):
         self.broadcast_loads = 0  # versions loaded from the broadcast rather than the store
 
     def on_weights(self, announcement: WeightAnnouncement) -> bool:
+        adapts = announcement.lineage.get(ADAPTER_BASE)
+        if (adapts is not None) != (self.config.model.lora is not None) or adapts not in (
+            None,
+            self.config.model.actor,
+        ):
+            log.error(
+                "%s: keeping actor v%d: the snapshot of v%d is %s, this generator serves %s",
+                self.replica_id,
+                self.policy_version,
+                announcement.policy_version,
+                f"LoRA adapters for {adapts}" if adapts is not None else "a whole model",
+                f"LoRA adapters on {self.config.model.actor}" if self.config.model.lora else "a whole model",
+            )
+            return False
         if not self._load_broadcast(announcement) and not load_announced_weights(
             self.sampler.load_snapshot, announcement, self.replica_id, self.policy_version
         ):

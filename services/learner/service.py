@@ -31,9 +31,16 @@ from common.dedupe import RecentIds
 from common.evaluation import answer_eval_prompts, write_generations
 from common.export import export_final_models
 from common.metrics_log import MetricsLog
-from common.models import enable_activation_checkpointing, load_actor, load_critic, load_tokenizer, resolve_model
+from common.models import (
+    add_lora,
+    enable_activation_checkpointing,
+    load_actor,
+    load_critic,
+    load_tokenizer,
+    resolve_model,
+)
 from common.parallel import init_ranks, shard_model
-from common.schema import LEARNER_EPOCH, RUN_ID, ExperienceBatch, WeightAnnouncement, new_header
+from common.schema import ADAPTER, ADAPTER_BASE, LEARNER_EPOCH, RUN_ID, ExperienceBatch, WeightAnnouncement, new_header
 from common.trainer import Experience, PPOTrainer
 from common.weights import Snapshot, WeightStore
 from services.service import Dropped, InputError, Service, check_token_ids
@@ -51,6 +58,8 @@ class LearnerService(Service):
         actor_path = resolve_model(m.actor, m.cache_dir)
         self.tokenizer = load_tokenizer(actor_path, m.trust_remote_code)
         actor = self._trainable(load_actor, actor_path, m.dtype_of("actor"))
+        if m.lora is not None:  # one process (config): the adapters are what trains and what is published
+            actor = add_lora(actor, m.lora)
         critic = None  # a critic-free estimator: no critic, optimizer, checkpoint or snapshot
         if config.algorithm.uses_critic:
             critic_path = resolve_model(m.critic or m.actor, m.cache_dir)
@@ -303,6 +312,8 @@ class LearnerService(Service):
                 "learner": self.replica_id,
                 LEARNER_EPOCH: self.epoch,
             }
+            if name == "actor" and self.config.model.lora is not None:  # the snapshot is adapters for this base
+                lineage |= {ADAPTER: "lora", ADAPTER_BASE: self.config.model.actor}
             announcements.append(
                 WeightAnnouncement(
                     **new_header(

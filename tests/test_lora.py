@@ -1,0 +1,130 @@
+"""LoRA on the actor: only the adapters train, travel and are checkpointed, and a generator that loads them samples
+with the learner's log-probs."""
+
+import copy
+
+import pytest
+import torch
+
+from common.config import AlgorithmSection, LearnerSection, LoraOptions
+from common.models import ModelLoadError, add_lora, load_actor
+from common.sequences import pack, response_logprobs
+from common.trainer import PPOTrainer
+from common.weights import WeightIntegrityError, WeightStore, load_snapshot_into, published_tensors
+
+LORA = LoraOptions(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+
+
+def lora_trainer(tiny_model, tokenizer):
+    return PPOTrainer(
+        add_lora(load_actor(tiny_model), LORA),
+        None,
+        LearnerSection(ppo_epochs=1, mini_batch_size=8, actor_lr=1e-2, max_grad_norm=None),
+        AlgorithmSection(estimator="grpo"),
+        temperature=1.0,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def test_only_the_adapters_train_travel_and_are_checkpointed(tiny_model, experience, tmp_path):
+    tokenizer, exp = experience
+    trainer = lora_trainer(tiny_model, tokenizer)
+    base_before = {k: v.clone() for k, v in trainer.actor.state_dict().items() if "lora_" not in k}
+    trainer.train(exp)
+    after = trainer.actor.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base_before.items()), "the base weights never change"
+    assert any(not torch.equal(t, torch.zeros_like(t)) for k, t in after.items() if "lora_B" in k), "B has moved"
+    state = trainer.full_state("actor")
+    assert state and all(".lora_A." in k or ".lora_B." in k for k in state)
+    full_bytes = sum(t.nbytes for t in base_before.values())
+    assert sum(t.nbytes for t in state.values()) < full_bytes / 10
+    trainer.save(tmp_path)
+    saved = torch.load(tmp_path / "trainer.pt", weights_only=True)
+    assert set(saved["actor"]) == set(state), "the checkpoint holds what trains: the adapters"
+    resumed = lora_trainer(tiny_model, tokenizer)
+    resumed.load(tmp_path)
+    assert all(torch.equal(t, published_tensors(resumed.actor)[k]) for k, t in published_tensors(trainer.actor).items())
+
+
+def test_a_generator_that_loads_the_adapters_has_the_learners_log_probs(tiny_model, experience, tmp_path):
+    tokenizer, exp = experience
+    trainer = lora_trainer(tiny_model, tokenizer)
+    trainer.train(exp)
+    snapshot = WeightStore(tmp_path).save_state("actor", 1, trainer.full_state("actor"))
+    generator = add_lora(load_actor(tiny_model), LORA).eval()
+    load_snapshot_into(generator, snapshot.chain)
+    packed = pack(
+        exp.prompt_tokens, exp.prompt_lengths, exp.response_tokens, exp.response_lengths, tokenizer.pad_token_id
+    )
+    with torch.no_grad():
+        learner, _ = response_logprobs(trainer.actor.eval(), packed, exp.response_tokens)
+        sampler, _ = response_logprobs(generator, packed, exp.response_tokens)
+        base, _ = response_logprobs(load_actor(tiny_model), packed, exp.response_tokens)
+    mask = exp.mask.bool()
+    assert float((learner - sampler)[mask].abs().max()) < 1e-5
+    assert float((learner - base)[mask].abs().max()) > 1e-3, "the adapters changed the policy"
+    # Adapters of another shape (rank 8) do not fit, and the generator keeps its own.
+    other = lora_trainer(tiny_model, tokenizer)
+    other.actor = add_lora(load_actor(tiny_model), LoraOptions(rank=8, target_modules=["q_proj", "v_proj"]))
+    wrong = WeightStore(tmp_path / "other").save_state("actor", 1, other.full_state("actor"))
+    kept = copy.deepcopy(published_tensors(generator))
+    with pytest.raises(WeightIntegrityError, match="does not fit the model's adapters"):
+        load_snapshot_into(generator, wrong.chain)
+    assert all(torch.equal(kept[k], t) for k, t in published_tensors(generator).items())
+    # A whole-model snapshot does not load into adapters either.
+    whole = WeightStore(tmp_path / "whole").save("actor", 1, load_actor(tiny_model))
+    with pytest.raises(WeightIntegrityError, match="unexpected"):
+        load_snapshot_into(generator, whole.chain)
+
+
+def test_target_modules_the_model_lacks_are_named(tiny_model):
+    with pytest.raises(ModelLoadError, match="model.lora"):
+        add_lora(load_actor(tiny_model), LoraOptions(target_modules=["no_such_proj"]))
+
+
+def test_lora_settings_that_cannot_work_are_rejected():
+    from conftest import EXAMPLE
+
+    from common.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="model.lora trains on one process"):
+        load_config(
+            EXAMPLE / "config.yaml",
+            ["model.lora={rank: 4}", "learner.parallel.strategy=fsdp", "learner.parallel.processes=2"],
+        )
+    with pytest.raises(ConfigError, match="model.lora.rank"):
+        load_config(EXAMPLE / "config.yaml", ["model.lora={rank: 0}"])
+    with pytest.raises(ConfigError, match="model.lora is served by the transformers generator"):
+        load_config(EXAMPLE / "config.yaml", ["model.lora={rank: 4}", "generation.backend=vllm"])
+
+
+def test_the_generator_takes_adapters_for_its_own_base_only(make_config, tiny_model, tmp_path):
+    from common.schema import ADAPTER, ADAPTER_BASE, WeightAnnouncement, new_header
+    from services.generator.service import GeneratorService
+
+    config = make_config("model.lora={rank: 4, target_modules: [q_proj, v_proj]}")
+    generator = GeneratorService(config)
+    learner = add_lora(load_actor(tiny_model), LORA)
+    with torch.no_grad():
+        for tensor in published_tensors(learner).values():
+            tensor.normal_(0.0, 0.1)
+    snapshot = WeightStore(tmp_path).save("actor", 1, learner)
+
+    def announce(lineage):
+        return WeightAnnouncement(
+            **new_header("b", "learner-0", 1, {"run.id": config.run.run_id, **lineage}),
+            model="actor",
+            uri=snapshot.uri,
+            digest=snapshot.digest,
+            chain=list(snapshot.chain),
+            num_bytes=snapshot.num_bytes,
+            broadcast_digest="",
+        )
+
+    assert not generator.on_weights(announce({}))  # a whole model's announcement
+    assert not generator.on_weights(announce({ADAPTER: "lora", ADAPTER_BASE: "some/other-model"}))
+    assert generator.policy_version == 0
+    assert generator.on_weights(announce({ADAPTER: "lora", ADAPTER_BASE: config.model.actor}))
+    assert generator.policy_version == 1
+    loaded = published_tensors(generator.sampler.model)
+    assert all(torch.equal(loaded[k], t) for k, t in published_tensors(learner).items())
