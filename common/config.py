@@ -478,11 +478,6 @@ class RunConfig(_Section):
         parallel = self.learner.parallel
         if self.model.lora is not None and parallel.strategy == "fsdp":
             raise ValueError("model.lora trains on one process: set learner.parallel.strategy=single")
-        if self.model.lora is not None and self.generation.backend != "transformers":
-            raise ValueError(
-                "model.lora is served by the transformers generator (set generation.backend=transformers): the vLLM "
-                "generator does not swap adapters yet"
-            )
         if self.weights.broadcast.address is not None and self.generation.backend != "transformers":
             raise ValueError(
                 "weights.broadcast feeds the transformers generator (set generation.backend=transformers): the vLLM "

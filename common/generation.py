@@ -139,6 +139,7 @@ def make_sampler(config, model_dir: Path, tokenizer) -> Sampler:
             tokenizer.pad_token_id,
             config.generation.vllm,
             seed=config.run.seed,
+            lora=config.model.lora,
         )
     return TransformersSampler(
         model_dir,

@@ -5,6 +5,10 @@ maps a snapshot from the weight store, checks its digest and hands the tensors (
 worker's own ``reload_weights``; the prefix cache is reset afterwards, as its entries were computed with the old
 weights. Nothing is copied through the engine's RPC channel but the file's path.
 
+With LoRA (``model.lora``) the engine keeps its base weights for good and serves adapters (vLLM's LoRA support,
+on CPU too): each verified adapter snapshot is written as an adapter folder and used as the next requests' LoRA
+request; vLLM loads it on first use and evicts the one before. Nothing of the base is reloaded.
+
 An update that fails half-way (the engine died, or the reload raised) leaves an engine whose weights nobody
 knows, so it is shut down and a new one is started from the model folder plus the last snapshot that loaded;
 the failed update is then tried once more on the fresh engine. A snapshot that is rejected before any weight is
@@ -14,13 +18,16 @@ touched (digest, wrong tensors) just raises :class:`WeightIntegrityError`: the e
 from __future__ import annotations
 
 import gc
+import json
 import logging
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from common.models import actor_skeleton
+from common.models import actor_skeleton, add_lora
 from common.sampling import Samples, SamplingParams
 from common.schema import split_link
 from common.weights import WeightIntegrityError, check_fits, open_weights, snapshot_shapes
@@ -73,10 +80,17 @@ class VllmSampler:
         pad_token_id: int,
         options,
         seed: int = 0,
+        lora=None,
     ):
         self.model_dir = Path(model_dir)
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.skeleton = actor_skeleton(self.model_dir, trust_remote_code)
+        self.lora = lora
+        if lora is not None:  # the adapters' names and shapes, on the meta device
+            self.skeleton = add_lora(self.skeleton, lora)
+            self.adapters = Path(tempfile.mkdtemp(prefix="streamppo-adapters-"))
+            self.lora_request = None  # the adapters of the last update; None: the base model (version 0)
+            self.adapter_loads = 0
         self.engine_args = dict(
             model=str(self.model_dir),
             dtype=dtype,
@@ -93,6 +107,7 @@ class VllmSampler:
             # The log-probs of the distribution each token was drawn from (temperature, top-k/p applied).
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.SnapshotLoader",
+            **({"enable_lora": True, "max_lora_rank": lora.rank, "max_loras": 1} if lora is not None else {}),
         )
         self.good_snapshot: list[str] | None = None  # the chain of the last update that loaded; None: the folder's
         self.engine_starts = 0
@@ -105,7 +120,7 @@ class VllmSampler:
 
         started = time.perf_counter()
         llm = LLM(**self.engine_args)
-        if self.good_snapshot is not None:
+        if self.good_snapshot is not None and self.lora is None:  # adapters: the LoRA request still holds them
             refused = _first_refusal(llm.collective_rpc("load_snapshot", args=(self.good_snapshot,)))
             if refused:  # the last good snapshot was pruned or damaged since: nothing good left to return to
                 raise WeightIntegrityError(f"cannot restore the last good weights: {refused}")
@@ -124,6 +139,8 @@ class VllmSampler:
         self.llm = self._start_engine()
 
     def close(self) -> None:
+        if getattr(self, "lora", None) is not None:
+            shutil.rmtree(self.adapters, ignore_errors=True)
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
@@ -137,6 +154,9 @@ class VllmSampler:
     # ------------------------------------------------------------------------------------------------ weights
 
     def load_snapshot(self, chain: list[str]) -> None:
+        if self.lora is not None:
+            self._load_adapters(chain)
+            return
         uri = split_link(chain[-1])[1] if chain else "(none)"
         full = split_link(chain[0])[1] if chain else ""
         check_fits(full, snapshot_shapes(full), self.skeleton)  # the header only: names and shapes
@@ -154,6 +174,32 @@ class VllmSampler:
             self.llm.reset_prefix_cache()
             self.good_snapshot = list(chain)
             return
+
+    def _load_adapters(self, chain: list[str]) -> None:
+        """Verify an adapter snapshot and make it the adapter of the next requests (a folder vLLM loads)."""
+        from peft import LoraConfig
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        uri = split_link(chain[-1])[1] if chain else "(none)"
+        with open_weights(chain) as state:
+            check_fits(uri, {k: tuple(v.shape) for k, v in state.items()}, self.skeleton)
+            self.adapter_loads += 1
+            folder = self.adapters / f"{self.adapter_loads:08d}"
+            folder.mkdir()
+            save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "adapter_model.safetensors"))
+        config = LoraConfig(
+            r=self.lora.rank,
+            lora_alpha=self.lora.alpha,
+            lora_dropout=self.lora.dropout,
+            target_modules=list(self.lora.target_modules),
+            base_model_name_or_path=str(self.model_dir),
+        )
+        (folder / "adapter_config.json").write_text(json.dumps(config.to_dict(), default=list))
+        previous, self.lora_request = self.lora_request, LoRARequest(folder.name, self.adapter_loads, str(folder))
+        if previous is not None:  # vLLM has the previous adapters in memory; its folder is not read again
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.good_snapshot = list(chain)
 
     # ------------------------------------------------------------------------------------------------ sampling
 
@@ -180,11 +226,12 @@ class VllmSampler:
             )
             for i in range(len(prompts))
         ]
+        lora = {"lora_request": self.lora_request} if self.lora is not None else {}
         try:
-            outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
+            outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False, **lora)
         except Exception as exc:
             self._restart_engine(f"generate failed: {exc!r}")
-            outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
+            outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False, **lora)
         return self._to_samples(outputs, params.n)
 
     def _to_samples(self, outputs, n: int) -> Samples:

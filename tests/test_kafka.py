@@ -234,8 +234,9 @@ def test_a_critic_free_run_has_no_critic_anywhere(kafka_broker, kafka_config, tm
 
 
 def test_a_lora_run_sends_adapters_and_samples_with_the_learners_log_probs(kafka_broker, tmp_path, model_cache):
-    """LoRA on the actor, as processes over the broker: snapshots hold the adapters alone, and the generator, which
-    swaps them into its base model at each version, samples with the log-probs the learner computes (float32)."""
+    """LoRA on the actor, as processes over the broker: snapshots hold the adapters alone, and the generator (vLLM
+    when installed, as a user gets it), which swaps them in at each version over its base weights, samples with the
+    log-probs the learner computes (float32)."""
     from safetensors.torch import load_file
 
     steps, run_id = 6, unique("lora")
@@ -245,7 +246,6 @@ def test_a_lora_run_sends_adapters_and_samples_with_the_learners_log_probs(kafka
         f"run.dir={tmp_path / 'run'}",
         f"run.run_id={run_id}",
         f"model.cache_dir={model_cache}",
-        "generation.backend=transformers",
         "model.lora={rank: 8, alpha: 16}",
         "learner.actor_lr=3e-2",
         *kafka_broker,
@@ -253,6 +253,8 @@ def test_a_lora_run_sends_adapters_and_samples_with_the_learners_log_probs(kafka
     args = streamppo_command("-v", "up", "--bootstrap", bootstrap, overrides=overrides, config="grpo.yaml")
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    backend = "vllm" if importlib.util.find_spec("vllm") else "transformers"
+    assert f"generator-0: sampling with the {backend} backend" in result.stdout
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     assert [r["staleness"] for r in records] == [0.0] * steps, "each batch sampled by the adapters of its version"

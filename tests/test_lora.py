@@ -94,8 +94,6 @@ def test_lora_settings_that_cannot_work_are_rejected():
         )
     with pytest.raises(ConfigError, match="model.lora.rank"):
         load_config(EXAMPLE / "config.yaml", ["model.lora={rank: 0}"])
-    with pytest.raises(ConfigError, match="model.lora is served by the transformers generator"):
-        load_config(EXAMPLE / "config.yaml", ["model.lora={rank: 4}", "generation.backend=vllm"])
 
 
 def test_the_generator_takes_adapters_for_its_own_base_only(make_config, tiny_model, tmp_path):

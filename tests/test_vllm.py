@@ -167,3 +167,42 @@ def test_a_dead_engine_is_restarted_with_the_last_good_weights(engine, tiny_mode
     engine.load_snapshot(snapshot.chain)  # fails on the dead engine, then loads on a fresh one
     assert engine.engine_starts == starts + 2
     assert mismatch(engine, newer, prompts) < 1e-4
+
+
+def test_lora_adapters_are_swapped_in_without_touching_the_base_weights(tiny_model, tokenizer, prompts, tmp_path):
+    """With model.lora the engine serves each version's adapters (vLLM's LoRA support), and samples with the
+    log-probs the learner's peft model computes."""
+    from common.config import LoraOptions
+    from common.models import add_lora
+    from common.weights import published_tensors
+
+    lora = LoraOptions(rank=8, alpha=16.0, target_modules=["q_proj", "v_proj"])
+    sampler = VllmSampler(
+        tiny_model,
+        "float32",
+        False,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        VllmOptions(kv_cache_gib=0.25),
+        lora=lora,
+    )
+    try:
+        base = load_actor(tiny_model)
+        assert mismatch(sampler, base, prompts) < 1e-4, "version 0 is the base model"
+        store = WeightStore(tmp_path)
+        for version, seed in ((1, 0), (2, 1)):
+            learner = add_lora(load_actor(tiny_model), lora).eval()
+            generator = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for tensor in published_tensors(learner).values():
+                    tensor.copy_(0.3 * torch.randn(tensor.shape, generator=generator))
+            sampler.load_snapshot(store.save("actor", version, learner).chain)
+            assert mismatch(sampler, learner, prompts) < 1e-4, f"adapters of v{version}"
+            assert mismatch(sampler, base, prompts) > 1e-2, "the adapters change the policy"
+        assert sampler.engine_starts == 1, "no engine restart, no reload of the base weights"
+        assert len(list(sampler.adapters.iterdir())) == 1, "only the adapters in use stay on disk"
+        with pytest.raises(WeightIntegrityError, match="does not fit the model's adapters"):
+            sampler.load_snapshot(store.save("actor", 3, load_actor(tiny_model)).chain)
+        assert mismatch(sampler, learner, prompts) < 1e-4, "a refused snapshot leaves the adapters in use"
+    finally:
+        sampler.close()
