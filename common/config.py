@@ -298,7 +298,10 @@ class BroadcastSection(_Section):
         "torchrun's); unset: weights go by the store alone.",
     )
     receivers: int = Field(
-        1, ge=1, description="How many generator replicas make the group; the learner sends once all have joined."
+        1,
+        ge=1,
+        description="How many receivers make the group: generator replicas (× generation.vllm.tensor_parallel_size "
+        "with vLLM, whose every worker receives); the learner sends once all have joined.",
     )
     timeout_s: float = Field(
         30.0,
@@ -478,11 +481,8 @@ class RunConfig(_Section):
         parallel = self.learner.parallel
         if self.model.lora is not None and parallel.strategy == "fsdp":
             raise ValueError("model.lora trains on one process: set learner.parallel.strategy=single")
-        if self.weights.broadcast.address is not None and self.generation.backend != "transformers":
-            raise ValueError(
-                "weights.broadcast feeds the transformers generator (set generation.backend=transformers): the vLLM "
-                "engine's workers are processes of the engine, outside the learner's group"
-            )
+        if self.weights.broadcast.address is not None and self.model.lora is not None:
+            raise ValueError("weights.broadcast is for whole models: LoRA adapters (a few MB) go by the store")
         if parallel.strategy == "fsdp" and parallel.processes > 1 and self.weights.full_every > 1:
             raise ValueError(
                 "weights.full_every > 1 (delta snapshots) needs the whole state on one process: a learner of "

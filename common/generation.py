@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from common.broadcast import WeightReceiver
 from common.models import add_lora, load_actor
 from common.sampling import Sampler, Samples, SamplingParams
 from common.sequences import lengths_to_mask, pack
@@ -94,6 +95,7 @@ class TransformersSampler:
             self.model = add_lora(self.model, lora).eval()
         self.skeleton = self.model
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.receiver: WeightReceiver | None = None
 
     def sample(self, prompt_tokens, prompt_lengths, params):
         return sample_responses(self.model, prompt_tokens, prompt_lengths, params, self.eos_token_id, self.pad_token_id)
@@ -101,12 +103,17 @@ class TransformersSampler:
     def load_snapshot(self, chain: list[str]) -> None:
         load_snapshot_into(self.model, chain)
 
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy tensors (one per storage, as a snapshot holds them) into the model: the broadcast path."""
-        load_state_into(self.model, state, "the broadcast")
+    def join_broadcast(self, address: str, timeout_s: float, algorithm: str, name: str) -> None:
+        self.receiver = WeightReceiver(address, timeout_s, algorithm, name)
+
+    def load_broadcast(self, version: int, digest: str, chain: list[str]) -> bool:
+        if self.receiver is None:
+            return False
+        return self.receiver.load_into(version, digest, lambda state: load_state_into(self.model, state, "broadcast"))
 
     def close(self) -> None:
-        pass
+        if self.receiver is not None:
+            self.receiver.close()
 
 
 def vllm_installed() -> bool:

@@ -44,4 +44,11 @@ class Sampler(Protocol):
     def load_snapshot(self, chain: list[str]) -> None:
         """Load actor weights in place; raises ``WeightIntegrityError`` (old weights kept) for a bad snapshot."""
 
+    def join_broadcast(self, address: str, timeout_s: float, algorithm: str, name: str) -> None:
+        """Receive the learner's broadcasts (``common.broadcast``) from now on, where the weights live."""
+
+    def load_broadcast(self, version: int, digest: str, chain: list[str]) -> bool:
+        """Load ``version`` from the broadcast if exactly ``digest`` was received (``chain``: the same version in the
+        store); False otherwise, weights untouched. Raises ``WeightIntegrityError`` for tensors that do not fit."""
+
     def close(self) -> None: ...

@@ -50,6 +50,28 @@ class SnapshotLoader:
         _repack_tied_cpu_linears(self.model_runner.get_model())
         return None
 
+    def join_broadcast(self, address: str, timeout_s: float, algorithm: str, name: str) -> None:
+        """Start receiving the learner's broadcasts in this worker (``common.broadcast``: a thread of its own)."""
+        from common.broadcast import WeightReceiver
+
+        self.broadcast_receiver = WeightReceiver(address, timeout_s, algorithm, name)
+
+    def load_broadcast(self, version: int, digest: str) -> bool:
+        """Reload the weights in place from the received tensors, if they are ``version`` with ``digest``."""
+        receiver = getattr(self, "broadcast_receiver", None)
+        if receiver is None:
+            return False
+
+        def reload(state: dict[str, torch.Tensor]) -> None:
+            self.model_runner.reload_weights(weights_iterator=iter(state.items()))
+            _repack_tied_cpu_linears(self.model_runner.get_model())
+
+        try:
+            return receiver.load_into(version, digest, reload)
+        except Exception as exc:  # weights half-reloaded, maybe: the caller reloads them all from the store
+            log.error("broadcast of v%d did not load in the engine: %s", version, exc)
+            return False
+
 
 def _repack_tied_cpu_linears(model: torch.nn.Module) -> None:
     """Re-pack linears whose weight is tied to a reloaded one (vLLM CPU, tied embeddings).
@@ -111,6 +133,7 @@ class VllmSampler:
         )
         self.good_snapshot: list[str] | None = None  # the chain of the last update that loaded; None: the folder's
         self.engine_starts = 0
+        self.broadcast: tuple | None = None  # join_broadcast's arguments, for each engine started
         self.llm = self._start_engine()
 
     # ------------------------------------------------------------------------------------------------ engine
@@ -125,6 +148,8 @@ class VllmSampler:
             if refused:  # the last good snapshot was pruned or damaged since: nothing good left to return to
                 raise WeightIntegrityError(f"cannot restore the last good weights: {refused}")
             llm.reset_prefix_cache()
+        if self.broadcast is not None:  # a new engine's workers join the learner's next group
+            llm.collective_rpc("join_broadcast", args=self.broadcast)
         self.engine_starts += 1
         log.info(
             "vLLM engine started in %.1f s (%s)",
@@ -174,6 +199,19 @@ class VllmSampler:
             self.llm.reset_prefix_cache()
             self.good_snapshot = list(chain)
             return
+
+    def join_broadcast(self, address: str, timeout_s: float, algorithm: str, name: str) -> None:
+        """Each engine worker receives the broadcasts itself (one receiver per worker: under tensor parallelism,
+        ``weights.broadcast.receivers`` counts workers); the tensors never pass through this process."""
+        self.broadcast = (address, timeout_s, algorithm, name)
+        self.llm.collective_rpc("join_broadcast", args=self.broadcast)
+
+    def load_broadcast(self, version: int, digest: str, chain: list[str]) -> bool:
+        if self.broadcast is None or not all(self.llm.collective_rpc("load_broadcast", args=(version, digest))):
+            return False  # a worker without it: the caller reads the store, which every worker then loads
+        self.llm.reset_prefix_cache()
+        self.good_snapshot = list(chain)  # the same version, for an engine started later
+        return True
 
     def _load_adapters(self, chain: list[str]) -> None:
         """Verify an adapter snapshot and make it the adapter of the next requests (a folder vLLM loads)."""

@@ -197,12 +197,8 @@ def test_the_grpo_example_needs_groups():
         (["weights.broadcast.address=learner"], "weights.broadcast.address"),
         (["weights.broadcast.address=learner:29600", "weights.broadcast.receivers=0"], "weights.broadcast.receivers"),
         (
-            ["weights.broadcast.address=learner:29600", "generation.backend=vllm"],
-            "weights.broadcast feeds the transformers generator",
-        ),
-        (
-            ["weights.broadcast.address=learner:29600", "generation.backend=auto"],
-            "weights.broadcast feeds the transformers generator",
+            ["weights.broadcast.address=learner:29600", "model.lora={rank: 8}"],
+            "LoRA adapters .a few MB. go by the store",
         ),
     ],
 )

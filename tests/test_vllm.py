@@ -206,3 +206,25 @@ def test_lora_adapters_are_swapped_in_without_touching_the_base_weights(tiny_mod
         assert mismatch(sampler, learner, prompts) < 1e-4, "a refused snapshot leaves the adapters in use"
     finally:
         sampler.close()
+
+
+def test_the_engines_workers_take_the_learners_broadcast(engine, tiny_model, prompts, tmp_path):
+    """The broadcast path into vLLM: the engine's worker joins the learner's group and reloads in place from what it
+    received, never from the store; another digest or version loads nothing."""
+    from common.broadcast import WeightSender
+    from common.weights import snapshot_state
+    from services.transport.local_broker import free_port
+
+    sender = WeightSender(f"127.0.0.1:{free_port()}", 1, 10.0, "blake3")
+    try:
+        engine.join_broadcast(sender.address, 10.0, "blake3", "engine")
+        actor = perturbed(load_actor(tiny_model), seed=5)
+        digest = sender.send(7, snapshot_state(actor))  # the first send waits for the group to form
+        assert digest, sender.waiting_for()
+        assert not engine.load_broadcast(7, "blake3:" + "0" * 64, [])
+        assert not engine.load_broadcast(6, digest, [])
+        assert engine.load_broadcast(7, digest, ["(the store's v7)"])
+        assert mismatch(engine, actor, prompts) < 1e-4
+        assert engine.good_snapshot == ["(the store's v7)"], "an engine restarted later loads v7 from the store"
+    finally:
+        sender.close()

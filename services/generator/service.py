@@ -6,7 +6,6 @@ import logging
 
 import torch
 
-from common.broadcast import WeightReceiver
 from common.config import RunConfig
 from common.generation import make_sampler
 from common.models import load_tokenizer, resolve_model
@@ -30,11 +29,8 @@ class GeneratorService(Service):
         self.model_id = str(path)
         self.policy_version = 0  # the configured initial weights are version 0
         broadcast = config.weights.broadcast
-        self.receiver = (
-            WeightReceiver(broadcast.address, broadcast.timeout_s, config.weights.digest, self.replica_id)
-            if broadcast.address is not None
-            else None
-        )
+        if broadcast.address is not None:
+            self.sampler.join_broadcast(broadcast.address, broadcast.timeout_s, config.weights.digest, self.replica_id)
         self.broadcast_loads = 0  # versions loaded from the broadcast rather than the store
 
     def on_weights(self, announcement: WeightAnnouncement) -> bool:
@@ -61,11 +57,11 @@ class GeneratorService(Service):
 
     def _load_broadcast(self, announcement: WeightAnnouncement) -> bool:
         """Load the announced version from what the learner broadcast, if this replica holds exactly that."""
-        if self.receiver is None or not announcement.broadcast_digest:
+        if self.config.weights.broadcast.address is None or not announcement.broadcast_digest:
             return False
         version = announcement.policy_version
         try:
-            loaded = self.receiver.load_into(version, announcement.broadcast_digest, self.sampler.load_state)
+            loaded = self.sampler.load_broadcast(version, announcement.broadcast_digest, announcement.chain)
         except WeightIntegrityError as exc:
             log.error(
                 "%s: the broadcast of actor v%d does not fit (%s); reading the store", self.replica_id, version, exc
@@ -126,6 +122,4 @@ class GeneratorService(Service):
         ]
 
     def close(self) -> None:
-        if self.receiver is not None:
-            self.receiver.close()
         self.sampler.close()
