@@ -38,9 +38,9 @@ def make_config(tmp_path, model_cache):
     return make
 
 
-@pytest.fixture(scope="session")
-def experience(tiny_model):
-    """8 responses of the tiny model to 4 prompts, as the learner gets them, with random advantages and values."""
+def sampled_experience(tiny_model, texts: list[str], max_new_tokens: int, seed: int, kl_scale: float = 0.0):
+    """``2 × len(texts)`` responses of the tiny model, as the learner gets them, with random advantages, values and
+    scores (and KL estimates up to ``kl_scale``); returns the tokenizer and the :class:`Experience`."""
     import torch
 
     from common.generation import sample_responses
@@ -50,14 +50,13 @@ def experience(tiny_model):
     from common.trainer import Experience
 
     tokenizer = load_tokenizer(tiny_model)
-    actor = load_actor(tiny_model)
-    enc = tokenizer(["tell me about the cat.", "hi", "say something!", "the sea"], padding=True, return_tensors="pt")
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
     prompt_lengths = enc["attention_mask"].sum(1)
     samples = sample_responses(
-        actor,
+        load_actor(tiny_model),
         enc["input_ids"],
         prompt_lengths,
-        SamplingParams(n=2, max_new_tokens=10, seed=0),
+        SamplingParams(n=2, max_new_tokens=max_new_tokens, seed=seed),
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,
     )
@@ -75,11 +74,17 @@ def experience(tiny_model):
         finished=samples.finished,
         behaviour_logprobs=samples.behaviour_logprobs,
         scores=torch.randn(len(rows), generator=g),
-        kl=torch.zeros(mask.shape),
+        kl=torch.rand(mask.shape, generator=g) * kl_scale * mask,
         values=values,
         advantages=advantages,
         returns=advantages + values,
     )
+
+
+@pytest.fixture(scope="session")
+def experience(tiny_model):
+    """8 responses of the tiny model to 4 prompts, as the learner gets them, with random advantages and values."""
+    return sampled_experience(tiny_model, ["tell me about the cat.", "hi", "say something!", "the sea"], 10, seed=0)
 
 
 def _docker_answers() -> bool:

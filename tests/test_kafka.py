@@ -38,24 +38,54 @@ def streamppo_command(*args: str, overrides: list[str] = (), config: str = "conf
     return command + [a for o in overrides for a in ("--set", o)]
 
 
-def start_up(kafka_broker, tmp_path, model_cache, steps, run_id, up_args=(), overrides=(), verbose=False):
-    """`streamppo up` in the background (its own session, transformers generator) for a run of ``steps``; returns
-    the process, its log file (every service's INFO lines with ``verbose``) and the run's metrics.jsonl."""
+def up_command(kafka_broker, tmp_path, model_cache, steps, run_id, overrides, up_args, config, verbose) -> list[str]:
+    """`streamppo up` on the test's broker for a run of ``steps`` under ``tmp_path/run``."""
     bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
     settings = [
         f"run.steps={steps}",
         f"run.dir={tmp_path / 'run'}",
         f"run.run_id={run_id}",
         f"model.cache_dir={model_cache}",
-        "generation.backend=transformers",
         *overrides,
         *kafka_broker,
     ]
-    args = streamppo_command(*(["-v"] if verbose else []), "up", "--bootstrap", bootstrap, *up_args, overrides=settings)
+    flags = ["-v"] if verbose else []
+    return streamppo_command(*flags, "up", "--bootstrap", bootstrap, *up_args, overrides=settings, config=config)
+
+
+def start_up(kafka_broker, tmp_path, model_cache, steps, run_id, up_args=(), overrides=(), verbose=False):
+    """`streamppo up` in the background (its own session, transformers generator) for a run of ``steps``; returns
+    the process, its log file (every service's INFO lines with ``verbose``) and the run's metrics.jsonl."""
+    overrides = ["generation.backend=transformers", *overrides]
+    args = up_command(kafka_broker, tmp_path, model_cache, steps, run_id, overrides, up_args, "config.yaml", verbose)
     output, metrics = tmp_path / "up.log", tmp_path / "run" / "metrics.jsonl"
     with open(output, "w") as log:
         up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return up, output, metrics
+
+
+def run_up(kafka_broker, tmp_path, model_cache, steps, run_id, overrides=(), up_args=(), config="config.yaml"):
+    """`streamppo -v up` for a run of ``steps`` to its end; returns the finished process (output captured)."""
+    args = up_command(kafka_broker, tmp_path, model_cache, steps, run_id, overrides, up_args, config, verbose=True)
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def run_messages(config, topic, run_id, count, timeout_s=60.0) -> dict:
+    """The messages of run ``run_id`` on ``topic``, by batch id, once ``count`` are there (other tests' garbage on
+    the shared topics is skipped)."""
+    audit = kafka_bus(config).consumer(topic, None, "audit")
+    found, deadline = {}, time.monotonic() + timeout_s
+    while len(found) < count and time.monotonic() < deadline:
+        for record in audit.poll(0.5, max_records=1000):
+            try:
+                message = decode(record.value)
+            except SchemaError:
+                continue
+            if message.batch_id.startswith(run_id):
+                found[message.batch_id] = message
+    return found
 
 
 def unique(name):
@@ -156,17 +186,7 @@ def test_an_unreachable_broker_is_a_clear_error():
 def test_streamppo_up_runs_the_pipeline_as_processes(kafka_broker, kafka_config, tmp_path, model_cache):
     """generator, two scorer replicas, advantage and learner, each its own process, over the broker."""
     steps, run_id = 12, unique("proc")
-    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
-    overrides = [
-        f"run.steps={steps}",
-        f"run.dir={tmp_path / 'run'}",
-        f"run.run_id={run_id}",
-        f"model.cache_dir={model_cache}",
-        *kafka_broker,
-    ]
-    args = streamppo_command("-v", "up", "--bootstrap", bootstrap, "--replicas", "scorer=2", overrides=overrides)
-    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_up(kafka_broker, tmp_path, model_cache, steps, run_id, up_args=("--replicas", "scorer=2"))
     assert "scorer-1 | " in result.stdout and "scorer-1: serving rollouts -> scored" in result.stdout, "prefixed logs"
     backend = "vllm" if importlib.util.find_spec("vllm") else "transformers"  # 'auto', as a user gets it
     assert f"generator-0: sampling with the {backend} backend" in result.stdout
@@ -176,16 +196,7 @@ def test_streamppo_up_runs_the_pipeline_as_processes(kafka_broker, kafka_config,
     first = sum(r["reward_mean"] for r in records[:3]) / 3
     last = sum(r["reward_mean"] for r in records[-3:]) / 3
     assert last > first + 0.15, (first, last)
-    audit = kafka_bus(kafka_config).consumer("scored", None, "audit")
-    scored, deadline = {}, time.monotonic() + 60
-    while len(scored) < steps and time.monotonic() < deadline:
-        for record in audit.poll(0.5, max_records=1000):
-            try:
-                message = decode(record.value)
-            except SchemaError:
-                continue  # other tests put garbage on the shared topics
-            if message.batch_id.startswith(run_id):
-                scored[message.batch_id] = message.lineage["scorer.replica"]
+    scored = {k: m.lineage["scorer.replica"] for k, m in run_messages(kafka_config, "scored", run_id, steps).items()}
     assert len(scored) == steps
     assert set(scored.values()) == {"scorer-0", "scorer-1"}, "both scorer replicas did work"
 
@@ -194,18 +205,8 @@ def test_a_critic_free_run_has_no_critic_anywhere(kafka_broker, kafka_config, tm
     """GRPO as processes over the broker: no service loads, trains, checkpoints or publishes a critic, and the
     experience on the topic says which estimator made it."""
     steps, run_id = 8, unique("grpo")
-    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
-    overrides = [
-        f"run.steps={steps}",
-        f"run.dir={tmp_path / 'run'}",
-        f"run.run_id={run_id}",
-        f"model.cache_dir={model_cache}",
-        "generation.backend=transformers",
-        *kafka_broker,
-    ]
-    args = streamppo_command("-v", "up", "--bootstrap", bootstrap, overrides=overrides, config="grpo.yaml")
-    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    overrides = ["generation.backend=transformers"]
+    result = run_up(kafka_broker, tmp_path, model_cache, steps, run_id, overrides, config="grpo.yaml")
     assert "advantage-0: grpo needs no critic; none is loaded" in result.stdout
     assert "critic weights" not in result.stdout  # nobody loaded, nor was offered, a critic snapshot
     run = tmp_path / "run"
@@ -216,16 +217,7 @@ def test_a_critic_free_run_has_no_critic_anywhere(kafka_broker, kafka_config, tm
     assert sorted(p.name for p in (run / "final").iterdir()) == ["actor"]
     records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     assert len(records) == steps and all("grad_norm_critic" not in r and "value_loss" not in r for r in records)
-    audit = kafka_bus(kafka_config).consumer("experience", None, "audit")
-    experience, deadline = [], time.monotonic() + 60
-    while len(experience) < steps and time.monotonic() < deadline:
-        for record in audit.poll(0.5, max_records=1000):
-            try:
-                message = decode(record.value)
-            except SchemaError:
-                continue  # other tests put garbage on the shared topics
-            if message.batch_id.startswith(run_id):
-                experience.append(message)
+    experience = list(run_messages(kafka_config, "experience", run_id, steps).values())
     assert len(experience) == steps
     for message in experience:
         assert message.lineage["shaping.estimator"] == "grpo" and "critic.version" not in message.lineage
@@ -240,19 +232,8 @@ def test_a_lora_run_sends_adapters_and_samples_with_the_learners_log_probs(kafka
     from safetensors.torch import load_file
 
     steps, run_id = 6, unique("lora")
-    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
-    overrides = [
-        f"run.steps={steps}",
-        f"run.dir={tmp_path / 'run'}",
-        f"run.run_id={run_id}",
-        f"model.cache_dir={model_cache}",
-        "model.lora={rank: 8, alpha: 16}",
-        "learner.actor_lr=3e-2",
-        *kafka_broker,
-    ]
-    args = streamppo_command("-v", "up", "--bootstrap", bootstrap, overrides=overrides, config="grpo.yaml")
-    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    overrides = ["model.lora={rank: 8, alpha: 16}", "learner.actor_lr=3e-2"]
+    result = run_up(kafka_broker, tmp_path, model_cache, steps, run_id, overrides, config="grpo.yaml")
     backend = "vllm" if importlib.util.find_spec("vllm") else "transformers"
     assert f"generator-0: sampling with the {backend} backend" in result.stdout
     run = tmp_path / "run"
@@ -874,14 +855,6 @@ def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_
     assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
     rewards = [r["reward_mean"] for r in records]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
-    audit = kafka_bus(make_config(*kafka_broker)).consumer("rollouts", None, "audit")
-    producers, deadline = {}, time.monotonic() + 60
-    while len(producers) < steps and time.monotonic() < deadline:
-        for record in audit.poll(0.5, max_records=1000):
-            try:
-                message = decode(record.value)
-            except SchemaError:
-                continue  # other tests put garbage on the shared topics
-            if message.batch_id.startswith(run_id):
-                producers[message.batch_id] = message.producer
+    rollouts = run_messages(make_config(*kafka_broker), "rollouts", run_id, steps)
+    producers = {k: m.producer for k, m in rollouts.items()}
     assert set(producers.values()) == {"generator-0", "generator-1"}, "both generator replicas sampled"

@@ -9,52 +9,21 @@ import pytest
 import torch
 
 from common.config import AlgorithmSection, LearnerSection
-from common.generation import sample_responses
-from common.models import enable_activation_checkpointing, load_actor, load_critic, load_tokenizer
-from common.sampling import SamplingParams
+from common.models import enable_activation_checkpointing, load_actor, load_critic
 from common.sequences import lengths_to_mask, micro_batches
-from common.trainer import Experience, PPOTrainer
+from common.trainer import PPOTrainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from conftest import sampled_experience  # noqa: E402
 from ranks_worker import trainer_settings  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def experience(tiny_model, tmp_path_factory):
-    """Eight sampled responses of mixed lengths (prompts of 1..6 words), with random advantages and values."""
-    tokenizer = load_tokenizer(tiny_model)
-    actor = load_actor(tiny_model)
+    """Twelve sampled responses of mixed lengths (prompts of 1..6 words), with random advantages and values."""
     texts = ["tell me about the cat today.", "hi", "say something nice!", "the sea", "a", "one two three"]
-    enc = tokenizer(texts, padding=True, return_tensors="pt")
-    prompt_lengths = enc["attention_mask"].sum(1)
-    samples = sample_responses(
-        actor,
-        enc["input_ids"],
-        prompt_lengths,
-        SamplingParams(n=2, max_new_tokens=12, seed=1),
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-    )
-    rows = samples.group_index
-    mask = lengths_to_mask(samples.response_lengths, samples.response_tokens.shape[1])
-    g = torch.Generator().manual_seed(0)
-    advantages = torch.randn(mask.shape, generator=g) * mask
-    values = torch.randn(mask.shape, generator=g) * mask
-    exp = Experience(
-        policy_version=0,
-        prompt_tokens=enc["input_ids"][rows],
-        prompt_lengths=prompt_lengths[rows],
-        response_tokens=samples.response_tokens,
-        response_lengths=samples.response_lengths,
-        finished=samples.finished,
-        behaviour_logprobs=samples.behaviour_logprobs,
-        scores=torch.randn(len(rows), generator=g),
-        kl=torch.rand(mask.shape, generator=g) * 0.01 * mask,
-        values=values,
-        advantages=advantages,
-        returns=advantages + values,
-    )
+    tokenizer, exp = sampled_experience(tiny_model, texts, 12, seed=1, kl_scale=0.01)
     path = tmp_path_factory.mktemp("experience") / "experience.pt"
     torch.save(exp, path)
     return tokenizer, exp, path
