@@ -119,8 +119,9 @@ def kafka_broker(tmp_path_factory):
 def own_broker(kafka_broker, tmp_path):
     """A broker for this test alone when the session's is the local one (else the session's).
 
-    For the tests that ``kill -9`` group members again and again: on the local broker (tansu) that had served the
-    rest of the suite, a consumer group was seen to keep a restarted member without partitions for good (the run
+    For the tests that ``kill -9`` group members again and again, or run ``up`` after another run's groups (one per
+    role) had other members: on the local broker (tansu) that had served the rest of the suite, a consumer group was
+    seen to keep a restarted (or new) member without partitions for good (the run
     then waits for a batch no replica reads; ``streamppo status`` shows it). On a fresh local broker, and on
     Apache Kafka, it was not seen.
     """

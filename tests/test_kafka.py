@@ -67,7 +67,16 @@ def start_up(kafka_broker, tmp_path, model_cache, steps, run_id, up_args=(), ove
 def run_up(kafka_broker, tmp_path, model_cache, steps, run_id, overrides=(), up_args=(), config="config.yaml"):
     """`streamppo -v up` for a run of ``steps`` to its end; returns the finished process (output captured)."""
     args = up_command(kafka_broker, tmp_path, model_cache, steps, run_id, overrides, up_args, config, verbose=True)
-    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
+    up = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = up.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(up.pid, signal.SIGKILL)  # up and every service it started
+        stdout, stderr = up.communicate()
+        pytest.fail(f"the run did not end in 600 s:\n{stdout[-3000:]}")
+    result = subprocess.CompletedProcess(args, up.returncode, stdout, stderr)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -201,12 +210,12 @@ def test_streamppo_up_runs_the_pipeline_as_processes(kafka_broker, kafka_config,
     assert set(scored.values()) == {"scorer-0", "scorer-1"}, "both scorer replicas did work"
 
 
-def test_a_critic_free_run_has_no_critic_anywhere(kafka_broker, kafka_config, tmp_path, model_cache):
+def test_a_critic_free_run_has_no_critic_anywhere(own_broker, make_config, tmp_path, model_cache):
     """GRPO as processes over the broker: no service loads, trains, checkpoints or publishes a critic, and the
     experience on the topic says which estimator made it."""
     steps, run_id = 8, unique("grpo")
     overrides = ["generation.backend=transformers"]
-    result = run_up(kafka_broker, tmp_path, model_cache, steps, run_id, overrides, config="grpo.yaml")
+    result = run_up(own_broker, tmp_path, model_cache, steps, run_id, overrides, config="grpo.yaml")
     assert "advantage-0: grpo needs no critic; none is loaded" in result.stdout
     assert "critic weights" not in result.stdout  # nobody loaded, nor was offered, a critic snapshot
     run = tmp_path / "run"
@@ -217,7 +226,7 @@ def test_a_critic_free_run_has_no_critic_anywhere(kafka_broker, kafka_config, tm
     assert sorted(p.name for p in (run / "final").iterdir()) == ["actor"]
     records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     assert len(records) == steps and all("grad_norm_critic" not in r and "value_loss" not in r for r in records)
-    experience = list(run_messages(kafka_config, "experience", run_id, steps).values())
+    experience = list(run_messages(make_config(*own_broker), "experience", run_id, steps).values())
     assert len(experience) == steps
     for message in experience:
         assert message.lineage["shaping.estimator"] == "grpo" and "critic.version" not in message.lineage
@@ -225,7 +234,7 @@ def test_a_critic_free_run_has_no_critic_anywhere(kafka_broker, kafka_config, tm
         assert message.advantages.any()
 
 
-def test_a_lora_run_sends_adapters_and_samples_with_the_learners_log_probs(kafka_broker, tmp_path, model_cache):
+def test_a_lora_run_sends_adapters_and_samples_with_the_learners_log_probs(own_broker, tmp_path, model_cache):
     """LoRA on the actor, as processes over the broker: snapshots hold the adapters alone, and the generator (vLLM
     when installed, as a user gets it), which swaps them in at each version over its base weights, samples with the
     log-probs the learner computes (float32)."""
@@ -233,7 +242,7 @@ def test_a_lora_run_sends_adapters_and_samples_with_the_learners_log_probs(kafka
 
     steps, run_id = 6, unique("lora")
     overrides = ["model.lora={rank: 8, alpha: 16}", "learner.actor_lr=3e-2"]
-    result = run_up(kafka_broker, tmp_path, model_cache, steps, run_id, overrides, config="grpo.yaml")
+    result = run_up(own_broker, tmp_path, model_cache, steps, run_id, overrides, config="grpo.yaml")
     backend = "vllm" if importlib.util.find_spec("vllm") else "transformers"
     assert f"generator-0: sampling with the {backend} backend" in result.stdout
     run = tmp_path / "run"
