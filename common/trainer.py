@@ -245,6 +245,10 @@ class PPOTrainer:
         cfg = self.cfg
         num_tokens = float(batch.mask[mini].sum())
         agg = {"agg": cfg.loss_agg, "num_tokens": num_tokens, "norm_length": self.max_response_length}
+
+        def aggregate(losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return ppo.agg_loss(losses, mask, cfg.loss_agg, num_tokens, self.max_response_length)
+
         # Sharded gradients are averaged over the ranks; each rank's loss is its rows' part of the whole
         # mini-batch's, so the sum is wanted.
         world = self.ranks.world_size
@@ -271,13 +275,13 @@ class PPOTrainer:
                 batch.importance[rows, :width] if batch.importance is not None else None,
                 **agg,
             )
-            loss = pg_loss - cfg.entropy_coef * ppo.agg_loss(entropy, m, agg["agg"], num_tokens, agg["norm_length"])
+            loss = pg_loss - cfg.entropy_coef * aggregate(entropy, m)
             # Token statistics are means over the mini-batch's tokens (so the same however its rows are split over
             # passes and ranks), then over the optimizer steps.
             share = step.weight * float(m.sum()) / max(num_tokens, 1.0)
             if self.algo.kl_in == "loss":
                 kl = ppo.kl_estimate(logp, exp.ref_logprobs[rows, :width], self.algo.kl_estimator)
-                kl_loss = ppo.agg_loss(kl, m, agg["agg"], num_tokens, agg["norm_length"])
+                kl_loss = aggregate(kl, m)
                 loss = loss + self.kl_controller.value * kl_loss
                 add(kl_loss=kl_loss.detach() * scale)
             (loss * scale * world).backward()

@@ -31,22 +31,11 @@ class GeneratorService(Service):
         broadcast = config.weights.broadcast
         if broadcast.address is not None:
             self.sampler.join_broadcast(broadcast.address, broadcast.timeout_s, config.weights.digest, self.replica_id)
-        self.broadcast_loads = 0  # versions loaded from the broadcast rather than the store
 
     def on_weights(self, announcement: WeightAnnouncement) -> bool:
-        adapts = announcement.lineage.get(ADAPTER_BASE)
-        if (adapts is not None) != (self.config.model.lora is not None) or adapts not in (
-            None,
-            self.config.model.actor,
-        ):
-            log.error(
-                "%s: keeping actor v%d: the snapshot of v%d is %s, this generator serves %s",
-                self.replica_id,
-                self.policy_version,
-                announcement.policy_version,
-                f"LoRA adapters for {adapts}" if adapts is not None else "a whole model",
-                f"LoRA adapters on {self.config.model.actor}" if self.config.model.lora else "a whole model",
-            )
+        mismatch = self._kind_mismatch(announcement)
+        if mismatch:
+            log.error("%s: keeping actor v%d: %s", self.replica_id, self.policy_version, mismatch)
             return False
         if not self._load_broadcast(announcement) and not load_announced_weights(
             self.sampler.load_snapshot, announcement, self.replica_id, self.policy_version
@@ -54,6 +43,16 @@ class GeneratorService(Service):
             return False
         self.policy_version = announcement.policy_version
         return True
+
+    def _kind_mismatch(self, announcement: WeightAnnouncement) -> str:
+        """Why the announced snapshot is not for this generator (LoRA adapters for its base, or a whole model, as it
+        serves); empty when it is."""
+        adapts, lora = announcement.lineage.get(ADAPTER_BASE), self.config.model.lora is not None
+        if (adapts is not None) == lora and adapts in (None, self.config.model.actor):
+            return ""
+        made = f"LoRA adapters for {adapts}" if adapts is not None else "a whole model"
+        served = f"LoRA adapters on {self.config.model.actor}" if lora else "a whole model"
+        return f"the snapshot of v{announcement.policy_version} is {made}, this generator serves {served}"
 
     def _load_broadcast(self, announcement: WeightAnnouncement) -> bool:
         """Load the announced version from what the learner broadcast, if this replica holds exactly that."""
@@ -68,7 +67,6 @@ class GeneratorService(Service):
             )
             return False
         if loaded:
-            self.broadcast_loads += 1
             log.info("%s: actor weights v%d loaded from the broadcast", self.replica_id, version)
         return loaded
 
