@@ -118,6 +118,7 @@ def experience_batch(n=64, t=512, p=64) -> ExperienceBatch:
         step=0,
         group_index=np.arange(n),
         prompt_text=["an opinion about a film"] * n,
+        prompt_label=[""] * n,
         response_text=["a response " * 40] * n,
         prompt_tokens=rng.integers(0, 49152, (n, p)),
         prompt_lengths=np.full(n, p),

@@ -68,6 +68,7 @@ def rollouts(m: PromptBatch) -> RolloutBatch:
         step=m.step,
         group_index=np.zeros(N, np.int64),
         prompt_text=["p"] * N,
+        prompt_label=[""] * N,
         response_text=["r"] * N,
         prompt_tokens=np.zeros((N, P), np.int64),
         prompt_lengths=np.full(N, P),
@@ -128,6 +129,7 @@ def pipeline_latency(
             step=step,
             prompt_index=np.zeros(1, np.int64),
             prompt_text=["x"],
+            prompt_label=[""],
             prompt_tokens=np.zeros((1, P), np.int64),
             prompt_lengths=np.full(1, P),
         )

@@ -1,26 +1,41 @@
-"""Prompt datasets: a JSONL file read once, and a deterministic order of batches over epochs."""
+"""Prompt datasets: a JSONL file read once (prompts and their labels), and a deterministic order of batches over
+epochs."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DatasetError", "PromptSchedule", "load_prompts", "tokenize_prompts"]
+__all__ = ["DatasetError", "PromptDataset", "PromptSchedule", "load_prompts", "tokenize_prompts"]
 
 
 class DatasetError(ValueError):
-    """The prompt file is missing or a line is not an object with a non-empty 'prompt' string."""
+    """The prompt file is missing, a line is not an object with a non-empty 'prompt' string, or a 'label' is not a
+    string."""
 
 
-def load_prompts(path: Path) -> list[str]:
+@dataclass(frozen=True)
+class PromptDataset:
+    """The rows of a prompt file: each prompt and its label, what a verifiable reward checks a response against
+    (``{"prompt": ..., "label": ...}``; ``""`` where a row has none)."""
+
+    texts: list[str]
+    labels: list[str]
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+def load_prompts(path: Path) -> PromptDataset:
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise DatasetError(f"cannot read prompt file {path}: {exc}") from None
-    prompts = []
+    texts, labels = [], []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -30,10 +45,13 @@ def load_prompts(path: Path) -> list[str]:
             raise DatasetError(f"{path}:{number}: not JSON: {exc}") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
             raise DatasetError(f"{path}:{number}: expected an object with a non-empty string 'prompt'")
-        prompts.append(row["prompt"])
-    if not prompts:
+        if not isinstance(row.get("label", ""), str):
+            raise DatasetError(f"{path}:{number}: 'label' must be a string (an answer is written as text: \"42\")")
+        texts.append(row["prompt"])
+        labels.append(row.get("label", ""))
+    if not texts:
         raise DatasetError(f"{path} holds no prompts")
-    return prompts
+    return PromptDataset(texts, labels)
 
 
 def tokenize_prompts(

@@ -22,7 +22,7 @@ __all__ = ["answer_eval_prompts", "render_generations", "write_generations"]
 def answer_eval_prompts(actor, tokenizer, config: RunConfig, policy_version: int) -> list[dict]:
     """The actor's answers to the first ``data.eval_prompts`` prompts, sampled with the run's seed."""
     data, gen = config.data, config.generation
-    texts = load_prompts(data.prompts)[: data.eval_prompts]
+    texts = load_prompts(data.prompts).texts[: data.eval_prompts]
     tokens, lengths = tokenize_prompts(tokenizer, texts, data.max_prompt_tokens, data.chat_template)
     params = SamplingParams(
         n=1,

@@ -13,6 +13,7 @@ and fp32 gradient reductions; the models' configured dtype is the compute dtype 
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -69,12 +70,16 @@ class Ranks:
             getattr(target, name).__wrapped__(target, *args, **kwargs)
 
     def release(self) -> None:
-        """On rank 0, once: tell the followers that no call will come."""
-        if self.world_size > 1 and self.leads:
+        """Once, on every rank, when it is done: rank 0 tells the followers that no call will come, and each rank
+        leaves the process groups (:func:`_leave_groups`)."""
+        if self.world_size == 1:
+            return  # a private one-rank group is shared by every trainer of the process: it stays
+        if self.leads:
             try:
                 self.send((_STOP, (), {}))
             except RuntimeError as exc:  # a rank is gone already: nothing to release
                 log.warning("rank 0: the other ranks could not be told to stop: %s", exc)
+        _leave_groups()
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
@@ -131,6 +136,7 @@ def init_ranks(strategy: str, processes: int, device: str) -> Ranks:
             )
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            atexit.register(_leave_groups)
         return Ranks(0, 1, torch.device(device), sharded=True)
     _die_with_the_launcher()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -142,9 +148,18 @@ def init_ranks(strategy: str, processes: int, device: str) -> Ranks:
         backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend)
+        atexit.register(_leave_groups)  # the safety net: a rank that dies by an exception skips release()
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT) if world > 1 else None
     log.info("rank %d/%d on %s (%s)", rank, world, device, backend)
     return Ranks(rank, world, torch.device(device), sharded=True, control=control)
+
+
+def _leave_groups() -> None:
+    """Destroy the default process group and every group made after it (the control group too), while the
+    interpreter is whole. Groups left for its finalization to tear down can abort the process ("terminate called
+    without an active exception": gloo's worker threads still joinable; pytorch/pytorch#190489)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _die_with_the_launcher() -> None:

@@ -1,13 +1,16 @@
 """Where scores come from: a reward model, or a reward function named ``module:function``.
 
-A reward function takes ``(prompts: list[str], responses: list[str])`` and returns one float per response.
-The rule rewards below are the synthetic tasks the examples and tests train on.
+A reward function takes ``(prompts: list[str], responses: list[str])``, or ``(prompts, responses, labels)`` to be
+given each prompt's label from the dataset (``{"prompt": ..., "label": ...}``; ``""`` where a row has none), and
+returns one float per response. The rule rewards below are what the examples and tests train on.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import re
 from collections.abc import Callable, Sequence
 
 import torch
@@ -17,11 +20,12 @@ __all__ = [
     "RewardFunction",
     "RewardModelScorer",
     "encode_pairs",
+    "final_number_matches",
     "load_reward_function",
     "vowel_fraction",
 ]
 
-RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
+RewardFn = Callable[..., Sequence[float]]
 
 
 class RewardError(RuntimeError):
@@ -35,6 +39,29 @@ def vowel_fraction(prompts: Sequence[str], responses: Sequence[str]) -> list[flo
         letters = [c for c in response.lower() if c.isalpha()]
         scores.append(sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0)
     return scores
+
+
+def final_number_matches(prompts: Sequence[str], responses: Sequence[str], labels: Sequence[str]) -> list[float]:
+    """Verifiable reward: 1 where the last number in the response equals the label's number, else 0.
+
+    As GSM8K is graded: thousands separators are ignored, ``7``, ``7.0`` and ``$7`` all match ``"7"``. A label that
+    holds no number is a dataset error, not a zero: every response would score 0 and the run would learn nothing.
+    """
+    scores = []
+    for response, label in zip(responses, labels, strict=True):
+        expected = _last_number(label)
+        if expected is None:
+            raise RewardError(f"final_number_matches: the label {label!r} holds no number (does the dataset set one?)")
+        scores.append(float(_last_number(response) == expected))
+    return scores
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _last_number(text: str) -> float | None:
+    found = _NUMBER.findall(text.replace(",", ""))
+    return float(found[-1]) if found else None
 
 
 def load_reward_function(spec: str) -> RewardFn:
@@ -62,13 +89,25 @@ def _checked(scores, count: int, source: str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
+def _takes_labels(fn: RewardFn) -> bool:
+    try:
+        inspect.signature(fn).bind([], [], [])
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (some builtins): the documented two-argument form
+        return False
+    return True
+
+
 class RewardFunction:
     def __init__(self, spec: str):
         self.spec = spec
         self.fn = load_reward_function(spec)
+        self.takes_labels = _takes_labels(self.fn)
 
-    def __call__(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
-        return _checked(self.fn(list(prompts), list(responses)), len(responses), f"reward function {self.spec}")
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[str]) -> torch.Tensor:
+        texts = (list(prompts), list(responses)) + ((list(labels),) if self.takes_labels else ())
+        return _checked(self.fn(*texts), len(responses), f"reward function {self.spec}")
 
 
 def encode_pairs(tokenizer, prompts: Sequence[str], responses: Sequence[str], max_length: int):
@@ -96,7 +135,8 @@ class RewardModelScorer:
         self.batch_size, self.max_length, self.name = batch_size, max_length, name
 
     @torch.no_grad()
-    def __call__(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[str] = ()) -> torch.Tensor:
+        """Scores of each (prompt, response); a reward model reads no labels."""
         scores = []
         for start in range(0, len(responses), self.batch_size):
             chunk = slice(start, start + self.batch_size)

@@ -162,18 +162,33 @@ def new_header(batch_id: str, producer: str, policy_version: int, lineage: dict 
     }
 
 
+def _unlabelled_v1_to_v2(raw: dict) -> dict:
+    """Version 1 carried no labels: every prompt's label is ''."""
+    texts = raw.get("prompt_text")
+    return raw | {"prompt_label": [""] * len(texts)} if isinstance(texts, list) else raw
+
+
+_LABEL_DOC = (
+    "The dataset row's label: what a verifiable reward checks the response against (a final answer, say); '' where "
+    "the row has none."
+)
+
+
 @dataclass
 class PromptBatch(Message):
     SCHEMA: ClassVar[str] = "prompts"
     DOC: ClassVar[str] = (
         "A batch of B prompts from the feeder, tokenized with the actor's tokenizer, right-padded to P."
     )
+    VERSION: ClassVar[int] = 2
+    UPGRADES: ClassVar[dict] = {1: _unlabelled_v1_to_v2}
 
     step: int = scalar(
         "int", "Sequence number of this batch in the feeder's stream (0, 1, 2, ...); gates bounded staleness."
     )
     prompt_index: np.ndarray = array("int64", "B", doc="Row of each prompt in the dataset file.")
     prompt_text: list = _wire(StringList("B", "The prompts as text."))
+    prompt_label: list = _wire(StringList("B", _LABEL_DOC))
     prompt_tokens: np.ndarray = array("int64", "B", "P", doc="Prompt token ids, right-padded.")
     prompt_lengths: np.ndarray = array("int64", "B", doc="Number of real tokens in each prompt row.")
 
@@ -182,10 +197,14 @@ class PromptBatch(Message):
 class RolloutBatch(Message):
     SCHEMA: ClassVar[str] = "rollouts"
     DOC: ClassVar[str] = "N = B·n sampled responses (n per prompt) with the behaviour policy's per-token log-probs."
+    # Version 2 added prompt_label, here and so in every schema that extends this one.
+    VERSION: ClassVar[int] = 2
+    UPGRADES: ClassVar[dict] = {1: _unlabelled_v1_to_v2}
 
     step: int = scalar("int", "Feeder sequence number of the prompt batch.")
     group_index: np.ndarray = array("int64", "N", doc="Row of the prompt batch each response was sampled for.")
     prompt_text: list = _wire(StringList("N", "Prompt of each response, as text."))
+    prompt_label: list = _wire(StringList("N", "Label of each response's prompt. " + _LABEL_DOC))
     response_text: list = _wire(StringList("N", "Each response decoded to text (special tokens removed)."))
     prompt_tokens: np.ndarray = array("int64", "N", "P", doc="Prompt token ids, right-padded.")
     prompt_lengths: np.ndarray = array("int64", "N", doc="Real tokens in each prompt row.")

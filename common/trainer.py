@@ -482,7 +482,7 @@ class PPOTrainer:
         return fn(self.actor, *args)
 
     def release(self) -> None:
-        """Rank 0, when it is done with the trainer: the other ranks stop following."""
+        """Every rank, when it is done with the trainer: the followers stop following, the ranks part."""
         self.ranks.release()
 
     def _step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:

@@ -53,6 +53,7 @@ def main() -> None:
     )
     if not ranks.leads:
         ranks.follow(trainer)
+        trainer.release()
         return
     if args.load:
         trainer.load(args.load)

@@ -71,7 +71,7 @@ def test_train_rm_learns_a_small_seeded_set_and_the_scorer_loads_it(model_cache,
     from common.models import load_reward_model, load_tokenizer
     from common.rewards import RewardModelScorer
 
-    pairs = build_pairs(load_prompts(OPINIONS / "prompts.jsonl")[:10], per_prompt=4, seed=1)
+    pairs = build_pairs(load_prompts(OPINIONS / "prompts.jsonl").texts[:10], per_prompt=4, seed=1)
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     out = tmp_path / "rm"
     result = streamppo(

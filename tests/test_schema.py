@@ -19,7 +19,9 @@ from common.schema import (
     DeadLetter,
     ExperienceBatch,
     PromptBatch,
+    RolloutBatch,
     SchemaError,
+    ScoredBatch,
     StringList,
     WeightAnnouncement,
     decode,
@@ -151,7 +153,7 @@ HOSTILE = {
     "not msgpack": b"\xc1\xc1\xc1",
     "a list, not a map": msgpack.packb([1, 2, 3]),
     "unknown schema": mutate(schema="bananas"),
-    "unknown version": mutate(version=2),
+    "unknown version": mutate(version=99),
     "version as string": mutate(version="1"),
     "missing field": mutate(values=KeyError),
     "extra field": mutate(surprise=1),
@@ -275,4 +277,18 @@ def test_older_weight_announcements_read_as_version_3():
         decode(msgpack.packb(raw, use_bin_type=True))
     raw["version"] = 4
     with pytest.raises(SchemaError, match="unsupported schema version 4 .this build reads version 3, 1, 2."):
+        decode(msgpack.packb(raw, use_bin_type=True))
+
+
+@pytest.mark.parametrize("cls", [PromptBatch, RolloutBatch, ScoredBatch, ExperienceBatch], ids=lambda c: c.SCHEMA)
+def test_messages_from_before_labels_read_with_empty_labels(cls):
+    current = sample_message(cls, np.random.default_rng(6))
+    raw = msgpack.unpackb(encode(current), raw=False)
+    assert raw["version"] == 2
+    raw["version"] = 1
+    del raw["prompt_label"]
+    old = decode(msgpack.packb(raw, use_bin_type=True))
+    assert old.prompt_label == [""] * len(current.prompt_text) and old.prompt_text == current.prompt_text
+    raw["prompt_text"] = "not a list"  # an upgrade does not hide what is wrong with the old record
+    with pytest.raises(SchemaError, match="missing fields \\['prompt_label'\\]"):
         decode(msgpack.packb(raw, use_bin_type=True))

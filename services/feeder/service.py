@@ -33,7 +33,7 @@ class FeederService(Service):
 
     def batch(self, step: int) -> PromptBatch:
         index = self.schedule.indices(step)
-        texts = [self.prompts[i] for i in index]
+        texts = [self.prompts.texts[i] for i in index]
         tokens, lengths = tokenize_prompts(
             self.tokenizer, texts, self.config.data.max_prompt_tokens, self.config.data.chat_template
         )
@@ -47,6 +47,7 @@ class FeederService(Service):
             step=step,
             prompt_index=index,
             prompt_text=texts,
+            prompt_label=[self.prompts.labels[i] for i in index],
             prompt_tokens=tokens,
             prompt_lengths=lengths,
         )

@@ -109,6 +109,7 @@ class GeneratorService(Service):
                 step=message.step,
                 group_index=rows,
                 prompt_text=[message.prompt_text[i] for i in rows],
+                prompt_label=[message.prompt_label[i] for i in rows],
                 response_text=self.tokenizer.batch_decode(samples.response_tokens, skip_special_tokens=True),
                 prompt_tokens=message.prompt_tokens[rows],
                 prompt_lengths=message.prompt_lengths[rows],

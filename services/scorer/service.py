@@ -9,10 +9,10 @@ import torch
 
 from common.config import RunConfig
 from common.models import load_actor, load_reward_model, load_tokenizer, resolve_model
-from common.rewards import RewardFunction, RewardModelScorer
+from common.rewards import RewardError, RewardFunction, RewardModelScorer
 from common.schema import RolloutBatch, ScoredBatch, derive
 from common.sequences import batched_response_logprobs, lengths_to_mask, pack
-from services.service import Service, check_token_ids
+from services.service import InputError, Service, check_token_ids
 
 
 class ScorerService(Service):
@@ -56,7 +56,10 @@ class ScorerService(Service):
             max_tokens=self.config.model.max_tokens_per_microbatch,
         )
         ref_logprobs = ref_logprobs.cpu() * lengths_to_mask(lengths, tokens.shape[1])
-        scores = self.reward(message.prompt_text, message.response_text)
+        try:
+            scores = self.reward(message.prompt_text, message.response_text, message.prompt_label)
+        except RewardError as exc:  # e.g. a label with no answer in it: this batch cannot be scored, others may
+            raise InputError(str(exc)) from None
         return [
             derive(
                 message,
