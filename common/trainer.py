@@ -183,7 +183,8 @@ class PPOTrainer:
         with torch.no_grad():
             for step in self._passes(exp, torch.arange(len(mask))):
                 view = self._view(exp, packed, step.rows)
-                logp = response_logprobs(self.actor, view, exp.response_tokens[step.rows, : view.response_width])[0]
+                tokens = exp.response_tokens[step.rows, : view.response_width]
+                logp = response_logprobs(self.actor, view, tokens, self.temperature)[0]  # as π_θ in the loss
                 if step.weight:
                     old_logp[step.rows] = pad_columns(logp, mask.shape[1])
         old_logp = self.ranks.all_reduce_sum(old_logp) * mask

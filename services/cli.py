@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -21,6 +22,9 @@ def _run(args) -> int:
     from services.embedded import run_embedded
 
     config = load_config(args.config, args.set)
+    # SIGTERM ends the run as Ctrl-C does, through the runner's cleanup: by default it would end the process at
+    # once and leave the vLLM engine's processes running, orphaned, with the model in memory.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     summary = run_embedded(config, progress=not args.no_progress)
     print(
         f"done: {summary.steps} steps in {summary.wall_seconds:.0f}s; mean reward {summary.reward_start:.3f} -> "

@@ -38,9 +38,12 @@ def make_config(tmp_path, model_cache):
     return make
 
 
-def sampled_experience(tiny_model, texts: list[str], max_new_tokens: int, seed: int, kl_scale: float = 0.0):
-    """``2 × len(texts)`` responses of the tiny model, as the learner gets them, with random advantages, values and
-    scores (and KL estimates up to ``kl_scale``); returns the tokenizer and the :class:`Experience`."""
+def sampled_experience(
+    tiny_model, texts: list[str], max_new_tokens: int, seed: int, kl_scale: float = 0.0, temperature: float = 1.0
+):
+    """``2 × len(texts)`` responses of the tiny model at ``temperature``, as the learner gets them, with random
+    advantages, values and scores (and KL estimates up to ``kl_scale``); returns the tokenizer and the
+    :class:`Experience`."""
     import torch
 
     from common.generation import sample_responses
@@ -56,7 +59,7 @@ def sampled_experience(tiny_model, texts: list[str], max_new_tokens: int, seed: 
         load_actor(tiny_model),
         enc["input_ids"],
         prompt_lengths,
-        SamplingParams(n=2, max_new_tokens=max_new_tokens, seed=seed),
+        SamplingParams(n=2, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed),
         tokenizer.eos_token_id,
         tokenizer.pad_token_id,
     )

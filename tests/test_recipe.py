@@ -145,3 +145,59 @@ def test_the_recipe_configs_validate(tmp_path):
     assert config.data.chat_template and config.model.actor == "builtin:smollm2-135m-instruct"
     assert config.data.prompts == OPINIONS / "prompts.jsonl"
     assert EXAMPLE.is_dir()
+
+
+ARITHMETIC = REPO / "examples" / "arithmetic"
+
+
+def test_arithmetic_problems_are_labelled_and_held_out_ones_never_trained_on(tmp_path):
+    import re
+
+    from common.data import load_prompts
+    from common.rewards import final_number_matches
+
+    def problems(out, seed):
+        command = [sys.executable, ARITHMETIC / "problems.py", "--out", out, "--seed", str(seed), "--train", "500"]
+        subprocess.run(command, check=True, capture_output=True)
+        return load_prompts(out / "train.jsonl"), load_prompts(out / "heldout.jsonl")
+
+    train, heldout = problems(tmp_path / "a", 0)
+    assert len(train) == 500 and len(heldout) == 200
+
+    def problem(text):  # the operation and the two numbers, whatever the story around them
+        a, b = (int(n) for n in re.findall(r"\d+", text))
+        op = "+" if any(w in text for w in ("more", "afternoon", "puts in")) else "-"
+        return op, a, b
+
+    def answer(text):
+        op, a, b = problem(text)
+        return a + b if op == "+" else a - b
+
+    for dataset in (train, heldout):
+        assert [int(label) for label in dataset.labels] == [answer(t) for t in dataset.texts]
+        assert final_number_matches(dataset.texts, [f"So: {y}." for y in dataset.labels], dataset.labels) == [
+            1.0
+        ] * len(dataset)
+    held = {problem(t) for t in heldout.texts}
+    assert len(held) == 200, "each held-out problem once"
+    assert not held & {problem(t) for t in train.texts}
+    again, _ = problems(tmp_path / "b", 0)
+    other, _ = problems(tmp_path / "c", 1)
+    assert again.texts == train.texts and other.texts != train.texts
+
+
+def test_the_arithmetic_runs_have_the_same_budget(tmp_path):
+    from common.config import load_config
+
+    ppo, grpo = (load_config(ARITHMETIC / f"{name}.yaml", []) for name in ("ppo", "grpo"))
+    assert ppo.algorithm.uses_critic and not grpo.algorithm.uses_critic and grpo.algorithm.kl_in == "loss"
+    for section, keys in {
+        "run": ("steps", "seed"),
+        "data": ("batch_size", "max_prompt_tokens", "chat_template"),
+        "generation": ("n", "max_new_tokens", "temperature"),
+        "learner": ("ppo_epochs", "mini_batch_size", "actor_lr"),
+        "model": ("actor",),
+        "reward": ("function",),
+    }.items():
+        for key in keys:
+            assert getattr(getattr(ppo, section), key) == getattr(getattr(grpo, section), key), f"{section}.{key}"

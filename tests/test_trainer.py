@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import sampled_experience
 
 from common.config import AlgorithmSection, LearnerSection
 from common.models import load_actor, load_critic
@@ -13,7 +14,7 @@ from common.sequences import pack, response_logprobs
 from common.trainer import PPOTrainer
 
 
-def make_trainer(tiny_model, tokenizer, algorithm=None, **learner):
+def make_trainer(tiny_model, tokenizer, algorithm=None, temperature=1.0, **learner):
     settings = dict(ppo_epochs=1, mini_batch_size=8, actor_lr=1e-2, critic_lr=1e-2, max_grad_norm=None) | learner
     algorithm = algorithm or AlgorithmSection(whiten_advantages=False)
     return PPOTrainer(
@@ -21,7 +22,7 @@ def make_trainer(tiny_model, tokenizer, algorithm=None, **learner):
         load_critic(tiny_model) if algorithm.uses_critic else None,
         LearnerSection(**settings),
         algorithm,
-        temperature=1.0,
+        temperature=temperature,
         pad_token_id=tokenizer.pad_token_id,
         max_response_length=10,
     )
@@ -62,6 +63,17 @@ def test_an_update_moves_log_probs_in_the_direction_of_the_advantage(tiny_model,
     assert float(((new - old) * exp.advantages * mask).sum()) > 0
     assert stats["logprob_mismatch"] < 1e-4  # same weights as the sampler, so π_old == π_behaviour
     assert 0 <= stats["clip_frac"] <= 1
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.5])
+def test_the_first_step_is_on_policy_at_any_sampling_temperature(tiny_model, temperature):
+    """π_old is the policy the loss differentiates, at the sampling temperature: before the first optimizer step
+    every ratio is exactly 1 (nothing clipped) and π_old equals the sampler's log-probs."""
+    texts = ["tell me about the cat.", "hi", "say something!", "the sea"]
+    tokenizer, exp = sampled_experience(tiny_model, texts, 10, seed=3, temperature=temperature)
+    stats = make_trainer(tiny_model, tokenizer, temperature=temperature, actor_lr=1e-3).train(exp)
+    assert stats["logprob_mismatch_max"] < 1e-4
+    assert stats["clip_frac"] == 0.0 and stats["approx_kl"] == pytest.approx(0.0, abs=1e-7)
 
 
 def test_value_loss_falls_over_updates(tiny_model, experience):

@@ -228,3 +228,39 @@ def test_the_engines_workers_take_the_learners_broadcast(engine, tiny_model, pro
         assert engine.good_snapshot == ["(the store's v7)"], "an engine restarted later loads v7 from the store"
     finally:
         sender.close()
+
+
+def test_sigterm_ends_a_run_with_its_engine(model_cache, tmp_path):
+    """`streamppo run` stopped by SIGTERM (a scheduler, `timeout`) shuts its vLLM engine down: no engine process
+    is left behind with the model in memory."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    from conftest import EXAMPLE, REPO
+
+    from services import exit_codes
+
+    run_dir = tmp_path / "run"
+    settings = [f"run.dir={run_dir}", f"model.cache_dir={model_cache}", "generation.backend=vllm", "run.steps=10000"]
+    command = [sys.executable, "-m", "services.cli", "run", "--config", str(EXAMPLE / "config.yaml"), "--no-progress"]
+    run = subprocess.Popen(
+        command + [arg for s in settings for arg in ("--set", s)], cwd=REPO, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() and not list((run_dir / "weights").glob("actor-*")):
+            assert run.poll() is None and time.monotonic() < deadline, "the run did not reach its first update"
+            time.sleep(0.5)
+        engine = psutil.Process(run.pid).children(recursive=True)
+        assert engine, "the vLLM engine runs in processes of its own"
+        os.kill(run.pid, signal.SIGTERM)
+        assert run.wait(timeout=120) == exit_codes.INTERRUPTED
+        gone, alive = psutil.wait_procs(engine, timeout=30)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        if run.poll() is None:
+            run.kill()

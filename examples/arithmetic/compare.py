@@ -1,0 +1,75 @@
+"""The arithmetic recipe's results: held-out accuracy before and after each run, and their reward curves side by side.
+
+    python examples/arithmetic/compare.py runs/arithmetic      # writes runs/arithmetic/results/
+
+Reads ``eval/{base,ppo,grpo}.json`` (evaluate.py's verdicts), ``{ppo,grpo}/metrics.jsonl`` and ``{ppo,grpo}.seconds``
+(the wall time of each ``streamppo run``), and writes ``results/results.md`` and ``results/reward.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from common.report import load_metrics, summarise  # noqa: E402
+
+RUNS = {"ppo": "PPO (GAE, critic)", "grpo": "GRPO (no critic, k3 KL in the loss)"}
+
+
+def smoothed(values: list[float], width: int = 5) -> list[float]:
+    return [
+        sum(values[max(0, i - width + 1) : i + 1]) / len(values[max(0, i - width + 1) : i + 1])
+        for i in range(len(values))
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    args = parser.parse_args()
+    root, out = args.run_dir, args.run_dir / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    accuracy = {name: json.loads((root / "eval" / f"{name}.json").read_text()) for name in ("base", *RUNS)}
+    metrics = {name: load_metrics(root / name) for name in RUNS}
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, label in RUNS.items():
+        steps = [r["step"] for r in metrics[name]]
+        rewards = [r["reward_mean"] for r in metrics[name]]
+        (line,) = ax.plot(steps, rewards, alpha=0.3)
+        ax.plot(steps, smoothed(rewards), color=line.get_color(), label=f"{label} (mean of 5)")
+    ax.set(xlabel="update", ylabel="mean reward (share of exact answers)", title="Arithmetic: training reward")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "reward.png", dpi=120)
+
+    base = accuracy["base"]
+    lines = [
+        "| run | held-out accuracy (greedy) | mean reward, first → last 5 updates | KL, last 5 | wall time |",
+        "|---|---|---|---|---|",
+        f"| base model | {base['accuracy']:.3f} ({base['correct']}/{base['problems']}) | | | |",
+    ]
+    for name, label in RUNS.items():
+        summary = summarise(metrics[name])["metrics"]
+        reward, kl = summary["reward_mean"], summary["kl"]
+        seconds = float((root / f"{name}.seconds").read_text().split()[-1])
+        a = accuracy[name]
+        lines.append(
+            f"| {label} | {a['accuracy']:.3f} ({a['correct']}/{a['problems']}) | {reward['first']:.3f} → "
+            f"{reward['last']:.3f} | {kl['last']:.4f} | {seconds:.0f} s |"
+        )
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
