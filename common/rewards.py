@@ -90,11 +90,11 @@ def _checked(scores, count: int, source: str) -> torch.Tensor:
 
 
 def _takes_labels(fn: RewardFn) -> bool:
+    """Whether ``fn`` accepts a third argument; a callable with no signature to read (some builtins) is taken to
+    be of the two-argument form."""
     try:
         inspect.signature(fn).bind([], [], [])
-    except TypeError:
-        return False
-    except ValueError:  # no signature to read (some builtins): the documented two-argument form
+    except (TypeError, ValueError):
         return False
     return True
 
