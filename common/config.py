@@ -88,7 +88,10 @@ class ModelSection(_Section):
 
 
 class DataSection(_Section):
-    prompts: Path = Field(description="JSONL file, one object per line with a 'prompt' string.")
+    prompts: Path = Field(
+        description="JSONL file, one object per line with a 'prompt' string and optionally a 'label' string (what a "
+        "reward function of (prompts, responses, labels) checks)."
+    )
     batch_size: int = Field(8, gt=0, description="Prompts per step.")
     shuffle: bool = True
     max_prompt_tokens: int = Field(64, gt=0, description="Longer prompts are truncated from the left.")
