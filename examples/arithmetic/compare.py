@@ -21,10 +21,9 @@ RUNS = {"ppo": "PPO (GAE, critic)", "grpo": "GRPO (no critic, k3 KL in the loss)
 
 
 def smoothed(values: list[float], width: int = 5) -> list[float]:
-    return [
-        sum(values[max(0, i - width + 1) : i + 1]) / len(values[max(0, i - width + 1) : i + 1])
-        for i in range(len(values))
-    ]
+    """The mean of each value and the ``width − 1`` before it (fewer at the start)."""
+    windows = [values[max(0, i - width + 1) : i + 1] for i in range(len(values))]
+    return [sum(window) / len(window) for window in windows]
 
 
 def main() -> None:
@@ -61,7 +60,7 @@ def main() -> None:
     for name, label in RUNS.items():
         summary = summarise(metrics[name])["metrics"]
         reward, kl = summary["reward_mean"], summary["kl"]
-        seconds = float((root / f"{name}.seconds").read_text().split()[-1])
+        seconds = float((root / f"{name}.seconds").read_text())
         a = accuracy[name]
         lines.append(
             f"| {label} | {a['accuracy']:.3f} ({a['correct']}/{a['problems']}) | {reward['first']:.3f} → "
