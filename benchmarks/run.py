@@ -4,7 +4,8 @@ down by stage. Writes ``benchmarks/results.json`` and ``benchmarks/RESULTS.md``.
     .venv/bin/python -m benchmarks.run                     # everything that fits this machine
     .venv/bin/python -m benchmarks.run --only codec,bus    # some sections
 
-Sections: codec, bus, pipeline, generation, weights, adapters, scaling, recovery (and GPU numbers merged from
+Sections: codec, bus, pipeline, generation, weights, adapters, scaling, recovery, cluster (simulated compute:
+``benchmarks/cluster/``) (and GPU numbers merged from
 ``benchmarks/gpu.py``'s JSON when it has been run on a GPU machine: ``--gpu-results FILE``).
 """
 
@@ -719,6 +720,12 @@ def bench_recovery() -> dict:
     return run()
 
 
+def bench_cluster() -> dict:
+    from benchmarks.cluster.bench import bench_cluster as measure
+
+    return measure()
+
+
 SECTIONS = {
     "codec": bench_codec,
     "bus": bench_bus,
@@ -728,6 +735,7 @@ SECTIONS = {
     "adapters": bench_adapters,
     "scaling": bench_scaling,
     "recovery": bench_recovery,
+    "cluster": bench_cluster,
 }
 
 

@@ -275,6 +275,17 @@ class PipelineSection(_Section):
     max_staleness: int = Field(0, ge=0, description="0: strictly on-policy; k: generation may run k versions ahead.")
     keep_snapshots: int = Field(3, gt=0, description="Weight snapshots kept per model in the weight store.")
     weight_store: Path | None = Field(None, description="Shared weight directory; default: <run.dir>/weights.")
+    inline_max_bytes: int = Field(
+        1024 * 1024,
+        gt=0,
+        description="A batch that encodes to more bytes travels by reference: written to the batch store, with a "
+        "small record on its topic pointing to it. Above ~1 MB that hop is the faster one (benchmarks/RESULTS.md, "
+        "section 9), and every record then fits a broker's default limit (Apache Kafka: 1 MB); a 7B experience "
+        "batch is ~84 MB. At most kafka.max_message_bytes − 64 KiB.",
+    )
+    batch_store: Path | None = Field(
+        None, description="Shared directory of batches sent by reference; default: <run.dir>/batches."
+    )
     hold_timeout_s: float = Field(
         1800.0,
         gt=0,
@@ -480,6 +491,17 @@ class RunConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _batches_fit_a_record(self):
+        # A reference record is a few hundred bytes; a batch just under the limit must still fit a record.
+        if self.pipeline.inline_max_bytes > self.kafka.max_message_bytes - 64 * 1024:
+            raise ValueError(
+                f"pipeline.inline_max_bytes ({self.pipeline.inline_max_bytes}) must leave 64 KiB below "
+                f"kafka.max_message_bytes ({self.kafka.max_message_bytes}): a batch that travels inline must fit a "
+                "record"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _weight_flow_fits(self):
         parallel = self.learner.parallel
         if self.model.lora is not None and parallel.strategy == "fsdp":
@@ -496,6 +518,10 @@ class RunConfig(_Section):
     @property
     def weight_store(self) -> Path:
         return self.pipeline.weight_store or self.run.dir / "weights"
+
+    @property
+    def batch_store(self) -> Path:
+        return self.pipeline.batch_store or self.run.dir / "batches"
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -22,7 +22,7 @@ from services import exit_codes
 from services.roles import ROLES
 from services.transport.local_broker import LocalBroker
 
-__all__ = ["parse_replicas", "up"]
+__all__ = ["parse_replicas", "stop_all", "up"]
 
 
 def parse_replicas(specs: list[str]) -> dict[str, int]:
@@ -129,17 +129,22 @@ def up(
             time.sleep(0.5)
         return exit_codes.INTERRUPTED
     finally:
-        running = [child.process for child in children.values() if child.process is not None]
-        for process in running:
-            if process.poll() is None:
-                process.terminate()
-        for process in running:
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all([child.process for child in children.values() if child.process is not None])
         if broker is not None:
             broker.stop()
+
+
+def stop_all(processes: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
+    """SIGTERM to every process still running (each finishes its batch in hand), then wait; kill what outlives
+    ``timeout_s``."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def child_environment(children: int, environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -22,11 +22,13 @@ from common.config import ConfigError, RunConfig
 from services.metrics import ServiceMetrics
 from services.roles import ROLES, pipeline_topics
 from services.runtime import ServiceRunner
+from services.service import Service
+from services.transport import Bus
 from services.transport.kafka import KafkaBus, KafkaSettings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["default_replica_id", "kafka_bus", "serve"]
+__all__ = ["StopFlag", "default_replica_id", "kafka_bus", "serve", "serve_service"]
 
 STATUS_EVERY_S = 30.0
 STALL_WARNING_S = 120.0
@@ -72,7 +74,7 @@ def _bootstrap(config: RunConfig, given: str | None) -> str:
     return bootstrap
 
 
-class _StopFlag:
+class StopFlag:
     """Set by SIGTERM or SIGINT: the loop stops after the batch in hand."""
 
     def __init__(self, replica_id: str):
@@ -96,7 +98,7 @@ def serve(
         return _run_ranks(processes, service_class.rank_restarts(config))
     leader = int(os.environ.get("RANK", "0")) == 0
     # A follower has no batch of its own to finish: a signal ends it at once (rank 0 decides what is kept).
-    stop = _StopFlag(replica_id) if leader else None
+    stop = StopFlag(replica_id) if leader else None
     metrics = ServiceMetrics(role)
     if metrics_port and leader:  # before the models load: a port in use is a mistake to report at once
         try:
@@ -104,17 +106,32 @@ def serve(
         except OSError as exc:
             raise ConfigError(f"--metrics-port {metrics_port}: cannot serve metrics there: {exc.strerror}") from None
         log.info("%s: metrics on :%d/metrics", replica_id, metrics_port)
-    service = ROLES[role].create(config, replica_id)
+    return serve_service(ROLES[role].create(config, replica_id), config, bootstrap, metrics, stop)
+
+
+def serve_service(
+    service: Service,
+    config: RunConfig,
+    bootstrap: str | None,
+    metrics: ServiceMetrics | None = None,
+    stop: StopFlag | None = None,
+    bus: Bus | None = None,
+) -> int:
+    """Run a constructed replica over Kafka (``bus``, by default the one ``config`` describes) until it is done or a
+    signal stops it: what :func:`serve` does once its service is built."""
+    role, replica_id = service.role, service.replica_id
     if service.follows:
         try:
             service.follow()
         finally:
             service.close()
         return 0
+    metrics = metrics or ServiceMetrics(role)
+    stop = stop or StopFlag(replica_id)
     service.observe(metrics.observe)
     runner = None
     try:
-        runner = ServiceRunner(service, kafka_bus(config, bootstrap), metrics=metrics)
+        runner = ServiceRunner(service, bus or kafka_bus(config, bootstrap), metrics=metrics)
         log.info("%s: serving %s -> %s", replica_id, service.input_topic or "(nothing)", service.output_topic)
         _loop(runner, stop)
         if service.done():
@@ -204,7 +221,7 @@ def _report_status(runner: ServiceRunner, state: str | None = None) -> None:
         log.log(level, "%s: waiting %.0f s: %s", runner.replica_id, status.held_seconds, status.waiting_for)
 
 
-def _loop(runner: ServiceRunner, stop: _StopFlag) -> None:
+def _loop(runner: ServiceRunner, stop: StopFlag) -> None:
     """Poll until the service is done or a signal asks to stop; broker errors are retried with back-off."""
     backoff = 0.5
     next_status = time.monotonic()

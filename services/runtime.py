@@ -20,11 +20,13 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from common.batch_store import BatchStore, BatchStoreError
 from common.dedupe import RecentIds
 from common.schema import (
     LEARNER_EPOCH,
     RUN_ID,
     TOPIC_MESSAGE,
+    BatchReference,
     DeadLetter,
     Message,
     ReplicaStatus,
@@ -33,6 +35,7 @@ from common.schema import (
     decode,
     encode,
     message_key,
+    message_partition,
 )
 from services.metrics import ServiceMetrics
 from services.roles import STATUS_TOPIC, WEIGHTS_TOPIC
@@ -79,6 +82,9 @@ class ServiceRunner:
         self.last_progress = time.monotonic()  # when input was last handled (see _release_stuck)
         self.log_ends: dict[int, int] = {}  # per input partition: the highest end offset seen
         self.uncommitted: dict[int, Record] = {}  # per partition: the newest record handled but not yet committed
+        self.batches = BatchStore(service.config.batch_store)  # batches too large for a record
+        self.inline_max_bytes = service.config.pipeline.inline_max_bytes
+        self.referenced: dict[int, list[tuple[int, BatchReference]]] = {}  # per partition: (offset, reference) read
         self.recent = RecentIds(service.config.pipeline.dedupe_window)
         self.counters: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()  # per part of the loop, see time_breakdown()
@@ -236,8 +242,14 @@ class ServiceRunner:
         self.metrics.count(outcome, sequences, seconds, tokens)
 
     def _produce(self, messages: list[Message]) -> None:
+        topic = self.service.output_topic
         for message in messages:
-            self.producer.send(self.service.output_topic, encode(message), key=message_key(message))
+            payload = encode(message)
+            if len(payload) > self.inline_max_bytes:
+                payload = encode(self.batches.put(message, payload))
+                self.counters["sent_by_reference"] += 1
+            partition = message_partition(message, self.producer.partitions(topic))
+            self.producer.send(topic, payload, key=message_key(message), partition=partition)
         self.producer.flush()
 
     @contextmanager
@@ -319,7 +331,20 @@ class ServiceRunner:
     def _commit_deferred(self) -> None:
         for pending in self.uncommitted.values():
             self.work.commit(pending)
+            self._release_referenced(pending)
         self.uncommitted.clear()
+
+    def _release_referenced(self, committed: Record) -> None:
+        """Remove the files of referenced batches the group has now committed past: their content lives on in the
+        outputs made from them (or, for the learner, in its checkpoint)."""
+        kept = []
+        for offset, reference in self.referenced.pop(committed.partition, []):
+            if offset <= committed.offset:
+                self.batches.remove(reference)
+            else:
+                kept.append((offset, reference))
+        if kept:
+            self.referenced[committed.partition] = kept
 
     def close(self) -> None:
         if self._durable(force=True):
@@ -334,9 +359,20 @@ class ServiceRunner:
     # ------------------------------------------------------------------ internals
 
     def _decode(self, record: Record, consumer: Consumer) -> Message | None:
+        expected = TOPIC_MESSAGE[record.topic]
         try:
-            return decode(record.value, expected=TOPIC_MESSAGE[record.topic])
-        except SchemaError as exc:
+            if consumer is not self.work:
+                return decode(record.value, expected=expected)
+            message = decode(record.value, expected=(expected, BatchReference))
+            if isinstance(message, BatchReference):
+                reference = message
+                if reference.carries != expected.SCHEMA:
+                    raise SchemaError(f"a reference to a {reference.carries!r} message on {record.topic}")
+                message = decode(self.batches.get(reference), expected=expected)
+                # Removed once committed past; a reference that is dead-lettered keeps its file, for inspection.
+                self.referenced.setdefault(record.partition, []).append((record.offset, reference))
+            return message
+        except (SchemaError, BatchStoreError) as exc:
             self._dead_letter(record, str(exc), consumer)
             return None
 
@@ -352,6 +388,9 @@ class ServiceRunner:
         )
         self.producer.send(dlq_topic(record.topic), encode(letter), key=record.key)
         self.producer.flush()
+        # A referenced batch's file stays with its dead letter (the payload is the reference).
+        held = self.referenced.get(record.partition, [])
+        self.referenced[record.partition] = [(offset, ref) for offset, ref in held if offset != record.offset]
         if consumer is self.work:
             self._commit(record)
         else:

@@ -12,6 +12,7 @@ import pytest
 from conftest import EXAMPLE, REPO
 
 from common.schema import decode
+from services.cluster import stop_all
 from services.process import kafka_bus
 
 pytestmark = pytest.mark.slow
@@ -64,14 +65,7 @@ class Cluster:
         return self.processes[name].wait(timeout=timeout_s)
 
     def close(self):
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all(list(self.processes.values()))
 
 
 @pytest.fixture

@@ -156,6 +156,20 @@ def test_a_message_of_several_megabytes_round_trips(bus):
     assert drain(bus.consumer(topic, unique("g"), "c"), 1) == [payload]
 
 
+def test_a_record_sent_to_a_partition_lands_there(bus):
+    topic = unique("t")
+    bus.create_topics([TopicSpec(topic, 3)])
+    producer = bus.producer("test")
+    assert producer.partitions(topic) == 3
+    for i in range(6):
+        producer.send(topic, f"v{i}".encode(), key=b"same key", partition=i % 3)
+    producer.flush()
+    records, consumer, deadline = [], bus.consumer(topic, None, "reader"), time.monotonic() + 30
+    while len(records) < 6 and time.monotonic() < deadline:
+        records += consumer.poll(0.5, 100)
+    assert sorted((r.partition, r.value) for r in records) == sorted((i % 3, f"v{i}".encode()) for i in range(6))
+
+
 def test_lag_from_the_high_watermark(bus):
     topic = unique("t")
     bus.create_topics([TopicSpec(topic, 1)])

@@ -1,13 +1,15 @@
 """Delivery rules of every service: dead letters, de-duplication, commit after produce, bounded staleness."""
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
-from common.schema import DeadLetter, RolloutBatch, decode, encode
+from common.batch_store import BatchStore
+from common.schema import BatchReference, DeadLetter, RolloutBatch, decode, encode
 from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
@@ -90,7 +92,7 @@ def test_a_message_for_another_topic_is_a_dead_letter(bus, config):
     publish(bus, "rollouts", encode(FeederService(config).batch(0)))  # a prompts message on the rollouts topic
     runner.poll_once()
     (letter,) = [decode(v) for v in read_all(bus, "rollouts.dlq")]
-    assert "expected a 'rollouts' message, got 'prompts'" in letter.error
+    assert "expected a 'rollouts' or 'batch_reference' message, got 'prompts'" in letter.error
 
 
 def test_token_ids_outside_the_vocabulary_are_dead_letters(bus, config):
@@ -198,7 +200,7 @@ def test_a_held_batch_does_not_block_other_partitions(bus, config):
             publish(bus, "weights", *[encode(a) for a in announce_v1(config, version)])
         while runner.poll_once():
             pass
-        sampled = [decode(v) for v in read_all(bus, "rollouts")]
+        sampled = sorted((decode(v) for v in read_all(bus, "rollouts")), key=lambda r: r.step)
         assert [r.step for r in sampled] == list(range(version + 1)), "each batch as soon as its weights exist"
     assert [r.policy_version for r in sampled] == list(range(6))
 
@@ -334,3 +336,92 @@ def test_a_held_record_that_blocks_its_partition_is_dead_lettered_after_the_boun
     assert runner.poll_once()
     (rollouts,) = [decode(v) for v in read_all(bus, "rollouts")]
     assert rollouts.step == 0
+
+
+# ---------------------------------------------------------------------------------- partitions and large batches
+
+
+def test_consecutive_steps_go_to_consecutive_partitions(bus, make_config):
+    """Replicas own partitions: by step, each of R replicas gets every R-th batch (a hash of ids gives some more)."""
+    config = make_config(
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=4",
+        "learner.mini_batch_size=4",
+        "pipeline.max_staleness=3",
+    )
+    runner = ServiceRunner(GeneratorService(config), bus)
+    feeder = FeederService(config)
+    publish(bus, "prompts", *[encode(feeder.batch(step)) for step in range(4)])
+    while runner.poll_once():
+        pass
+    records = bus.consumer("rollouts", None, "reader").poll(0.0, max_records=100)
+    assert sorted((decode(r.value).step, r.partition) for r in records) == [(0, 0), (1, 1), (2, 0), (3, 1)]
+
+
+@pytest.fixture
+def by_reference(make_config):
+    """Every batch over 1,000 bytes (all of these) travels by reference."""
+    return make_config(
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=4",
+        "learner.mini_batch_size=4",
+        "pipeline.inline_max_bytes=1000",
+    )
+
+
+def _rollouts_by_reference(bus, config) -> tuple[bytes, BatchReference]:
+    publish(bus, "prompts", encode(FeederService(config).batch(0)))
+    ServiceRunner(GeneratorService(config, "generator"), bus).poll_once()
+    (record,) = read_all(bus, "rollouts")
+    return record, decode(record)
+
+
+def test_a_batch_over_the_inline_limit_travels_by_reference_until_it_is_committed_past(bus, by_reference):
+    record, reference = _rollouts_by_reference(bus, by_reference)
+    assert isinstance(reference, BatchReference) and reference.carries == "rollouts" and len(record) < 1000
+    path = Path(reference.uri)
+    assert path.parent == by_reference.batch_store and path.stat().st_size == reference.num_bytes > 1000
+    rollouts = decode(BatchStore.get(reference), expected=RolloutBatch)
+    scorer = ServiceRunner(ScorerService(by_reference, "scorer"), bus)
+    assert scorer.poll_once() and scorer.counters["processed"] == 1
+    (scored_reference,) = [decode(v) for v in read_all(bus, "scored")]
+    scored = decode(BatchStore.get(scored_reference))
+    assert scored.batch_id == rollouts.batch_id
+    assert np.array_equal(scored.response_tokens, rollouts.response_tokens)
+    assert not path.exists(), "the scorer committed past the rollouts: their file is removed"
+    assert Path(scored_reference.uri).exists(), "not yet consumed"
+
+
+@pytest.mark.parametrize("damage", ["missing", "altered", "another message"])
+def test_a_reference_that_cannot_be_resolved_is_a_dead_letter(bus, by_reference, damage):
+    record, reference = _rollouts_by_reference(bus, by_reference)
+    path = Path(reference.uri)
+    if damage == "missing":
+        path.unlink()
+    elif damage == "altered":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 1
+        path.write_bytes(bytes(data))
+    else:  # a reference to a prompts batch, on the rollouts topic
+        prompts = FeederService(by_reference).batch(1)
+        record = encode(BatchStore(by_reference.batch_store).put(prompts, encode(prompts)))
+        bus = MemoryBus()
+        bus.create_topics(pipeline_topics(partitions=2))
+        publish(bus, "rollouts", record)
+    scorer = ServiceRunner(ScorerService(by_reference, "scorer"), bus)
+    assert scorer.poll_once()
+    (letter,) = [decode(v) for v in read_all(bus, "rollouts.dlq")]
+    assert letter.payload == record, "the dead letter holds the reference as it was read"
+    expected = {"missing": "cannot read", "altered": "do not match", "another message": "a 'prompts' message"}
+    assert expected[damage] in letter.error
+    assert scorer.counters["dead_letters"] == 1 and not read_all(bus, "scored")
+    assert path.exists() == (damage != "missing"), "a dead-lettered reference keeps its file"
+
+
+def test_inline_batches_must_fit_a_record(make_config):
+    from common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="inline_max_bytes"):
+        make_config("kafka.max_message_bytes=1048576", "pipeline.inline_max_bytes=1048576")

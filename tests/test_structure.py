@@ -76,6 +76,29 @@ def test_common_imports_no_transport_and_no_service():
             assert not bad, f"{name} imports {bad}"
 
 
+def test_simulated_compute_cannot_be_selected_by_a_product_config(make_config):
+    """The simulated services (benchmarks/cluster) are reachable from the benchmark alone: no product module imports
+    benchmarks, every role names a class of services/, and no config key or value selects a stand-in."""
+    from common.config import ConfigError
+
+    for name, path in project_modules().items():
+        tree = ast.parse(path.read_text())
+        imported = {
+            alias.name if isinstance(node, ast.Import) else node.module or ""
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for alias in node.names
+        }
+        assert not {m for m in imported if m.split(".")[0] == "benchmarks"}, f"{name} imports benchmarks"
+    for role in ROLES.values():
+        cls = role.service_class()
+        assert role.service.startswith("services.") and cls.__module__.startswith("services."), role.service
+        assert "Simulated" not in cls.__name__
+    for override in ("generation.backend=simulated", "simulate.profile=0.5b-balanced", "pipeline.simulate=true"):
+        with pytest.raises(ConfigError):
+            make_config(override)
+
+
 def test_runners_name_no_role_and_no_topic():
     """Roles and topics are named once (services/roles.py, common/schema.py): runners only read the registry."""
     names = set(ROLES) | {alias for role in ROLES.values() for alias in role.aliases} | set(TOPIC_MESSAGE)

@@ -41,21 +41,8 @@ class ScorerService(Service):
 
     @torch.no_grad()
     def process(self, message: RolloutBatch) -> list[ScoredBatch]:
-        tokens = torch.from_numpy(message.response_tokens)
         check_token_ids(message, self.reference, "reference model")
-        lengths = torch.from_numpy(message.response_lengths)
-        prompt_lengths = torch.from_numpy(message.prompt_lengths)
-        packed = pack(torch.from_numpy(message.prompt_tokens), prompt_lengths, tokens, lengths, self.pad_token_id)
-        ref_logprobs = batched_response_logprobs(
-            self.reference,
-            packed,
-            prompt_lengths,
-            tokens,
-            lengths,
-            self.config.generation.temperature,
-            max_tokens=self.config.model.max_tokens_per_microbatch,
-        )
-        ref_logprobs = ref_logprobs.cpu() * lengths_to_mask(lengths, tokens.shape[1])
+        ref_logprobs = self._reference_logprobs(message)
         try:
             scores = self.reward(message.prompt_text, message.response_text, message.prompt_label)
         except RewardError as exc:  # e.g. a label with no answer in it: this batch cannot be scored, others may
@@ -70,3 +57,21 @@ class ScorerService(Service):
                 ref_logprobs=ref_logprobs.numpy(),
             )
         ]
+
+    def _reference_logprobs(self, message: RolloutBatch) -> torch.Tensor:
+        """``(N, T)`` log-probs of the responses under the frozen reference, at the sampling temperature; 0 at
+        padding."""
+        tokens = torch.from_numpy(message.response_tokens)
+        lengths = torch.from_numpy(message.response_lengths)
+        prompt_lengths = torch.from_numpy(message.prompt_lengths)
+        packed = pack(torch.from_numpy(message.prompt_tokens), prompt_lengths, tokens, lengths, self.pad_token_id)
+        ref_logprobs = batched_response_logprobs(
+            self.reference,
+            packed,
+            prompt_lengths,
+            tokens,
+            lengths,
+            self.config.generation.temperature,
+            max_tokens=self.config.model.max_tokens_per_microbatch,
+        )
+        return ref_logprobs.cpu() * lengths_to_mask(lengths, tokens.shape[1])

@@ -46,8 +46,13 @@ class Record:
 
 class Producer(ABC):
     @abstractmethod
-    def send(self, topic: str, value: bytes, key: bytes | None = None) -> None:
-        """Queue a record; :meth:`flush` returns once everything queued is acknowledged."""
+    def send(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None) -> None:
+        """Queue a record, to ``partition`` or else the one its key hashes to; :meth:`flush` returns once
+        everything queued is acknowledged."""
+
+    @abstractmethod
+    def partitions(self, topic: str) -> int:
+        """How many partitions ``topic`` has."""
 
     @abstractmethod
     def flush(self) -> None: ...

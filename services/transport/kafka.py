@@ -4,7 +4,9 @@ Settings are chosen to be valid on Apache Kafka and on the small test broker ali
 
 - producer: ``acks=all`` with idempotence, so a retried send is not written twice;
 - consumers: manual commits only (the runner commits after the batch's output is flushed), ``earliest``
-  reset for groups, so a new group starts at the beginning of the log;
+  reset for groups, so a new group starts at the beginning of the log; partitions dealt round-robin among a
+  group's members, so that consecutive steps (on consecutive partitions, ``common.schema.message_partition``)
+  go to different replicas and can be worked on at once (kafka-python's default deals each member a block);
 - broadcast readers (``group=None``) join no group: they are assigned every partition of the topic and read it
   from the beginning at each start, so a restart leaves no orphan group on the broker, and they never commit;
 - lag is the fetch high-watermark minus the position (``ListOffsets`` is not trusted).
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
+from kafka.coordinator.assignors.range import RangePartitionAssignor
+from kafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from kafka.errors import KafkaError, KafkaTimeoutError, NoBrokersAvailable, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
@@ -43,6 +47,8 @@ class KafkaSettings:
     connect_timeout_s: float = 60.0
     idempotent_producer: bool = True
     fetch_max_wait_ms: int = 100  # how long the broker may hold an empty fetch (see KafkaSection)
+    # Preferred first; range second, so a group with members of an older build still agrees on one.
+    partition_assignment: tuple = (RoundRobinPartitionAssignor, RangePartitionAssignor)
     # Passed through to kafka-python (security_protocol, sasl_*, ssl_*); holds secrets, so never printed.
     security: dict = field(default_factory=dict, repr=False)
 
@@ -195,6 +201,7 @@ class KafkaBus(Bus):
                 fetch_max_bytes=s.max_message_bytes,
                 fetch_max_wait_ms=s.fetch_max_wait_ms,
                 max_partition_fetch_bytes=s.max_message_bytes,
+                partition_assignment_strategy=s.partition_assignment,
                 **self._common,
             ),
         )
@@ -221,8 +228,11 @@ class _KafkaProducer(Producer):
         self.producer = producer
         self.futures = []
 
-    def send(self, topic: str, value: bytes, key: bytes | None = None) -> None:
-        self.futures.append(self.producer.send(topic, value=value, key=key))
+    def send(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None) -> None:
+        self.futures.append(self.producer.send(topic, value=value, key=key, partition=partition))
+
+    def partitions(self, topic: str) -> int:
+        return len(self.producer.partitions_for(topic))
 
     def flush(self) -> None:
         self.producer.flush()

@@ -48,10 +48,13 @@ class MemoryBus(Bus):
 
     # -- used by producers and consumers, under the lock
 
-    def _append(self, topic: str, value: bytes, key: bytes | None) -> None:
+    def _append(self, topic: str, value: bytes, key: bytes | None, partition: int | None = None) -> None:
         with self._lock:
             t = self.topic(topic)
-            if key is not None:
+            if partition is not None:
+                if not 0 <= partition < len(t.partitions):
+                    raise ValueError(f"{topic} has no partition {partition} (it has {len(t.partitions)})")
+            elif key is not None:
                 partition = zlib.crc32(key) % len(t.partitions)
             else:
                 partition = self._round_robin % len(t.partitions)
@@ -83,8 +86,11 @@ class _MemoryProducer(Producer):
     def __init__(self, bus: MemoryBus):
         self.bus = bus
 
-    def send(self, topic: str, value: bytes, key: bytes | None = None) -> None:
-        self.bus._append(topic, value, key)
+    def send(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None) -> None:
+        self.bus._append(topic, value, key, partition)
+
+    def partitions(self, topic: str) -> int:
+        return len(self.bus.topic(topic).partitions)
 
     def flush(self) -> None:
         pass  # appends are synchronous

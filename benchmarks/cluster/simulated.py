@@ -1,0 +1,216 @@
+"""Simulated compute: the real services with each model call replaced by a wait from a cost model.
+
+Each class here is the role's real service (its runner, bus, broker, delivery rules, commits, checkpoints, weight
+store and announcements unchanged), built on the tiny built-in model, with the one call that runs a large model
+swapped for a stand-in that returns tensors of the profile's batch shape after the seconds the profile prices it
+at. The messages are as large as the profile's batch; the weight snapshots are the tiny model's, real and
+digested, and writing and reading one of the profile's size is a wait.
+
+Run one replica as its own process (what ``benchmarks/cluster/bench.py`` does)::
+
+    python -m benchmarks.cluster.simulated ROLE --profile 0.5b-balanced --scale 0.05 \\
+        --config examples/vowels/config.yaml --bootstrap HOST:PORT [--set key=value ...]
+
+Nothing here is reachable from a run config: ``services/roles.py`` names the real classes only, and
+``tests/test_structure.py`` checks that no product module imports ``benchmarks``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+import zlib
+
+import numpy as np
+import torch
+from kafka.coordinator.assignors.range import RangePartitionAssignor
+
+from benchmarks.cluster.profiles import PROFILES, CostModel
+from common.config import load_config
+from common.sampling import Samples
+from common.schema import PromptBatch
+from common.trainer import Experience
+from services.advantage import AdvantageService
+from services.feeder import FeederService
+from services.generator import GeneratorService
+from services.learner import LearnerService
+from services.process import kafka_bus, serve_service
+from services.scorer import ScorerService
+
+log = logging.getLogger(__name__)
+
+VOCAB = 47  # builtin:tiny-char-llama's: stand-in token ids are ones its models can look up
+FIRST_TOKEN = 3  # ids below are pad, bos and eos
+TRAINED_ROWS, TRAINED_TOKENS = 4, 8  # the slice of each batch the tiny learner really trains on
+
+
+def wait_until(deadline: float) -> None:
+    """Sleep until ``time.perf_counter()`` reaches ``deadline`` (the real work done before it counts toward it)."""
+    time.sleep(max(0.0, deadline - time.perf_counter()))
+
+
+class Simulated:
+    """What every simulated service adds: its cost model (seeded per replica, so replicas do not jitter alike)."""
+
+    def simulate(self, cost: CostModel) -> None:
+        self.cost = cost
+
+
+class SimulatedFeeder(FeederService, Simulated):
+    """Prompt batches of the profile's size: the dataset's texts, token ids padded to ``prompt_tokens``."""
+
+    def batch(self, step: int) -> PromptBatch:
+        batch = super().batch(step)
+        p = self.cost.profile
+        rng = np.random.default_rng(step)
+        batch.prompt_tokens = rng.integers(FIRST_TOKEN, VOCAB, (len(batch.prompt_text), p.prompt_tokens))
+        batch.prompt_tokens = batch.prompt_tokens.astype(np.int32)
+        batch.prompt_lengths = np.full(len(batch.prompt_text), p.prompt_tokens, dtype=np.int32)
+        return batch
+
+
+class SimulatedSampler:
+    """The generator's sampler: random responses of the profile's lengths, after the cost model's seconds."""
+
+    backend = "simulated"
+
+    def __init__(self, real, cost: CostModel):
+        self.real, self.cost = real, cost
+        self.skeleton = real.skeleton
+
+    def sample(self, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, params) -> Samples:
+        started = time.perf_counter()
+        lengths = self.cost.response_lengths()
+        rows, width = len(lengths), int(self.cost.profile.max_response_tokens)
+        tokens = self.cost.rng.integers(FIRST_TOKEN, VOCAB, (rows, width))
+        mask = np.arange(width)[None, :] < lengths[:, None]
+        finished = lengths < width
+        tokens[np.arange(rows)[finished], lengths[finished] - 1] = 2  # a finished response ends with its EOS
+        logprobs = np.where(mask, -self.cost.rng.exponential(1.0, (rows, width)), 0.0).astype(np.float32)
+        samples = Samples(
+            group_index=torch.arange(len(prompt_tokens)).repeat_interleave(params.n),
+            response_tokens=torch.from_numpy(tokens * mask),
+            response_lengths=torch.from_numpy(lengths),
+            finished=torch.from_numpy(finished),
+            behaviour_logprobs=torch.from_numpy(logprobs),
+        )
+        wait_until(started + self.cost.generate_s(lengths))
+        return samples
+
+    def load_snapshot(self, chain: list[str]) -> None:
+        started = time.perf_counter()
+        self.real.load_snapshot(chain)  # the tiny model's snapshot: verified and loaded for real
+        wait_until(started + self.cost.weight_sync_s())  # reading one of the profile's size
+
+    def join_broadcast(self, *args) -> None:
+        raise NotImplementedError("the simulated cluster moves weights through the store")
+
+    def load_broadcast(self, *args) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.real.close()
+
+
+class SimulatedGenerator(GeneratorService, Simulated):
+    def simulate(self, cost: CostModel) -> None:
+        super().simulate(cost)
+        self.sampler = SimulatedSampler(self.sampler, cost)
+
+
+class SimulatedScorer(ScorerService, Simulated):
+    def _reference_logprobs(self, message) -> torch.Tensor:
+        started = time.perf_counter()
+        lengths = message.response_lengths
+        mask = np.arange(message.response_tokens.shape[1])[None, :] < lengths[:, None]
+        logprobs = np.where(mask, -self.cost.rng.exponential(1.0, mask.shape), 0.0).astype(np.float32)
+        wait_until(started + self.cost.score_s(lengths))  # the reference and the reward model
+        return torch.from_numpy(logprobs)
+
+
+class SimulatedAdvantage(AdvantageService, Simulated):
+    def _values(self, message, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        values = torch.from_numpy(self.cost.rng.normal(0.0, 0.1, tokens.shape).astype(np.float32))
+        wait_until(started + self.cost.critic_s(lengths.numpy()))
+        return values
+
+
+class SimulatedTrainer:
+    """The learner's trainer: a real update of the tiny model on a slice of the batch, so versions, optimizer state,
+    checkpoints and snapshots are real, taking the cost model's seconds for the whole batch."""
+
+    def __init__(self, real, cost: CostModel):
+        self.real, self.cost = real, cost
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def train(self, exp: Experience) -> dict[str, float]:
+        started = time.perf_counter()
+        stats = self.real.train(_slice(exp))
+        wait_until(started + self.cost.train_s(exp.response_lengths.numpy()))
+        return stats
+
+
+def _slice(exp: Experience) -> Experience:
+    """The first ``TRAINED_ROWS`` sequences, their prompts and responses cut to ``TRAINED_TOKENS`` tokens."""
+    fields = {}
+    for field in dataclasses.fields(exp):
+        value = getattr(exp, field.name)
+        if isinstance(value, torch.Tensor):
+            value = value[:TRAINED_ROWS, :TRAINED_TOKENS] if value.dim() == 2 else value[:TRAINED_ROWS]
+        fields[field.name] = value
+    for name in ("prompt_lengths", "response_lengths"):
+        fields[name] = fields[name].clamp(max=TRAINED_TOKENS)
+    return Experience(**fields)
+
+
+class SimulatedLearner(LearnerService, Simulated):
+    def simulate(self, cost: CostModel) -> None:
+        super().simulate(cost)
+        self.trainer = SimulatedTrainer(self.trainer, cost)
+
+    def announce(self):
+        started = time.perf_counter()
+        announcements = super().announce()
+        wait_until(started + self.cost.weight_sync_s())  # writing the profile's snapshot
+        return announcements
+
+
+SIMULATED = {
+    cls.role: cls
+    for cls in (SimulatedFeeder, SimulatedGenerator, SimulatedScorer, SimulatedAdvantage, SimulatedLearner)
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="one replica of a role, its model calls simulated")
+    parser.add_argument("role", choices=sorted(SIMULATED))
+    parser.add_argument("--profile", choices=sorted(PROFILES), required=True)
+    parser.add_argument("--scale", type=float, required=True, help="× every simulated second")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--bootstrap", required=True)
+    parser.add_argument("--replica-id", required=True)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument(
+        "--assignment",
+        choices=("roundrobin", "range"),
+        default="roundrobin",
+        help="how the group deals partitions: range is how it did before (a block of consecutive partitions each)",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = load_config(args.config, args.overrides)
+    service = SIMULATED[args.role](config, args.replica_id)
+    service.simulate(CostModel(PROFILES[args.profile], args.scale, seed=zlib.crc32(args.replica_id.encode())))
+    bus = kafka_bus(config, args.bootstrap)
+    if args.assignment == "range":
+        bus.settings = dataclasses.replace(bus.settings, partition_assignment=(RangePartitionAssignor,))
+    return serve_service(service, config, args.bootstrap, bus=bus)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
