@@ -76,15 +76,18 @@ def run_embedded(config: RunConfig, progress: bool = True) -> RunSummary:
     bus = MemoryBus()
     bus.create_topics(pipeline_topics())
     bar, on_record = _progress_bar(config.run.steps, progress)
-    services, runners = [], []
+    built, runners = {}, []
+    # Downstream first: in one round every stage works on a different batch, as concurrent services would, so
+    # max_staleness > 0 really lets generation run ahead of training.
+    order = list(reversed(ROLES.values()))
     try:
-        for role in ROLES.values():
-            services.append(role.create(config))
-            services[-1].observe(on_record)
-        # Downstream first: in one round every stage works on a different batch, as concurrent services would, so
-        # max_staleness > 0 really lets generation run ahead of training.
-        for service in reversed(services):
-            runners.append(ServiceRunner(service, bus))
+        # Built sources first, then downstream first: the generator, whose engine takes the longest to start, comes
+        # last, so a bad setting of any other role (a dataset, a reward function) is reported within seconds.
+        for role in sorted(order, key=lambda role: role.input_topic is not None):
+            built[role.name] = role.create(config)
+            built[role.name].observe(on_record)
+        for role in order:
+            runners.append(ServiceRunner(built[role.name], bus))
         ending = [runner.service for runner in runners if runner.service.spec.ends_run]
         while not all(service.done() for service in ending):
             if not any([runner.poll_once() for runner in runners]):
@@ -96,8 +99,10 @@ def run_embedded(config: RunConfig, progress: bool = True) -> RunSummary:
         bar.close()
         for runner in runners:
             runner.close()
-        for service in services[: len(services) - len(runners)]:  # created, never given a runner
-            service.close()
+        running = {id(runner.service) for runner in runners}
+        for service in built.values():  # created, never given a runner
+            if id(service) not in running:
+                service.close()
 
     records = load_metrics(run_dir)  # the run summary and `streamppo report` average the same windows
     figures = summarise(records)
