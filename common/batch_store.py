@@ -12,6 +12,7 @@ next stage's output (every message carries its parent's fields) or, for experien
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -42,8 +43,10 @@ class BatchStore:
     def put(self, message: Message, payload: bytes) -> BatchReference:
         """Store the encoded ``message`` and return the reference to send in its place."""
         self.root.mkdir(parents=True, exist_ok=True)
-        # The producer's own name is unique: a re-sent batch (a replica that died after writing) gets another file.
-        path = self.root / f"{message.SCHEMA}-{message.batch_id}-{uuid.uuid4().hex[:12]}.msgpack"
+        # A name of its own per write: a batch written again (by a replica that died after writing it) gets another
+        # file. The batch id comes from a message: only its safe characters reach the file name.
+        readable = re.sub(r"[^A-Za-z0-9_.-]", "_", message.batch_id)[:100]
+        path = self.root / f"{message.SCHEMA}-{readable}-{uuid.uuid4().hex[:12]}.msgpack"
         partial = path.with_name(path.name + ".partial")
 
         def write() -> None:

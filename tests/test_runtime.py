@@ -420,6 +420,14 @@ def test_a_reference_that_cannot_be_resolved_is_a_dead_letter(bus, by_reference,
     assert path.exists() == (damage != "missing"), "a dead-lettered reference keeps its file"
 
 
+def test_a_batch_id_cannot_place_its_file_outside_the_store(by_reference):
+    batch = FeederService(by_reference).batch(0)
+    batch.batch_id = "../../escaped/x"
+    reference = BatchStore(by_reference.batch_store).put(batch, encode(batch))
+    assert Path(reference.uri).parent == by_reference.batch_store
+    assert decode(BatchStore.get(reference)).batch_id == "../../escaped/x"
+
+
 def test_inline_batches_must_fit_a_record(make_config):
     from common.config import ConfigError
 
