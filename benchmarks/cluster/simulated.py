@@ -39,8 +39,6 @@ from services.learner import LearnerService
 from services.process import kafka_bus, serve_service
 from services.scorer import ScorerService
 
-log = logging.getLogger(__name__)
-
 VOCAB = 47  # builtin:tiny-char-llama's: stand-in token ids are ones its models can look up
 FIRST_TOKEN = 3  # ids below are pad, bos and eos
 TRAINED_ROWS, TRAINED_TOKENS = 4, 8  # the slice of each batch the tiny learner really trains on
@@ -59,15 +57,13 @@ class Simulated:
 
 
 class SimulatedFeeder(FeederService, Simulated):
-    """Prompt batches of the profile's size: the dataset's texts, token ids padded to ``prompt_tokens``."""
+    """Prompt batches of the profile's size: the dataset's texts, with ``prompt_tokens`` random token ids each."""
 
     def batch(self, step: int) -> PromptBatch:
         batch = super().batch(step)
-        p = self.cost.profile
-        rng = np.random.default_rng(step)
-        batch.prompt_tokens = rng.integers(FIRST_TOKEN, VOCAB, (len(batch.prompt_text), p.prompt_tokens))
-        batch.prompt_tokens = batch.prompt_tokens.astype(np.int32)
-        batch.prompt_lengths = np.full(len(batch.prompt_text), p.prompt_tokens, dtype=np.int32)
+        rows, width = len(batch.prompt_text), self.cost.profile.prompt_tokens
+        batch.prompt_tokens = np.random.default_rng(step).integers(FIRST_TOKEN, VOCAB, (rows, width), dtype=np.int32)
+        batch.prompt_lengths = np.full(rows, width, dtype=np.int32)
         return batch
 
 
