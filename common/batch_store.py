@@ -16,10 +16,9 @@ import re
 import uuid
 from pathlib import Path
 
-import blake3
-
-from common.schema import BatchReference, Message
+from common.schema import BatchReference, Message, encode
 from common.storage import fsync_file, write_or_explain
+from common.weights import new_hasher
 
 __all__ = ["BatchStore", "BatchStoreError"]
 
@@ -31,7 +30,9 @@ class BatchStoreError(RuntimeError):
 
 
 def _digest(data: bytes | memoryview) -> str:
-    return f"{DIGEST}:{blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()}"
+    hasher = new_hasher(DIGEST)
+    hasher.update(data)
+    return f"{DIGEST}:{hasher.hexdigest()}"
 
 
 class BatchStore:
@@ -39,6 +40,14 @@ class BatchStore:
 
     def __init__(self, root: Path):
         self.root = Path(root)
+
+    def record_value(self, message: Message, inline_max_bytes: int) -> tuple[bytes, bool]:
+        """What a topic carries for ``message``: its encoding or, when that exceeds ``inline_max_bytes``, a reference
+        to the file it is put in; and whether it went by reference."""
+        payload = encode(message)
+        if len(payload) <= inline_max_bytes:
+            return payload, False
+        return encode(self.put(message, payload)), True
 
     def put(self, message: Message, payload: bytes) -> BatchReference:
         """Store the encoded ``message`` and return the reference to send in its place."""

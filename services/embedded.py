@@ -99,9 +99,9 @@ def run_embedded(config: RunConfig, progress: bool = True) -> RunSummary:
         bar.close()
         for runner in runners:
             runner.close()
-        running = {id(runner.service) for runner in runners}
-        for service in built.values():  # created, never given a runner
-            if id(service) not in running:
+        running = [runner.service for runner in runners]
+        for service in built.values():
+            if service not in running:  # created, never given a runner
                 service.close()
 
     records = load_metrics(run_dir)  # the run summary and `streamppo report` average the same windows

@@ -28,7 +28,7 @@ from services.transport.kafka import KafkaBus, KafkaSettings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StopFlag", "default_replica_id", "kafka_bus", "serve", "serve_service"]
+__all__ = ["default_replica_id", "kafka_bus", "serve", "serve_service"]
 
 STATUS_EVERY_S = 30.0
 STALL_WARNING_S = 120.0
@@ -74,7 +74,7 @@ def _bootstrap(config: RunConfig, given: str | None) -> str:
     return bootstrap
 
 
-class StopFlag:
+class _StopFlag:
     """Set by SIGTERM or SIGINT: the loop stops after the batch in hand."""
 
     def __init__(self, replica_id: str):
@@ -98,7 +98,7 @@ def serve(
         return _run_ranks(processes, service_class.rank_restarts(config))
     leader = int(os.environ.get("RANK", "0")) == 0
     # A follower has no batch of its own to finish: a signal ends it at once (rank 0 decides what is kept).
-    stop = StopFlag(replica_id) if leader else None
+    stop = _StopFlag(replica_id) if leader else None
     metrics = ServiceMetrics(role)
     if metrics_port and leader:  # before the models load: a port in use is a mistake to report at once
         try:
@@ -114,7 +114,7 @@ def serve_service(
     config: RunConfig,
     bootstrap: str | None,
     metrics: ServiceMetrics | None = None,
-    stop: StopFlag | None = None,
+    stop: _StopFlag | None = None,
     bus: Bus | None = None,
 ) -> int:
     """Run a constructed replica over Kafka (``bus``, by default the one ``config`` describes) until it is done or a
@@ -127,7 +127,7 @@ def serve_service(
             service.close()
         return 0
     metrics = metrics or ServiceMetrics(role)
-    stop = stop or StopFlag(replica_id)
+    stop = stop or _StopFlag(replica_id)
     service.observe(metrics.observe)
     runner = None
     try:
@@ -221,7 +221,7 @@ def _report_status(runner: ServiceRunner, state: str | None = None) -> None:
         log.log(level, "%s: waiting %.0f s: %s", runner.replica_id, status.held_seconds, status.waiting_for)
 
 
-def _loop(runner: ServiceRunner, stop: StopFlag) -> None:
+def _loop(runner: ServiceRunner, stop: _StopFlag) -> None:
     """Poll until the service is done or a signal asks to stop; broker errors are retried with back-off."""
     backoff = 0.5
     next_status = time.monotonic()

@@ -244,10 +244,8 @@ class ServiceRunner:
     def _produce(self, messages: list[Message]) -> None:
         topic = self.service.output_topic
         for message in messages:
-            payload = encode(message)
-            if len(payload) > self.inline_max_bytes:
-                payload = encode(self.batches.put(message, payload))
-                self.counters["sent_by_reference"] += 1
+            payload, by_reference = self.batches.record_value(message, self.inline_max_bytes)
+            self.counters["sent_by_reference"] += by_reference
             partition = message_partition(message, self.producer.partitions(topic))
             self.producer.send(topic, payload, key=message_key(message), partition=partition)
         self.producer.flush()

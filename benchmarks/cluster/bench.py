@@ -173,7 +173,7 @@ def stage_throughput(
     start of a burst."""
     from common.batch_store import BatchStore
     from common.config import load_config
-    from common.schema import decode, encode, message_key, message_partition
+    from common.schema import decode, message_key, message_partition
     from services.process import kafka_bus
     from services.roles import ROLES
 
@@ -195,9 +195,7 @@ def stage_throughput(
             producer = bus.producer("bench")
             started = time.perf_counter()
             for message in inputs[:batches]:
-                payload = encode(message)
-                if len(payload) > config.pipeline.inline_max_bytes:  # as the runtime sends it
-                    payload = encode(store.put(message, payload))
+                payload, _ = store.record_value(message, config.pipeline.inline_max_bytes)  # as the runtime does
                 partition = message_partition(message, PARTITIONS) if partitioning == "step" else None
                 producer.send(ROLES[role].input_topic, payload, key=message_key(message), partition=partition)
             producer.flush()

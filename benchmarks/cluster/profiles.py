@@ -7,7 +7,7 @@ for the simulated benchmarks alone: nothing in ``common/`` or ``services/`` read
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -81,6 +81,19 @@ def _verl_quickstart_split() -> dict[str, float]:
 
 
 _SHAPE = dict(prompts=64, n=4, prompt_tokens=512, response_tokens=512, max_response_tokens=512)
+_7B_SHAPE = dict(prompts=128, n=8, prompt_tokens=1024, response_tokens=2048, max_response_tokens=2048)
+
+
+def _scaled_from_0_5b(factor: float, shape: dict) -> dict[str, float]:
+    """The 0.5B profile's seconds per token × ``factor``, for a batch of ``shape``. Generation: a decode step's
+    seconds scale with the model, the steps with the response length."""
+    split = _verl_quickstart_split()
+    base_tokens = _SHAPE["prompts"] * _SHAPE["n"] * (_SHAPE["prompt_tokens"] + _SHAPE["response_tokens"])
+    tokens = shape["prompts"] * shape["n"] * (shape["prompt_tokens"] + shape["response_tokens"])
+    stages = {k: split[k] / base_tokens * factor * tokens for k in ("score_s", "critic_s", "train_s")}
+    stages["generate_s"] = split["generate_s"] / _SHAPE["response_tokens"] * factor * shape["response_tokens"]
+    return stages
+
 
 PROFILES: dict[str, CostProfile] = {
     p.name: p
@@ -128,36 +141,12 @@ PROFILES: dict[str, CostProfile] = {
             "7b-8xh200",
             "a 7B model on 8 H200 per service: batch 128 × 8, 1,024 prompt and 2,048 response tokens; the 0.5B "
             "rates scaled by parameters (×14) and GPUs (÷8)",
-            prompts=128,
-            n=8,
-            prompt_tokens=1024,
-            response_tokens=2048,
-            max_response_tokens=2048,
-            generate_s=0.0,  # set below from the per-token rates
-            score_s=0.0,
-            critic_s=0.0,
-            train_s=0.0,
+            **_7B_SHAPE,
+            **_scaled_from_0_5b(14 / 8, _7B_SHAPE),
             weight_bytes=int(15.2e9),
         ),
     )
 }
-
-
-def _scaled_7b(profile: CostProfile) -> CostProfile:
-    """The 0.5B profile's per-token seconds, × 14 for parameters, ÷ 8 for GPUs, for the 7B batch shape."""
-    base = PROFILES["0.5b-h200"]
-    factor = 14 / 8
-    base_tokens = base.prompts * base.n * (base.prompt_tokens + base.response_tokens)
-    tokens = profile.prompts * profile.n * (profile.prompt_tokens + profile.response_tokens)
-    per_token = {k: getattr(base, k) / base_tokens * factor for k in ("score_s", "critic_s", "train_s")}
-    # Generation: a decode step's seconds scale with the model; steps with the response length.
-    decode_step = base.generate_s / base.response_tokens * factor
-    return replace(
-        profile, generate_s=decode_step * profile.response_tokens, **{k: v * tokens for k, v in per_token.items()}
-    )
-
-
-PROFILES["7b-8xh200"] = _scaled_7b(PROFILES["7b-8xh200"])
 
 
 class CostModel:
