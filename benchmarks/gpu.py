@@ -1,7 +1,9 @@
 """A few PPO steps of a ~0.5B model on one GPU, then the sharded (FSDP2) learner with one rank per GPU.
 
-Reports learner tokens/s, model FLOPs utilisation, generation tokens/s, the seconds to gather, publish and load one
-actor snapshot (bf16 on GPU), and peak memory, for the single-process learner and for the FSDP learner.
+Reports learner tokens/s, model FLOPs utilisation, generation tokens/s and peak memory, for the single-process
+learner and for the FSDP learner; the seconds for one actor update (bf16 on GPU) to reach a generator's model on the
+same machine by the store and by the broadcast (``weights.broadcast``), side by side; and the seconds to write a
+snapshot, whole and sharded, from the FSDP learner.
 
 The model is built from a config (Qwen2.5-0.5B's shape, random weights: no hub is needed), the generator is the
 transformers backend (no vLLM assumed), and the learner is streamppo's own PPOTrainer, so the numbers are those
@@ -10,6 +12,8 @@ of the code the services run. Prints JSON and writes it to ``--out``; merge it i
 
     python benchmarks/gpu.py --out gpu.json                      # on the GPU machine (FSDP over every GPU)
     python benchmarks/gpu.py --device cpu --small --fsdp-ranks 2 --out cpu.json  # a smoke run anywhere
+
+On a GPU machine without the network or streamppo's packages, ``benchmarks/gpu.sh`` brings them as wheels.
 
 FLOPs are counted as 2·N per token forward and 6·N forward+backward (N = parameters without the embedding;
 attention's own FLOPs are left out), over what one PPO update computes: π_old recomputation (actor forward),
@@ -29,13 +33,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.weight_paths import broadcast_paths, interleaved, scratch_dir, store_path  # noqa: E402
 from common.config import AlgorithmSection, LearnerSection  # noqa: E402
 from common.generation import sample_responses  # noqa: E402
 from common.models import load_actor, load_critic  # noqa: E402
 from common.parallel import init_ranks, shard_model  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from common.trainer import Experience, PPOTrainer  # noqa: E402
-from common.weights import WeightStore, load_snapshot_into  # noqa: E402
+from common.weights import WeightStore  # noqa: E402
 
 QWEN25_05B = dict(
     vocab_size=151936,
@@ -101,6 +106,7 @@ def main() -> int:
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
         actor = load_actor(Path(tmp), dtype, device=args.device)
         critic = load_critic(Path(tmp), dtype, device=args.device)
+        generator_copy = load_actor(Path(tmp), dtype, device=args.device)  # the generator's model, for the updates
     params = sum(p.numel() for p in actor.parameters())
     non_embedding = params - actor.get_input_embeddings().weight.numel()
     learner = LearnerSection(ppo_epochs=2, mini_batch_size=32, micro_batch_size=16, actor_lr=1e-6, critic_lr=1e-6)
@@ -146,7 +152,10 @@ def main() -> int:
             trained += tokens
             train_seconds += train_s
             flops += tokens * non_embedding * (2 + learner.ppo_epochs * (6 + 6))
-    publish_load = publish_and_load(trainer, "bfloat16" if args.device.startswith("cuda") else "float32")
+    try:  # a failure here must not lose the numbers above: the GPU machine is lent for minutes
+        updates = update_paths(trainer, generator_copy, dtype, args.device)
+    except Exception as exc:
+        updates = {"actor update: error": f"{type(exc).__name__}: {exc}"}
     peak = peak_tflops(args.device)
     achieved = flops / train_seconds / 1e12
     result = {
@@ -167,20 +176,20 @@ def main() -> int:
             "peak GPU memory (GiB)": (
                 torch.cuda.max_memory_allocated(args.device) / 2**30 if args.device.startswith("cuda") else "n/a"
             ),
-            **publish_load,
+            **updates,
         },
     }
     ranks = args.fsdp_ranks if args.fsdp_ranks is not None else torch.cuda.device_count()
     if ranks:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")  # kept if the FSDP phase runs out of time
         result["fsdp"] = run_fsdp_phase(args, ranks, non_embedding)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
 
 
-def publish_and_load(trainer: PPOTrainer, dtype: str, load: bool = True) -> dict:
-    """Seconds to gather the actor's state, write it as a snapshot, and (unsharded) load it back into the model,
-    as a generator's transformers model loads it."""
+def publish(trainer: PPOTrainer, dtype: str) -> dict:
+    """Seconds to gather the actor's state and write it as a snapshot (the learner's side of the store path)."""
     with tempfile.TemporaryDirectory() as tmp:
         store = WeightStore(Path(tmp))
         started = time.perf_counter()
@@ -188,15 +197,39 @@ def publish_and_load(trainer: PPOTrainer, dtype: str, load: bool = True) -> dict
         gathered = time.perf_counter()
         snapshot = store.save_state("actor", 1, state)
         published = time.perf_counter()
-        if load:
-            load_snapshot_into(trainer.actor, snapshot.chain)
-        loaded = time.perf_counter()
     return {
         f"snapshot ({dtype}) MB": snapshot.num_bytes / 1e6,
         "snapshot seconds: gather": gathered - started,
         "snapshot seconds: write + digest": published - gathered,
-        **({"snapshot seconds: read + verify + load": loaded - published} if load else {}),
     }
+
+
+def update_paths(trainer: PPOTrainer, into: torch.nn.Module, dtype: str, device: str, rounds: int = 3) -> dict:
+    """Seconds for one actor update to reach a generator's model on this machine, by the store and by the
+    broadcast (``weights.broadcast``: gloo, staged in host memory), as the learner and a transformers generator run
+    them (``benchmarks/weight_paths.py``, the same code as the CPU benchmark). Gather (the learner's state to host
+    memory) is the same for every path; publish is the learner's side, load until ``into`` holds the version on the
+    device. Median of ``rounds``, the paths taking turns."""
+    started = time.perf_counter()
+    state = trainer.full_state("actor", dtype)
+    gather = time.perf_counter() - started
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+
+    def synced(load):
+        return lambda: (load(), sync(device))
+
+    with scratch_dir(3 * nbytes) as tmp:
+        paths = {"store (blake3)": store_path(Path(tmp), state, into)}
+        with broadcast_paths(Path(tmp), state, into) as broadcast:
+            paths |= broadcast
+            measured = interleaved({k: (publish_fn, synced(load)) for k, (publish_fn, load) in paths.items()}, rounds)
+    out = {f"actor update ({dtype}) MB": nbytes / 1e6, "actor update seconds: gather to host": gather}
+    for label, (publish_s, load_s) in measured.items():
+        label = label.removeprefix("after, blake3, ")
+        out[f"actor update by {label}: publish s"] = publish_s
+        out[f"actor update by {label}: load s"] = load_s
+        out[f"actor update by {label}: gather + publish + load s"] = gather + publish_s + load_s
+    return out
 
 
 def publish_sharded(trainer: PPOTrainer, dtype: str) -> dict:
@@ -298,7 +331,7 @@ def fsdp_rank(args) -> int:
             seconds += time.perf_counter() - started
             tokens += int(exp.prompt_lengths.sum() + exp.response_lengths.sum())
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    publish_load = publish_and_load(trainer, dtype, load=False) | publish_sharded(trainer, dtype)
+    publish_load = publish(trainer, dtype) | publish_sharded(trainer, dtype)
     trainer.release()
     memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else "n/a"
     args.rank_phase.write_text(

@@ -24,8 +24,6 @@ import sys
 import tempfile
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -35,6 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.weight_paths import broadcast_paths, interleaved, scratch_dir, store_path  # noqa: E402
 from common.models import build_tiny_char_llama, load_actor, resolve_model  # noqa: E402
 from common.schema import ExperienceBatch, RolloutBatch, decode, encode, new_header  # noqa: E402
 from services.transport import MemoryBus, TopicSpec  # noqa: E402
@@ -341,27 +340,6 @@ def bench_generation() -> dict:
 # ------------------------------------------------------------------------------------------------------ 5. weights
 
 
-SHM = "/dev/shm"
-
-
-def _store_dir() -> tempfile.TemporaryDirectory:
-    """A temporary weight store on tmpfs where there is one (see bench_weights)."""
-    return tempfile.TemporaryDirectory(dir=SHM if os.path.isdir(SHM) else None)
-
-
-def _interleaved(paths: dict[str, tuple], rounds: int) -> dict[str, tuple[float, float]]:
-    """Median (publish, load) seconds per path, the paths taking turns in each round: this VM now and then stalls
-    a few seconds on fresh memory (its host backs pages at first touch), and turns spread that over every path."""
-    times = {label: ([], []) for label in paths}
-    for _ in range(rounds + 1):  # the first round warms up
-        for label, (publish, load) in paths.items():
-            for fn, out in zip((publish, load), times[label]):
-                started = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - started)
-    return {label: (statistics.median(p[1:]), statistics.median(ld[1:])) for label, (p, ld) in times.items()}
-
-
 def bench_weights(rounds: int = 7) -> dict:
     """Publish (learner) + load (generator), before and after one-pass digests and memory-mapped loads, per path.
 
@@ -370,7 +348,7 @@ def bench_weights(rounds: int = 7) -> dict:
     it, as the learner's pruning does.
     """
     from benchmarks import weights_before as before
-    from common.weights import WeightStore, load_snapshot_into, snapshot_state
+    from common.weights import WeightStore, snapshot_state
 
     rows = {}
     for name, path in models().items():
@@ -379,7 +357,7 @@ def bench_weights(rounds: int = 7) -> dict:
         for dtype in (torch.float32, torch.bfloat16):
             state = {k: v.to(dtype) for k, v in snapshot_state(model).items()}
             into = load_actor(path, "bfloat16") if dtype == torch.bfloat16 else target
-            with _store_dir() as tmp:
+            with scratch_dir() as tmp:
                 version = iter(range(1, 10_000))
 
                 def publish_before():
@@ -395,21 +373,12 @@ def bench_weights(rounds: int = 7) -> dict:
                     )
                 }
                 for algorithm in ("sha256", "blake3"):
-                    store = WeightStore(Path(tmp) / algorithm, algorithm)
-                    snapshot = store.save_state("loaded", 0, state)  # not pruned by the publishes below
-
-                    def publish_after(store=store):
-                        v = next(version)
-                        store.save_state("actor", v, state)
-                        store.prune("actor", 2, v)
-
-                    paths[f"after, {algorithm} (one pass each side, memory-mapped)"] = (
-                        publish_after,
-                        lambda snapshot=snapshot: load_snapshot_into(into, snapshot.chain),
+                    paths[f"after, {algorithm} (one pass each side, memory-mapped)"] = store_path(
+                        Path(tmp), state, into, algorithm
                     )
-                with _broadcast_paths(Path(tmp), state, into) as broadcast:
-                    measured = _interleaved(paths | broadcast, rounds)
-                nbytes = snapshot.num_bytes
+                with broadcast_paths(Path(tmp), state, into) as broadcast:
+                    measured = interleaved(paths | broadcast, rounds)
+                nbytes = WeightStore(Path(tmp) / "size").save_state("actor", 0, state).num_bytes
             for label, (publish_s, load_s) in measured.items():
                 row[f"{str(dtype).removeprefix('torch.')}, {label}"] = {
                     "snapshot_mb": nbytes / 1e6,
@@ -432,46 +401,6 @@ def bench_weights(rounds: int = 7) -> dict:
     }
 
 
-@contextmanager
-def _broadcast_paths(tmp: Path, state: dict[str, torch.Tensor], into: torch.nn.Module):
-    """The broadcast path (``weights.broadcast``), a receiver in this process (its own thread, as in a generator):
-    as the learner runs it (the snapshot written to the store while the tensors are sent; the copy from the
-    received buffers at the announcement), and the transfer alone (send and copy, no store)."""
-    from common.broadcast import WeightReceiver, WeightSender
-    from common.weights import WeightStore, load_state_into
-    from services.transport.local_broker import free_port
-
-    address = f"127.0.0.1:{free_port()}"
-    sender = WeightSender(address, 1, 60.0, "blake3")
-    receiver = WeightReceiver(address, 60.0, "blake3", name="bench")
-    store = WeightStore(tmp / "broadcast")
-    version, sent = iter(range(1, 10_000)), {}
-
-    def send(with_store: bool):
-        v = next(version)
-        with ThreadPoolExecutor(1) as pool:
-            writing = pool.submit(store.save_state, "actor", v, state) if with_store else None
-            sent["version"], sent["digest"] = v, sender.send(v, state)
-            if writing is not None:
-                writing.result()
-                store.prune("actor", 2, v)
-        if not sent["digest"]:
-            raise RuntimeError(f"the broadcast of v{v} did not reach the receiver")
-
-    def load():
-        if not receiver.load_into(sent["version"], sent["digest"], lambda t: load_state_into(into, t, "broadcast")):
-            raise RuntimeError("the receiver does not hold what was sent")
-
-    try:
-        yield {
-            "after, blake3, broadcast while the store is written (weights.broadcast)": (lambda: send(True), load),
-            "after, blake3, broadcast alone (no store)": (lambda: send(False), load),
-        }
-    finally:
-        receiver.close()
-        sender.close()
-
-
 def _delta_paths(state: dict[str, torch.Tensor], into: torch.nn.Module, rounds: int) -> dict:
     """Publish and load of a delta (blake3) after one Adam-like step of ``lr`` × sign on every float32 weight (an
     Adam update's first step; later ones are smaller), cast to bfloat16; the load reads the full snapshot and the
@@ -484,7 +413,7 @@ def _delta_paths(state: dict[str, torch.Tensor], into: torch.nn.Module, rounds: 
         stepped = {
             k: (v.float() + lr * torch.randn(v.shape, generator=gen).sign()).to(v.dtype) for k, v in state.items()
         }
-        with _store_dir() as tmp:
+        with scratch_dir() as tmp:
             store = WeightStore(Path(tmp), full_every=10_000)
             full = store.save_state("actor", 0, state)
             delta = store.save_state("actor", 1, stepped)
@@ -495,7 +424,7 @@ def _delta_paths(state: dict[str, torch.Tensor], into: torch.nn.Module, rounds: 
                 v = next(version)
                 store.save_state("actor", v, pair[v % 2])  # each version one step from the one before
 
-            measured = _interleaved({"delta": (publish, lambda: load_snapshot_into(into, delta.chain))}, rounds)
+            measured = interleaved({"delta": (publish, lambda: load_snapshot_into(into, delta.chain))}, rounds)
         publish_s, load_s = measured["delta"]
         rows[f"bfloat16, after, blake3, delta after a step of lr {lr:g}"] = {
             "snapshot_mb": delta.num_bytes / 1e6,
@@ -677,7 +606,7 @@ def bench_adapters(rounds: int = 7, rank: int = 16) -> dict:
             tensor.normal_(0.0, 0.01)
     states = {"whole model": snapshot_state(load_actor(path)), f"LoRA adapters, rank {rank}": snapshot_state(learner)}
     targets = {"whole model": load_actor(path), f"LoRA adapters, rank {rank}": add_lora(load_actor(path), lora)}
-    with _store_dir() as tmp:
+    with scratch_dir() as tmp:
         paths, sizes = {}, {}
         for label, state in states.items():
             store = WeightStore(Path(tmp) / label.replace(" ", "-").replace(",", ""))
@@ -691,7 +620,7 @@ def bench_adapters(rounds: int = 7, rank: int = 16) -> dict:
                 store.prune("actor", 2, v)
 
             paths[label] = (publish, lambda t=targets[label], c=loaded.chain: load_snapshot_into(t, c))
-        measured = _interleaved(paths, rounds)
+        measured = interleaved(paths, rounds)
     rows = {
         label: {
             "snapshot_mb": sizes[label] / 1e6,

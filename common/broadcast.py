@@ -18,8 +18,12 @@ with whoever joins.
 
 Receivers stage what they receive in buffers of their own (one model's worth, reused from version to version), so
 the sampler keeps sampling while the next version arrives, and its weights change only when the announcement comes.
-The vLLM engine's workers are processes of the engine, outside this group: the broadcast feeds the transformers
-generator.
+A transformers generator is one receiver; a vLLM engine's every worker is one (``common.vllm_sampler``), and
+reloads in place from its buffers.
+
+The group is gloo, so tensors travel through host memory on GPUs too (``benchmarks/gpu.py`` measures that path).
+NCCL, GPU to GPU, is not built: it needs the learner and each generator on GPUs of their own, a machine this
+project has not had to test it on.
 """
 
 from __future__ import annotations
