@@ -8,7 +8,7 @@ snapshot, whole and sharded, from the FSDP learner.
 The model is built from a config (Qwen2.5-0.5B's shape, random weights: no hub is needed), the generator is the
 transformers backend (no vLLM assumed), and the learner is streamppo's own PPOTrainer, so the numbers are those
 of the code the services run. Prints JSON and writes it to ``--out``; merge it into RESULTS.md with
-``python -m benchmarks.run --only codec --gpu-results gpu.json``.
+``python -m benchmarks.run --only '' --gpu-results gpu.json``.
 
     python benchmarks/gpu.py --out gpu.json                      # on the GPU machine (FSDP over every GPU)
     python benchmarks/gpu.py --device cpu --small --fsdp-ranks 2 --out cpu.json  # a smoke run anywhere

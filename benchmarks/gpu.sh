@@ -7,7 +7,7 @@
 #                                   # into $OUT (or the current folder); stops gpu.py after $GPU_TIMEOUT_S (480) s;
 #                                   # further arguments go to gpu.py
 #
-# Then merge the JSON into RESULTS.md: python -m benchmarks.run --only codec --gpu-results gpu.json
+# Then merge the JSON into RESULTS.md: python -m benchmarks.run --only '' --gpu-results gpu.json
 set -euo pipefail
 
 # pyproject's pins, with pydantic's own dependencies at the versions the test environment resolves.
@@ -30,6 +30,9 @@ case "${1:-}" in
     out=${OUT:-.}
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    # Every process of the check is on this machine, which may have no network: gloo (the broadcast, the ranks'
+    # control messages) binds to loopback rather than to whatever the hostname resolves to.
+    export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
     timeout "${GPU_TIMEOUT_S:-480}" python3 benchmarks/gpu.py --out "$out/gpu.json" "$@" 2>&1 | tee "$out/gpu.log"
     ;;

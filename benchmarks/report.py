@@ -280,7 +280,7 @@ def write_markdown(results: dict, path: Path) -> None:
         out += [
             "Not measured yet: `benchmarks/gpu.py` is the prepared script (no GPU machine was lent to the session "
             "that wrote this file). Run it on a GPU machine (`benchmarks/gpu.sh run`, with the wheels of "
-            "`benchmarks/gpu.sh wheels` where it has no network), then `python -m benchmarks.run --only codec "
+            "`benchmarks/gpu.sh wheels` where it has no network), then `python -m benchmarks.run --only '' "
             "--gpu-results gpu.json` to merge its JSON here.",
             "",
         ]
