@@ -218,7 +218,7 @@ def update_paths(trainer: PPOTrainer, into: torch.nn.Module, dtype: str, device:
     def synced(load):
         return lambda: (load(), sync(device))
 
-    with scratch_dir(3 * nbytes) as tmp:
+    with scratch_dir(6 * nbytes) as tmp:  # up to three snapshots in each of two stores
         paths = {"store (blake3)": store_path(Path(tmp), state, into)}
         with broadcast_paths(Path(tmp), state, into) as broadcast:
             paths |= broadcast
