@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.weight_paths import broadcast_paths, interleaved, scratch_dir, store_path  # noqa: E402
+from benchmarks.weight_paths import StorePath, broadcast_paths, interleaved, scratch_dir  # noqa: E402
 from common.config import AlgorithmSection, LearnerSection  # noqa: E402
 from common.generation import sample_responses  # noqa: E402
 from common.models import load_actor, load_critic  # noqa: E402
@@ -219,7 +219,7 @@ def update_paths(trainer: PPOTrainer, into: torch.nn.Module, dtype: str, device:
         return lambda: (load(), sync(device))
 
     with scratch_dir(6 * nbytes) as tmp:  # up to three snapshots in each of two stores
-        paths = {"store (blake3)": store_path(Path(tmp), state, into)}
+        paths = {"store (blake3)": StorePath(Path(tmp), state, into).timed}
         with broadcast_paths(Path(tmp), state, into) as broadcast:
             paths |= broadcast
             measured = interleaved({k: (publish_fn, synced(load)) for k, (publish_fn, load) in paths.items()}, rounds)

@@ -33,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.weight_paths import broadcast_paths, interleaved, scratch_dir, store_path  # noqa: E402
+from benchmarks.weight_paths import StorePath, broadcast_paths, interleaved, scratch_dir  # noqa: E402
 from common.models import build_tiny_char_llama, load_actor, resolve_model  # noqa: E402
 from common.schema import ExperienceBatch, RolloutBatch, decode, encode, new_header  # noqa: E402
 from services.transport import MemoryBus, TopicSpec  # noqa: E402
@@ -348,7 +348,7 @@ def bench_weights(rounds: int = 7) -> dict:
     it, as the learner's pruning does.
     """
     from benchmarks import weights_before as before
-    from common.weights import WeightStore, snapshot_state
+    from common.weights import snapshot_state
 
     rows = {}
     for name, path in models().items():
@@ -372,13 +372,12 @@ def bench_weights(rounds: int = 7) -> dict:
                         lambda: before.load_into(into, old_path, old_sha),
                     )
                 }
-                for algorithm in ("sha256", "blake3"):
-                    paths[f"after, {algorithm} (one pass each side, memory-mapped)"] = store_path(
-                        Path(tmp), state, into, algorithm
-                    )
+                stores = {algorithm: StorePath(Path(tmp), state, into, algorithm) for algorithm in ("sha256", "blake3")}
+                for algorithm, store in stores.items():
+                    paths[f"after, {algorithm} (one pass each side, memory-mapped)"] = store.timed
                 with broadcast_paths(Path(tmp), state, into) as broadcast:
                     measured = interleaved(paths | broadcast, rounds)
-                nbytes = WeightStore(Path(tmp) / "size").save_state("actor", 0, state).num_bytes
+                nbytes = stores["blake3"].snapshot.num_bytes
             for label, (publish_s, load_s) in measured.items():
                 row[f"{str(dtype).removeprefix('torch.')}, {label}"] = {
                     "snapshot_mb": nbytes / 1e6,

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from common.broadcast import WeightReceiver, WeightSender
-from common.weights import WeightStore, load_snapshot_into, load_state_into
+from common.weights import Snapshot, WeightStore, load_snapshot_into, load_state_into
 from services.transport.local_broker import free_port
 
-__all__ = ["broadcast_paths", "interleaved", "scratch_dir", "store_path"]
+__all__ = ["StorePath", "broadcast_paths", "interleaved", "scratch_dir"]
 
 SHM = "/dev/shm"
 
@@ -51,21 +51,26 @@ def interleaved(paths: dict[str, TimedPath], rounds: int) -> dict[str, tuple[flo
     return {label: (statistics.median(p[1:]), statistics.median(ld[1:])) for label, (p, ld) in times.items()}
 
 
-def store_path(
-    tmp: Path, state: dict[str, torch.Tensor], into: torch.nn.Module, algorithm: str = "blake3"
-) -> TimedPath:
+class StorePath:
     """The store alone: the learner writes the snapshot with its digest (pruning the one before), the generator
-    verifies it and copies it into ``into``."""
-    store = WeightStore(tmp / f"store-{algorithm}", algorithm)
-    version = iter(range(1, 10_000))
-    latest = {}
+    verifies it and copies it into ``into``. ``snapshot`` is the newest one published."""
 
-    def publish():
-        v = next(version)
-        latest["snapshot"] = store.save_state("actor", v, state)
-        store.prune("actor", 2, v)
+    def __init__(self, tmp: Path, state: dict[str, torch.Tensor], into: torch.nn.Module, algorithm: str = "blake3"):
+        self.store = WeightStore(tmp / f"store-{algorithm}", algorithm)
+        self.state, self.into = state, into
+        self.snapshot: Snapshot | None = None
 
-    return publish, lambda: load_snapshot_into(into, latest["snapshot"].chain)
+    def publish(self) -> None:
+        version = self.snapshot.version + 1 if self.snapshot else 1
+        self.snapshot = self.store.save_state("actor", version, self.state)
+        self.store.prune("actor", 2, version)
+
+    def load(self) -> None:
+        load_snapshot_into(self.into, self.snapshot.chain)
+
+    @property
+    def timed(self) -> TimedPath:
+        return self.publish, self.load
 
 
 @contextmanager

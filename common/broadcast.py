@@ -22,8 +22,8 @@ A transformers generator is one receiver; a vLLM engine's every worker is one (`
 reloads in place from its buffers.
 
 The group is gloo, so tensors travel through host memory on GPUs too (``benchmarks/gpu.py`` measures that path).
-NCCL, GPU to GPU, is not built: it needs the learner and each generator on GPUs of their own, a machine this
-project has not had to test it on.
+NCCL, GPU to GPU, is not built: NCCL refuses two ranks on one GPU, so it needs the learner and each generator on
+GPUs of their own, and untested it would be a second transport no run could trust.
 """
 
 from __future__ import annotations
