@@ -39,6 +39,7 @@ from common.generation import sample_responses  # noqa: E402
 from common.models import load_actor, load_critic  # noqa: E402
 from common.parallel import init_ranks, shard_model  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
+from common.storage import state_nbytes  # noqa: E402
 from common.trainer import Experience, PPOTrainer  # noqa: E402
 from common.weights import WeightStore  # noqa: E402
 
@@ -213,7 +214,7 @@ def update_paths(trainer: PPOTrainer, into: torch.nn.Module, dtype: str, device:
     started = time.perf_counter()
     state = trainer.full_state("actor", dtype)
     gather = time.perf_counter() - started
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    nbytes = state_nbytes(state)
 
     def synced(load):
         return lambda: (load(), sync(device))

@@ -14,7 +14,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -86,12 +85,12 @@ def broadcast_paths(tmp: Path, state: dict[str, torch.Tensor], into: torch.nn.Mo
 
     def send(with_store: bool):
         v = next(version)
-        with ThreadPoolExecutor(1) as pool:
-            writing = pool.submit(store.save_state, "actor", v, state) if with_store else None
-            sent["version"], sent["digest"] = v, sender.send(v, state)
-            if writing is not None:
-                writing.result()
-                store.prune("actor", 2, v)
+        if with_store:
+            _, sent["digest"] = sender.send_and_save(store, "actor", v, state)  # as the learner publishes
+            store.prune("actor", 2, v)
+        else:
+            sent["digest"] = sender.send(v, state)
+        sent["version"] = v
         if not sent["digest"]:
             raise RuntimeError(f"the broadcast of v{v} did not reach the receiver")
 

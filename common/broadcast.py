@@ -36,13 +36,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from common.weights import new_hasher, tensor_bytes
+from common.weights import Snapshot, WeightStore, new_hasher, tensor_bytes
 
 __all__ = ["WeightReceiver", "WeightSender", "split_address"]
 
@@ -226,6 +227,16 @@ class WeightSender:
             return ""
         log.debug("actor v%d broadcast to %d receiver(s) in %.3f s", version, holders, time.perf_counter() - started)
         return sent
+
+    def send_and_save(
+        self, weights: WeightStore, name: str, version: int, state: dict[str, torch.Tensor]
+    ) -> tuple[Snapshot, str]:
+        """:meth:`send` ``state`` while ``weights`` writes it as snapshot ``version`` of ``name``: the announcement
+        waits for both. Returns the snapshot and what :meth:`send` returns."""
+        with ThreadPoolExecutor(1, thread_name_prefix="snapshot") as pool:
+            writing = pool.submit(weights.save_state, name, version, state)
+            sent = self.send(version, state)
+            return writing.result(), sent
 
     def _drop(self) -> None:
         with self._lock:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -289,11 +288,7 @@ class LearnerService(Service):
         state = self.trainer.full_state(name, dtype)
         if not self._broadcasts(name):
             return self.store.save_state(name, version, state), ""
-        # The snapshot is written while the tensors travel: the announcement waits for both.
-        with ThreadPoolExecutor(1, thread_name_prefix="snapshot") as pool:
-            writing = pool.submit(self.store.save_state, name, version, state)
-            broadcast_digest = self.sender.send(version, state)
-            return writing.result(), broadcast_digest
+        return self.sender.send_and_save(self.store, name, version, state)
 
     def _broadcasts(self, name: str) -> bool:
         return name == "actor" and self.sender is not None
