@@ -231,14 +231,13 @@ def test_cli_reports_a_batch_larger_than_the_dataset(tmp_path, model_cache):
 
 
 def test_cli_reports_a_device_this_machine_lacks(tmp_path, model_cache):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
+    lacking = f"cuda:{torch.cuda.device_count()}"  # one GPU past the last this machine has (cuda:0 on none)
     result = streamppo(
         "run",
         "--config",
         str(EXAMPLE / "config.yaml"),
         "--set",
-        "model.device=cuda",
+        f"model.device={lacking}",
         "--set",
         f"run.dir={tmp_path}/run",
         "--set",
@@ -246,7 +245,7 @@ def test_cli_reports_a_device_this_machine_lacks(tmp_path, model_cache):
         "--set",
         "generation.backend=transformers",
     )
-    _one_line_error(result, 1, "onto cuda", "CUDA")
+    _one_line_error(result, 1, f"onto {lacking}", "CUDA")
 
 
 def test_cli_reports_a_malformed_bootstrap_before_loading_anything(tmp_path):
