@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from common.algorithms import (
+    CRITIC_SETTINGS,
+    ESTIMATORS,
+    KINDS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    Kind,
+)
 
 __all__ = ["ConfigError", "RunConfig", "load_config"]
 
@@ -156,24 +166,16 @@ class AdaptiveKL(_Section):
     horizon: int = Field(10000, gt=0, description="Sequences over which β moves by at most 20%.")
 
 
-Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
-# The estimators that need no critic: a run with one of them has none anywhere (common.ppo.ADVANTAGE_ESTIMATORS
-# says the same of each; tests/test_ppo.py holds the two lists together).
-CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-# Group estimators compare the n responses of one prompt.
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+def _declared(kind: Kind):
+    """A setting that names a declared variant of ``kind`` (:mod:`common.algorithms`), described by the declarations."""
+    return Annotated[str, AfterValidator(kind.check)]
 
 
 class AlgorithmSection(_Section):
-    estimator: Estimator = Field(
-        "gae",
-        description="gae: PPO with a critic. Critic-free: grpo (group mean/std), dr_grpo (group mean, no std), rloo "
-        "(leave-one-out mean), reinforce_pp (discounted returns whitened over the batch), reinforce_pp_baseline "
-        "(group mean, then whitened over the batch).",
-    )
+    estimator: _declared(ESTIMATORS) = Field("gae", description=ESTIMATORS.describe())
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1, description="GAE λ (gae only).")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_estimator: _declared(KL_ESTIMATORS) = Field("k1", description=KL_ESTIMATORS.describe())
     kl_coef: float = Field(0.05, ge=0, description="β of the KL penalty (initial β if adaptive).")
     kl_in: Literal["reward", "loss"] = Field(
         "reward",
@@ -187,16 +189,12 @@ class AlgorithmSection(_Section):
 
     @property
     def uses_critic(self) -> bool:
-        return self.estimator not in CRITIC_FREE
+        return ESTIMATORS.chosen(self).uses_critic
 
     @property
     def whitens(self) -> bool:
         """Whether the learner whitens the advantages it receives."""
         return self.uses_critic and self.whiten_advantages
-
-    def gae_settings(self) -> list[str]:
-        """The settings of GAE with a critic this config sets explicitly (which a critic-free estimator refuses)."""
-        return [f"algorithm.{k}" for k in ("lam", "whiten_advantages") if k in self.model_fields_set]
 
     score_clip: float | None = Field(None, gt=0)
     missing_eos_penalty: float | None = Field(None, description="Subtracted from the score of truncated responses.")
@@ -242,11 +240,9 @@ class LearnerSection(_Section):
     value_coef: float = Field(1.0, gt=0, description="Scale of the critic's loss (it has its own optimizer).")
     entropy_coef: float = Field(0.0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0)
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean",
-        description="How per-token losses add up: every token alike (token-mean), every sequence alike "
-        "(seq-mean-token-mean), token sums (seq-mean-token-sum), or token sums over generation.max_new_tokens "
-        "(seq-mean-token-sum-norm, Dr. GRPO).",
+    policy_loss: _declared(POLICY_LOSSES) = Field("ppo", description=POLICY_LOSSES.describe())
+    loss_agg: _declared(LOSS_AGGREGATIONS) = Field(
+        "token-mean", description="How per-token losses add up: " + LOSS_AGGREGATIONS.describe()
     )
     off_policy_correction: bool = Field(True, description="Truncated importance weight on stale experience.")
     checkpoint_dir: Path | None = Field(None, description="Default: <run.dir>/checkpoints.")
@@ -468,27 +464,37 @@ class RunConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _settings_fit_the_estimator(self):
-        algorithm = self.algorithm
-        if not algorithm.uses_critic:
-            critic_settings = ["model.critic"] if self.model.critic is not None else []
-            critic_settings += ["model.dtypes.critic"] if self.model.dtypes.critic is not None else []
-            critic_settings += [
-                f"learner.{k}" for k in ("critic_lr", "value_clip", "value_coef") if k in self.learner.model_fields_set
-            ]
-            critic_settings += algorithm.gae_settings()
-            if critic_settings:
-                raise ValueError(
-                    f"algorithm.estimator {algorithm.estimator} runs without a critic or GAE, but "
-                    f"{', '.join(critic_settings)} {'is' if len(critic_settings) == 1 else 'are'} set: remove "
-                    f"{'it' if len(critic_settings) == 1 else 'them'}"
-                )
-        if algorithm.estimator in GROUP_ESTIMATORS and self.generation.n < 2:
+    def _settings_fit_the_variants(self):
+        """Derived from the declarations (:mod:`common.algorithms`): no setting that the chosen variants do not read,
+        no critic setting without a critic, groups for a group estimator."""
+        unread = [name for kind in KINDS for name in kind.unread_settings(self._section(kind.section))]
+        estimator = ESTIMATORS.chosen(self.algorithm)
+        if not estimator.uses_critic:
+            unread += [name for name in CRITIC_SETTINGS if self._explicit(name)]
+        if unread:
             raise ValueError(
-                f"algorithm.estimator {algorithm.estimator} compares the responses to one prompt: "
+                f"{', '.join(unread)} {'is' if len(unread) == 1 else 'are'} set, but no chosen variant reads "
+                f"{'it' if len(unread) == 1 else 'them'} (algorithm.estimator {estimator.name}"
+                f"{'' if estimator.uses_critic else ', which runs without a critic'}): remove "
+                f"{'it' if len(unread) == 1 else 'them'}"
+            )
+        if estimator.needs_groups and self.generation.n < 2:
+            raise ValueError(
+                f"algorithm.estimator {estimator.name} compares the responses to one prompt: "
                 f"generation.n must be at least 2 (it is {self.generation.n})"
             )
         return self
+
+    def _section(self, path: str):
+        section = self
+        for name in path.split("."):
+            section = getattr(section, name)
+        return section
+
+    def _explicit(self, setting: str) -> bool:
+        """Whether ``setting`` ("section.key") was given in the file or an override, not left at its default."""
+        parent, _, name = setting.rpartition(".")
+        return name in self._section(parent).model_fields_set
 
     @model_validator(mode="after")
     def _batches_fit_a_record(self):

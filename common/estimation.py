@@ -10,20 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from common import ppo
+from common.algorithms import ESTIMATORS
+from common.config import AlgorithmSection
 
-__all__ = ["Estimate", "ShapingParams", "estimate_advantages"]
-
-
-@dataclass(frozen=True)
-class ShapingParams:
-    kl_coef: float
-    kl_estimator: str = "k1"
-    gamma: float = 1.0
-    lam: float = 0.95
-    score_clip: float | None = None
-    missing_eos_penalty: float | None = None
-    estimator: str = "gae"
-    kl_in: str = "reward"  # "loss": the learner adds the KL term to its loss, the rewards carry none
+__all__ = ["Estimate", "estimate_advantages", "shaping_lineage"]
 
 
 @dataclass(frozen=True)
@@ -42,17 +32,24 @@ def estimate_advantages(
     mask: torch.Tensor,
     finished: torch.Tensor,
     group_index: torch.Tensor,
-    params: ShapingParams,
+    algorithm: AlgorithmSection,
+    kl_coef: float,
 ) -> Estimate:
     """Shapes: ``scores``, ``finished`` and ``group_index`` ``(N,)``; everything else ``(N, T)``. ``values`` are
-    zeros in a critic-free run."""
-    if params.missing_eos_penalty is not None:
-        scores = ppo.missing_eos_penalty(scores, finished, params.missing_eos_penalty)
-    kl = ppo.kl_estimate(behaviour_logprobs, ref_logprobs, params.kl_estimator) * mask
-    beta = params.kl_coef if params.kl_in == "reward" else 0.0
-    rewards = ppo.token_rewards(scores, kl, mask, beta, clip=params.score_clip)
-    advantages, returns = ppo.ADVANTAGE_ESTIMATORS[params.estimator].fn(
-        ppo.EstimatorInput(rewards, values, mask, group_index),
-        ppo.EstimatorParams(gamma=params.gamma, lam=params.lam),
+    zeros in a critic-free run. ``kl_coef`` is the learner's current β (it adapts); everything else comes from the
+    ``algorithm`` section, the chosen estimator receiving the settings its declaration names."""
+    if algorithm.missing_eos_penalty is not None:
+        scores = ppo.missing_eos_penalty(scores, finished, algorithm.missing_eos_penalty)
+    kl = ppo.kl_estimate(behaviour_logprobs, ref_logprobs, algorithm.kl_estimator) * mask
+    beta = kl_coef if algorithm.kl_in == "reward" else 0.0
+    rewards = ppo.token_rewards(scores, kl, mask, beta, clip=algorithm.score_clip)
+    advantages, returns = ppo.ADVANTAGE_ESTIMATORS[algorithm.estimator](
+        ppo.EstimatorInput(rewards, values, mask, group_index), **ESTIMATORS.settings(algorithm)
     )
     return Estimate(kl, rewards, advantages, returns)
+
+
+def shaping_lineage(algorithm: AlgorithmSection, kl_coef: float) -> dict:
+    """What an experience batch records of how its rewards and advantages were made: ``shaping.<setting>``."""
+    settings = algorithm.model_dump(exclude={"adaptive_kl"}) | {"kl_coef": kl_coef}
+    return {f"shaping.{name}": value for name, value in settings.items()}

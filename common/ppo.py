@@ -14,19 +14,20 @@ Schulman et al. 2016 (GAE), Ziegler et al. 2019 (KL-shaped rewards, adaptive KL 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
+
+from common import algorithms
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
+    "Registry",
     "AdaptiveKLController",
-    "AdvantageEstimator",
     "EstimatorInput",
-    "EstimatorParams",
     "FixedKLController",
     "agg_loss",
     "entropy_from_logits",
@@ -43,6 +44,7 @@ __all__ = [
     "missing_eos_penalty",
     "policy_loss",
     "register_advantage_estimator",
+    "register_policy_loss",
     "reinforce_pp",
     "reinforce_pp_baseline",
     "rloo",
@@ -51,7 +53,38 @@ __all__ = [
     "value_loss",
 ]
 
-LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+class Registry(dict):
+    """The functions of one kind of variant (:data:`common.algorithms.KINDS`), by declared name.
+
+    Registering a name that is not declared, or twice, is an error: the declaration is where a variant's needs and
+    settings are stated, and its function receives exactly those settings as keyword arguments.
+    """
+
+    def __init__(self, kind: algorithms.Kind):
+        super().__init__()
+        self.kind = kind
+
+    def register(self, name: str):
+        def decorator(fn):
+            self.kind[name]  # declared, or a ValueError naming the declared ones
+            if name in self:
+                raise ValueError(f"{self.kind.title} {name!r} is already registered")
+            self[name] = fn
+            return fn
+
+        return decorator
+
+    def __missing__(self, name: str):
+        raise ValueError(f"no function registered for {self.kind.title} {name!r}; registered: {', '.join(self)}")
+
+
+ADVANTAGE_ESTIMATORS = Registry(algorithms.ESTIMATORS)
+POLICY_LOSSES = Registry(algorithms.POLICY_LOSSES)
+LOSS_AGGREGATIONS = Registry(algorithms.LOSS_AGGREGATIONS)
+KL_ESTIMATORS = Registry(algorithms.KL_ESTIMATORS)
+register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
+register_policy_loss = POLICY_LOSSES.register
 
 
 # --------------------------------------------------------------------------------------------- masked statistics
@@ -141,25 +174,21 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
+@KL_ESTIMATORS.register("k1")
 def _kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return logp - ref_logp
 
 
+@KL_ESTIMATORS.register("k2")
 def _kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logp - ref_logp) ** 2
 
 
+@KL_ESTIMATORS.register("k3")
 def _kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     # Schulman's unbiased, always non-negative estimator; the clamp keeps exp() finite on wild inputs.
     log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
     return torch.exp(log_ratio) - log_ratio - 1.0
-
-
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "k1": _kl_k1,
-    "k2": _kl_k2,
-    "k3": _kl_k3,
-}
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> torch.Tensor:
@@ -172,11 +201,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") ->
     Returns:
         ``(B, T)``. Padding positions are not masked here; multiply by the mask where it matters.
     """
-    try:
-        estimator = KL_ESTIMATORS[kind]
-    except KeyError:
-        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {sorted(KL_ESTIMATORS)}") from None
-    return estimator(logp, ref_logp)
+    return KL_ESTIMATORS[kind](logp, ref_logp)
 
 
 # --------------------------------------------------------------------------------------------- rewards
@@ -230,7 +255,12 @@ def token_rewards(
 
 @dataclass(frozen=True)
 class EstimatorInput:
-    """What an advantage estimator may use, for ``N`` sequences of ``T`` response tokens."""
+    """What an advantage estimator may use, for ``N`` sequences of ``T`` response tokens.
+
+    An estimator is ``fn(input: EstimatorInput, **settings) -> (advantages, returns)``, each ``(N, T)`` and zero at
+    padding, registered with :func:`register_advantage_estimator` under the name of its declaration in
+    :data:`common.algorithms.ESTIMATORS`, which lists the settings it is given.
+    """
 
     token_rewards: torch.Tensor
     """``(N, T)``: each sequence's score on its last real token, and ``−β·kl_t`` on every token when the KL penalty
@@ -241,37 +271,6 @@ class EstimatorInput:
     """``(N, T)``."""
     group_index: torch.Tensor
     """``(N,)`` the prompt each response was sampled for: responses with one index form a group."""
-
-
-@dataclass(frozen=True)
-class EstimatorParams:
-    gamma: float = 1.0
-    lam: float = 0.95
-    eps: float = 1e-6
-    """Added to a group's standard deviation before dividing by it (GRPO)."""
-
-
-@dataclass(frozen=True)
-class AdvantageEstimator:
-    fn: Callable[[EstimatorInput, EstimatorParams], tuple[torch.Tensor, torch.Tensor]]
-    """``fn(input, params) -> (advantages, returns)``, each ``(N, T)``, zero at padding."""
-    uses_critic: bool
-    """False: the run has no critic anywhere (values are zeros, nobody trains or loads one)."""
-
-
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
-
-
-def register_advantage_estimator(name: str, uses_critic: bool):
-    """Register ``fn(input: EstimatorInput, params: EstimatorParams) -> (advantages, returns)`` under ``name``."""
-
-    def decorator(fn):
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, uses_critic)
-        return fn
-
-    return decorator
 
 
 def gae(
@@ -438,31 +437,46 @@ def reinforce_pp_baseline(
     return advantages, advantages
 
 
-register_advantage_estimator("gae", uses_critic=True)(
-    lambda x, p: gae(x.token_rewards, x.values * x.mask, x.mask, p.gamma, p.lam)
-)
-register_advantage_estimator("grpo", uses_critic=False)(
-    lambda x, p: grpo(x.token_rewards, x.mask, x.group_index, p.eps)
-)
-register_advantage_estimator("dr_grpo", uses_critic=False)(
-    lambda x, p: grpo(x.token_rewards, x.mask, x.group_index, scale_by_std=False)
-)
-register_advantage_estimator("rloo", uses_critic=False)(lambda x, p: rloo(x.token_rewards, x.mask, x.group_index))
-register_advantage_estimator("reinforce_pp", uses_critic=False)(
-    lambda x, p: reinforce_pp(x.token_rewards, x.mask, p.gamma)
-)
-register_advantage_estimator("reinforce_pp_baseline", uses_critic=False)(
-    lambda x, p: reinforce_pp_baseline(x.token_rewards, x.mask, x.group_index)
+register_advantage_estimator("gae")(lambda x, gamma, lam: gae(x.token_rewards, x.values * x.mask, x.mask, gamma, lam))
+register_advantage_estimator("grpo")(lambda x: grpo(x.token_rewards, x.mask, x.group_index))
+register_advantage_estimator("dr_grpo")(lambda x: grpo(x.token_rewards, x.mask, x.group_index, scale_by_std=False))
+register_advantage_estimator("rloo")(lambda x: rloo(x.token_rewards, x.mask, x.group_index))
+register_advantage_estimator("reinforce_pp")(lambda x, gamma: reinforce_pp(x.token_rewards, x.mask, gamma))
+register_advantage_estimator("reinforce_pp_baseline")(
+    lambda x: reinforce_pp_baseline(x.token_rewards, x.mask, x.group_index)
 )
 
 
 # --------------------------------------------------------------------------------------------- losses
 
 
+@LOSS_AGGREGATIONS.register("token-mean")
+def _token_mean(loss: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, norm_length: int | None):
+    denominator = mask.sum().clamp(min=1.0) if num_tokens is None else max(float(num_tokens), 1.0)
+    return (loss * mask).sum() / denominator
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-sum")
+def _seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, norm_length: int | None):
+    return (loss * mask).sum(dim=-1).mean()
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-mean")
+def _seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, norm_length: int | None):
+    return masked_mean(loss, mask, dim=-1).mean()
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, num_tokens: float | None, norm_length: int | None):
+    if norm_length is None or norm_length < 1:
+        raise ValueError("seq-mean-token-sum-norm needs norm_length, the longest response (≥ 1)")
+    return (loss * mask).sum(dim=-1).mean() / norm_length
+
+
 def agg_loss(
     loss: torch.Tensor,
     mask: torch.Tensor,
-    mode: LossAgg = "token-mean",
+    mode: str = "token-mean",
     num_tokens: float | None = None,
     norm_length: int | None = None,
 ):
@@ -471,27 +485,16 @@ def agg_loss(
     Args:
         loss: ``(B, T)``.
         mask: ``(B, T)``.
-        mode: ``token-mean`` (every real token of the batch weighs the same), ``seq-mean-token-sum``,
-            ``seq-mean-token-mean`` (every sequence weighs the same), or ``seq-mean-token-sum-norm`` (Dr. GRPO: each
-            sequence's token sum divided by the constant ``norm_length``, then the mean over sequences, so neither
-            a response's length nor the batch's padding changes a token's weight).
+        mode: a declared loss aggregation (:data:`common.algorithms.LOSS_AGGREGATIONS`): ``token-mean`` (every real
+            token of the batch weighs the same), ``seq-mean-token-sum``, ``seq-mean-token-mean`` (every sequence
+            weighs the same), or ``seq-mean-token-sum-norm`` (Dr. GRPO: each sequence's token sum divided by the
+            constant ``norm_length``, then the mean over sequences, so neither a response's length nor the batch's
+            padding changes a token's weight).
         num_tokens: for ``token-mean`` under gradient accumulation, the number of real tokens of the *whole*
             mini-batch, so that the micro-batch losses add up to the global token mean. Default: ``mask.sum()``.
         norm_length: for ``seq-mean-token-sum-norm``: the longest response the sampler may produce.
     """
-    mask = mask.to(loss.dtype)
-    if mode == "token-mean":
-        denominator = mask.sum().clamp(min=1.0) if num_tokens is None else max(float(num_tokens), 1.0)
-        return (loss * mask).sum() / denominator
-    if mode == "seq-mean-token-sum":
-        return (loss * mask).sum(dim=-1).mean()
-    if mode == "seq-mean-token-mean":
-        return masked_mean(loss, mask, dim=-1).mean()
-    if mode == "seq-mean-token-sum-norm":
-        if norm_length is None or norm_length < 1:
-            raise ValueError("seq-mean-token-sum-norm needs norm_length, the longest response (≥ 1)")
-        return (loss * mask).sum(dim=-1).mean() / norm_length
-    raise ValueError(f"unknown loss aggregation {mode!r}")
+    return LOSS_AGGREGATIONS[mode](loss, mask.to(loss.dtype), num_tokens, norm_length)
 
 
 def truncated_importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float) -> torch.Tensor:
@@ -510,6 +513,7 @@ class PolicyLossStats:
     """Share of real tokens whose loss was bounded by the dual clip."""
 
 
+@register_policy_loss("ppo")
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -519,11 +523,15 @@ def policy_loss(
     clip_high: float = 0.2,
     dual_clip: float | None = None,
     importance_weights: torch.Tensor | None = None,
-    agg: LossAgg = "token-mean",
+    agg: str = "token-mean",
     num_tokens: float | None = None,
     norm_length: int | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """PPO clipped surrogate: ``−min(ratio·A, clip(ratio, 1−ε_low, 1+ε_high)·A)`` per token, aggregated.
+
+    Registered as the policy loss ``ppo``. A policy loss is ``fn(logp, old_logp, advantages, mask, *,
+    importance_weights, agg, num_tokens, norm_length, **settings) -> (loss, PolicyLossStats)``, its settings those
+    of its declaration in :data:`common.algorithms.POLICY_LOSSES`.
 
     Args:
         logp: ``(B, T)`` log-probs under the policy being trained (with gradient).
@@ -573,7 +581,7 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     clip: float | None = 0.2,
-    agg: LossAgg = "token-mean",
+    agg: str = "token-mean",
     num_tokens: float | None = None,
     norm_length: int | None = None,
 ) -> tuple[torch.Tensor, ValueLossStats]:

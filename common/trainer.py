@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from common import ppo
+from common.algorithms import POLICY_LOSSES
 from common.config import AlgorithmSection, LearnerSection
 from common.parallel import Ranks, gather_full_state, lead
 from common.schema import ExperienceBatch
@@ -150,6 +151,7 @@ class PPOTrainer:
             )
         else:
             self.kl_controller = ppo.FixedKLController(algorithm.kl_coef)
+        self.policy_loss = ppo.POLICY_LOSSES[learner.policy_loss]
         self.version = 0
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -265,16 +267,14 @@ class PPOTrainer:
             logp, entropy = response_logprobs(
                 self.actor, view, exp.response_tokens[rows, :width], self.temperature, with_entropy=True
             )
-            pg_loss, pg_stats = ppo.policy_loss(
+            pg_loss, pg_stats = self.policy_loss(
                 logp,
                 batch.old_logp[rows, :width],
                 batch.advantages[rows, :width],
                 m,
-                cfg.clip_low,
-                cfg.clip_high,
-                cfg.dual_clip,
-                batch.importance[rows, :width] if batch.importance is not None else None,
+                importance_weights=batch.importance[rows, :width] if batch.importance is not None else None,
                 **agg,
+                **POLICY_LOSSES.settings(cfg),
             )
             loss = pg_loss - cfg.entropy_coef * aggregate(entropy, m)
             # Token statistics are means over the mini-batch's tokens (so the same however its rows are split over

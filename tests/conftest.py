@@ -31,9 +31,9 @@ def make_config(tmp_path, model_cache):
     """
     from common.config import load_config
 
-    def make(*overrides: str, **kwargs):
+    def make(*overrides: str, example: str = "config.yaml"):
         base = [f"run.dir={tmp_path / 'run'}", f"model.cache_dir={model_cache}", "generation.backend=transformers"]
-        return load_config(EXAMPLE / "config.yaml", base + list(overrides), **kwargs)
+        return load_config(EXAMPLE / example, base + list(overrides))
 
     return make
 

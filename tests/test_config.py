@@ -162,7 +162,8 @@ def test_incomplete_kafka_security_is_rejected(overrides, message):
     [
         (
             ["algorithm.estimator=grpo"],
-            "estimator grpo runs without a critic or GAE, but learner.critic_lr, learner.value_clip, algorithm.lam are",
+            "algorithm.gamma, algorithm.lam, learner.critic_lr, learner.value_clip are set, but no chosen variant "
+            "reads them .algorithm.estimator grpo, which runs without a critic.",
         ),
         (["algorithm.estimator=rloo", "model.critic=some/critic"], "model.critic"),
         (["algorithm.estimator=ppo"], "algorithm.estimator"),
@@ -181,7 +182,7 @@ def test_the_grpo_example_needs_groups():
     assert config.algorithm.estimator == "grpo" and not config.algorithm.uses_critic and not config.algorithm.whitens
     with pytest.raises(ConfigError, match="generation.n must be at least 2 .it is 1."):
         load_config(grpo, ["generation.n=1", "learner.mini_batch_size=16"])
-    with pytest.raises(ConfigError, match="algorithm.whiten_advantages is set: remove it"):
+    with pytest.raises(ConfigError, match="algorithm.whiten_advantages is set, but no chosen variant reads it"):
         load_config(grpo, ["algorithm.whiten_advantages=true"])
 
 

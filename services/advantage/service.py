@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from common.config import RunConfig
-from common.estimation import ShapingParams, estimate_advantages
+from common.estimation import estimate_advantages, shaping_lineage
 from common.models import load_critic, load_tokenizer, resolve_model
 from common.schema import ExperienceBatch, ScoredBatch, WeightAnnouncement, derive
 from common.sequences import batched_response_values, lengths_to_mask, pack
@@ -62,17 +62,7 @@ class AdvantageService(Service):
         lengths = torch.from_numpy(message.response_lengths)
         mask = lengths_to_mask(lengths, tokens.shape[1])
         values = self._values(message, tokens, lengths) * mask
-        algo = self.config.algorithm
-        params = ShapingParams(
-            kl_coef=self.kl_coef,
-            kl_estimator=algo.kl_estimator,
-            gamma=algo.gamma,
-            lam=algo.lam,
-            score_clip=algo.score_clip,
-            missing_eos_penalty=algo.missing_eos_penalty,
-            estimator=algo.estimator,
-            kl_in=algo.kl_in,
-        )
+        algorithm = self.config.algorithm
         est = estimate_advantages(
             torch.from_numpy(message.scores),
             torch.from_numpy(message.behaviour_logprobs),
@@ -81,9 +71,10 @@ class AdvantageService(Service):
             mask,
             torch.from_numpy(message.finished),
             torch.from_numpy(message.group_index),
-            params,
+            algorithm,
+            self.kl_coef,
         )
-        lineage = {f"shaping.{k}": v for k, v in params.__dict__.items()}
+        lineage = shaping_lineage(algorithm, self.kl_coef)
         if self.critic is not None:
             lineage["critic.version"] = self.critic_version
         return [

@@ -1,0 +1,101 @@
+"""The algorithm's variants are declared once (common/algorithms.py): the functions registered in common/ppo.py, the
+configuration's choices and its cross-field checks all follow the declarations."""
+
+import inspect
+import json
+
+import pytest
+import torch
+
+from common import algorithms, ppo
+from common.algorithms import ESTIMATORS, KINDS, Variant
+from common.config import ConfigError
+
+REGISTRIES = {
+    algorithms.ESTIMATORS: ppo.ADVANTAGE_ESTIMATORS,
+    algorithms.POLICY_LOSSES: ppo.POLICY_LOSSES,
+    algorithms.LOSS_AGGREGATIONS: ppo.LOSS_AGGREGATIONS,
+    algorithms.KL_ESTIMATORS: ppo.KL_ESTIMATORS,
+}
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.setting)
+def test_every_declared_variant_has_a_function_given_exactly_its_settings(kind):
+    registry = REGISTRIES[kind]
+    assert sorted(registry) == sorted(kind.variants), "every declared variant registered, and only those"
+    if kind in (algorithms.ESTIMATORS, algorithms.POLICY_LOSSES):
+        inputs = {"x"} if kind is algorithms.ESTIMATORS else {"logp", "old_logp", "advantages", "mask"}
+        context = {"importance_weights", "agg", "num_tokens", "norm_length"}
+        for name, fn in registry.items():
+            parameters = set(inspect.signature(fn).parameters) - inputs - context
+            assert parameters == set(kind[name].reads), (name, parameters)
+
+
+def test_a_function_for_an_undeclared_variant_is_refused():
+    with pytest.raises(ValueError, match="unknown advantage estimator 'nameless'; choose one of gae, grpo"):
+        ppo.register_advantage_estimator("nameless")(lambda x: (x.mask, x.mask))
+    with pytest.raises(ValueError, match="already registered"):
+        ppo.register_advantage_estimator("grpo")(lambda x: (x.mask, x.mask))
+
+
+def test_the_config_takes_its_choices_and_checks_from_the_declarations(make_config):
+    for name, variant in ESTIMATORS.variants.items():
+        example = "config.yaml" if variant.uses_critic else "grpo.yaml"
+        config = make_config(f"algorithm.estimator={name}", example=example)
+        assert config.algorithm.uses_critic == variant.uses_critic
+    with pytest.raises(ConfigError, match="algorithm.lam is set, but no chosen variant reads it"):
+        make_config("algorithm.estimator=reinforce_pp", "algorithm.lam=0.9", example="grpo.yaml")
+    with pytest.raises(ConfigError, match="algorithm.gamma is set, but no chosen variant reads it"):
+        make_config("algorithm.gamma=0.9", example="grpo.yaml")
+    assert make_config("algorithm.estimator=reinforce_pp", "algorithm.gamma=0.9", example="grpo.yaml")
+    with pytest.raises(ConfigError, match="learner.policy_loss: Value error, unknown policy loss 'gspo'"):
+        make_config("learner.policy_loss=gspo")
+
+
+@pytest.fixture
+def sign_estimator(monkeypatch):
+    """A throwaway estimator added as any estimator is: its function and its declaration, nothing else.
+
+    ``sign``: every token of response ``i`` gets ``sign(s_i − mean_g)``, and the call's shapes are recorded."""
+    calls = []
+    monkeypatch.setitem(
+        ESTIMATORS.variants, "sign", Variant("sign", "sign(s_i − mean_g) on every token", needs_groups=True)
+    )
+
+    @ppo.register_advantage_estimator("sign")
+    def sign(x: ppo.EstimatorInput):
+        scores = (x.token_rewards * x.mask).sum(dim=-1)
+        mean, _, _ = ppo.group_mean_std(scores, x.group_index)
+        advantages = torch.sign(scores - mean).unsqueeze(-1) * x.mask
+        calls.append((advantages, x.mask))
+        return advantages, advantages
+
+    yield calls
+    del ppo.ADVANTAGE_ESTIMATORS["sign"]
+
+
+def test_a_new_estimator_is_its_function_and_its_declaration(sign_estimator, make_config):
+    """The config accepts it, applies the checks its declaration implies, and a run trains with it."""
+    from services.embedded import run_embedded
+
+    with pytest.raises(ConfigError, match="learner.critic_lr.* which runs without a critic"):
+        make_config("algorithm.estimator=sign")  # the PPO example sets critic settings
+    with pytest.raises(ConfigError, match="generation.n must be at least 2"):
+        make_config("algorithm.estimator=sign", "generation.n=1", "learner.mini_batch_size=8", example="grpo.yaml")
+    config = make_config(
+        "algorithm.estimator=sign",
+        "run.steps=2",
+        "data.batch_size=4",
+        "learner.mini_batch_size=8",
+        "data.eval_prompts=0",
+        example="grpo.yaml",
+    )
+    assert not config.algorithm.uses_critic
+    run_embedded(config, progress=False)
+    records = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").open()]
+    assert len(records) == len(sign_estimator) == 2
+    for record, (advantages, mask) in zip(records, sign_estimator):
+        assert set(advantages[mask.bool()].tolist()) <= {-1.0, 0.0, 1.0}
+        # What the learner trained on is what the estimator made.
+        assert record["advantage_mean"] == pytest.approx(float(ppo.masked_mean(advantages, mask)), abs=1e-6)
+        assert "value_loss" not in record, "no critic anywhere"
