@@ -16,7 +16,7 @@ import re
 import uuid
 from pathlib import Path
 
-from common.schema import BatchReference, Message, encode
+from common.schema import BatchMessage, BatchReference, Message, encode
 from common.storage import fsync_file, write_or_explain
 from common.weights import new_hasher
 
@@ -68,7 +68,7 @@ class BatchStore:
         return BatchReference(
             carries=message.SCHEMA,
             batch_id=message.batch_id,
-            step=getattr(message, "step", -1),
+            step=message.step if isinstance(message, BatchMessage) else -1,
             uri=str(path),
             digest=_digest(payload),
             num_bytes=len(payload),

@@ -22,6 +22,7 @@ import msgpack
 import numpy as np
 
 __all__ = [
+    "BatchMessage",
     "BatchReference",
     "DeadLetter",
     "ExperienceBatch",
@@ -124,6 +125,10 @@ def array(dtype: str, *dims: str, doc: str):
 
 # --------------------------------------------------------------------------------------------- messages
 
+# (lengths field, padded width dimension) pairs: a length may not exceed the width it measures.
+_LENGTHS = (("prompt_lengths", "P"), ("response_lengths", "T"))
+_TOKENS = ("prompt_tokens", "response_tokens", "prompt_index", "group_index")
+
 
 @dataclass
 class Message:
@@ -152,6 +157,40 @@ class Message:
     def wire_fields(cls) -> list[tuple[str, WireType]]:
         return [(f.name, f.metadata["wire"]) for f in dataclasses.fields(cls)]
 
+    @classmethod
+    def check(cls, values: dict, dims: dict[str, int]) -> None:
+        """Checks across fields, beyond each field's wire type (lengths within widths, ids not negative); raises
+        :class:`SchemaError`. ``values`` are the decoded fields, ``dims`` the sizes of the symbolic dimensions."""
+        for name, dim in _LENGTHS:
+            if name in values:
+                lengths = values[name]
+                if lengths.size and (lengths.min() < 0 or lengths.max() > dims[dim]):
+                    raise SchemaError(f"{cls.SCHEMA}: {name} must lie in [0, {dim}={dims[dim]}]")
+        for name in _TOKENS:
+            if name in values and values[name].size and values[name].min() < 0:
+                raise SchemaError(f"{cls.SCHEMA}: {name} holds negative ids")
+
+
+@dataclass
+class BatchMessage(Message):
+    """A message of the pipeline's batch topics: it descends from one prompt batch, whose step it carries."""
+
+    step: int = scalar(
+        "int",
+        "Sequence number of the prompt batch in the feeder's stream (0, 1, 2, ...); gates bounded staleness and "
+        "picks the partition (step mod partitions).",
+    )
+
+    @property
+    def rows(self) -> int:
+        """Sequences in the batch: prompts, or responses downstream of the generator."""
+        raise NotImplementedError
+
+    @property
+    def response_tokens_total(self) -> int:
+        """Real response tokens in the batch (0 before the generator)."""
+        return 0
+
 
 def new_header(batch_id: str, producer: str, policy_version: int, lineage: dict | None = None) -> dict:
     """Header keyword arguments for a new message."""
@@ -177,7 +216,7 @@ _LABEL_DOC = (
 
 
 @dataclass
-class PromptBatch(Message):
+class PromptBatch(BatchMessage):
     SCHEMA: ClassVar[str] = "prompts"
     DOC: ClassVar[str] = (
         "A batch of B prompts from the feeder, tokenized with the actor's tokenizer, right-padded to P."
@@ -185,25 +224,25 @@ class PromptBatch(Message):
     VERSION: ClassVar[int] = 2
     UPGRADES: ClassVar[dict] = {1: _unlabelled_v1_to_v2}
 
-    step: int = scalar(
-        "int", "Sequence number of this batch in the feeder's stream (0, 1, 2, ...); gates bounded staleness."
-    )
     prompt_index: np.ndarray = array("int64", "B", doc="Row of each prompt in the dataset file.")
     prompt_text: list = _wire(StringList("B", "The prompts as text."))
     prompt_label: list = _wire(StringList("B", _LABEL_DOC))
     prompt_tokens: np.ndarray = array("int64", "B", "P", doc="Prompt token ids, right-padded.")
     prompt_lengths: np.ndarray = array("int64", "B", doc="Number of real tokens in each prompt row.")
 
+    @property
+    def rows(self) -> int:
+        return len(self.prompt_lengths)
+
 
 @dataclass
-class RolloutBatch(Message):
+class RolloutBatch(BatchMessage):
     SCHEMA: ClassVar[str] = "rollouts"
     DOC: ClassVar[str] = "N = B·n sampled responses (n per prompt) with the behaviour policy's per-token log-probs."
     # Version 2 added prompt_label, here and so in every schema that extends this one.
     VERSION: ClassVar[int] = 2
     UPGRADES: ClassVar[dict] = {1: _unlabelled_v1_to_v2}
 
-    step: int = scalar("int", "Feeder sequence number of the prompt batch.")
     group_index: np.ndarray = array("int64", "N", doc="Row of the prompt batch each response was sampled for.")
     prompt_text: list = _wire(StringList("N", "Prompt of each response, as text."))
     prompt_label: list = _wire(StringList("N", "Label of each response's prompt. " + _LABEL_DOC))
@@ -220,6 +259,14 @@ class RolloutBatch(Message):
     behaviour_logprobs: np.ndarray = array(
         "float32", "N", "T", doc="log π_behaviour(token) at sampling temperature; 0 at padding."
     )
+
+    @property
+    def rows(self) -> int:
+        return len(self.response_lengths)
+
+    @property
+    def response_tokens_total(self) -> int:
+        return int(self.response_lengths.sum())
 
 
 @dataclass
@@ -307,6 +354,11 @@ class WeightAnnouncement(Message):
         "generator that holds it loads it instead of the snapshot.",
     )
 
+    @classmethod
+    def check(cls, values: dict, dims: dict[str, int]) -> None:
+        if not values["chain"] or values["chain"][-1] != chain_link(values["digest"], values["uri"]):
+            raise SchemaError("weights: the chain must end with this snapshot's '<digest> <uri>'")
+
 
 class _Record:
     """A wire type outside the pipeline (no header): its wire fields are all its fields."""
@@ -316,6 +368,10 @@ class _Record:
     @classmethod
     def wire_fields(cls) -> list[tuple[str, WireType]]:
         return [(f.name, f.metadata["wire"]) for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def check(cls, values: dict, dims: dict[str, int]) -> None:
+        """No checks across fields."""
 
 
 @dataclass
@@ -426,8 +482,7 @@ def message_partition(message: Message, partitions: int) -> int | None:
     the mean, and the replica that owns it sets the role's pace (``benchmarks/RESULTS.md``, the simulated cluster).
     A batch's step never changes, so every message of one batch still goes to one partition.
     """
-    step = getattr(message, "step", None)
-    return None if step is None else step % partitions
+    return message.step % partitions if isinstance(message, BatchMessage) else None
 
 
 def message_key(message: Message) -> bytes:
@@ -608,25 +663,5 @@ def decode(data: bytes, expected: type | tuple[type, ...] | None = None) -> Any:
         raise SchemaError(f"{schema}: missing fields {missing}, unexpected fields {extra}")
     dims: dict[str, int] = {}
     values = {name: _check_field(name, wire, raw[name], dims) for name, wire in wire_fields}
-    _check_semantics(schema, values, dims)
+    cls.check(values, dims)
     return cls(**values)
-
-
-# (lengths field, padded width dimension) pairs: a length may not exceed the width it measures.
-_LENGTHS = (("prompt_lengths", "P"), ("response_lengths", "T"))
-_TOKENS = ("prompt_tokens", "response_tokens", "prompt_index", "group_index")
-
-
-def _check_semantics(schema: str, values: dict, dims: dict[str, int]) -> None:
-    if schema == "weights" and (
-        not values["chain"] or values["chain"][-1] != chain_link(values["digest"], values["uri"])
-    ):
-        raise SchemaError("weights: the chain must end with this snapshot's '<digest> <uri>'")
-    for name, dim in _LENGTHS:
-        if name in values:
-            lengths = values[name]
-            if lengths.size and (lengths.min() < 0 or lengths.max() > dims[dim]):
-                raise SchemaError(f"{schema}: {name} must lie in [0, {dim}={dims[dim]}]")
-    for name in _TOKENS:
-        if name in values and values[name].size and values[name].min() < 0:
-            raise SchemaError(f"{schema}: {name} holds negative ids")

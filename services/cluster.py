@@ -15,10 +15,11 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services import exit_codes
+from services.restarts import Restarts
 from services.roles import ROLES
 from services.transport.local_broker import LocalBroker
 
@@ -46,9 +47,6 @@ def _pump(name: str, stream) -> None:
 
 
 LOCAL_SESSION_TIMEOUT_MS, LOCAL_HEARTBEAT_MS = 1000, 250  # consumer sessions on the local broker
-RESTART_DELAYS_S = (1, 2, 4, 8, 16, 30)  # back-off between restarts of one child, as Kubernetes does
-QUICK_FAILURE_S = 30.0  # a child that fails sooner after its start counts toward giving up
-MAX_QUICK_FAILURES = 5  # exits with an error: then the failure is not transient (a missing model): the run stops
 
 
 @dataclass
@@ -57,7 +55,7 @@ class _Child:
     args: list[str]
     process: subprocess.Popen | None = None
     started: float = 0.0
-    quick_failures: int = 0
+    restarts: Restarts = field(default_factory=Restarts)
     restart_at: float | None = None  # when a restart is due
     env: dict[str, str] | None = None
 
@@ -72,9 +70,9 @@ def up(
 ) -> int:
     """Run the pipeline; returns 0 once every replica of the roles that end the run has finished.
 
-    With ``restart="on-failure"`` a child that exits with an error (or is killed) is restarted after a back-off;
-    after ``MAX_QUICK_FAILURES`` failures in a row, each within ``QUICK_FAILURE_S`` of its start, the run stops
-    with that child's exit code. With ``restart="never"`` the first failure stops the run.
+    With ``restart="on-failure"`` a child that exits with an error (or is killed) is restarted after a back-off, as
+    :mod:`services.restarts` says; when it gives up, the run stops with that child's exit code. With
+    ``restart="never"`` the first failure stops the run.
     """
     broker = None
     if bootstrap is None:
@@ -185,17 +183,15 @@ def _supervise(child: _Child, restart: str) -> int | None:
         why = exit_codes.PERMANENT.get(code)
         print(f"{child.name} exited with code {code}{f' ({why})' if why else ''}; stopping", flush=True)
         return failed
-    child.quick_failures = child.quick_failures + 1 if now - child.started < QUICK_FAILURE_S else 1
-    # A process killed by a signal (an operator, the OOM killer) is restarted however often: only its own errors
-    # can show that restarting is pointless.
-    if code > 0 and child.quick_failures > MAX_QUICK_FAILURES:
+    delay = child.restarts.after_exit(code, now - child.started)
+    if delay is None:
+        policy = child.restarts.policy
         print(
-            f"{child.name} failed {MAX_QUICK_FAILURES} times in a row, each within {QUICK_FAILURE_S:.0f} s of "
-            f"its start (last exit code {code}); stopping",
+            f"{child.name} failed {child.restarts.quick_failures} times in a row, each within "
+            f"{policy.quick_failure_s:.0f} s of its start (last exit code {code}); stopping",
             flush=True,
         )
         return failed
-    delay = RESTART_DELAYS_S[min(child.quick_failures, len(RESTART_DELAYS_S)) - 1]
     print(f"{child.name} exited with code {code}; restarting it in {delay} s", flush=True)
     child.restart_at = now + delay
     return None

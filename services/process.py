@@ -12,8 +12,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 from kafka.errors import KafkaError
@@ -22,7 +20,7 @@ from common.config import ConfigError, RunConfig
 from services.metrics import ServiceMetrics
 from services.roles import ROLES, pipeline_topics
 from services.runtime import ServiceRunner
-from services.service import Service
+from services.service import ProcessGroup, Service
 from services.transport import Bus
 from services.transport.kafka import KafkaBus, KafkaSettings
 
@@ -92,11 +90,10 @@ def serve(
 ) -> int:
     replica_id = replica_id or default_replica_id(role)
     bootstrap = _bootstrap(config, bootstrap)  # before the models load
-    service_class = ROLES[role].service_class()
-    processes = service_class.processes(config)
-    if processes > 1 and not _under_launcher():
-        return _run_ranks(processes, service_class.rank_restarts(config))
-    leader = int(os.environ.get("RANK", "0")) == 0
+    group = ROLES[role].service_class().process_group(config)
+    if group is not None and (code := group.launch()) is not None:
+        return code  # this process launched and supervised the group's processes
+    leader = group is None or group.leads()
     # A follower has no batch of its own to finish: a signal ends it at once (rank 0 decides what is kept).
     stop = _StopFlag(replica_id) if leader else None
     metrics = ServiceMetrics(role)
@@ -106,7 +103,7 @@ def serve(
         except OSError as exc:
             raise ConfigError(f"--metrics-port {metrics_port}: cannot serve metrics there: {exc.strerror}") from None
         log.info("%s: metrics on :%d/metrics", replica_id, metrics_port)
-    return serve_service(ROLES[role].create(config, replica_id), config, bootstrap, metrics, stop)
+    return serve_service(ROLES[role].create(config, replica_id), config, bootstrap, metrics, stop, group=group)
 
 
 def serve_service(
@@ -116,13 +113,15 @@ def serve_service(
     metrics: ServiceMetrics | None = None,
     stop: _StopFlag | None = None,
     bus: Bus | None = None,
+    group: ProcessGroup | None = None,
 ) -> int:
     """Run a constructed replica over Kafka (``bus``, by default the one ``config`` describes) until it is done or a
-    signal stops it: what :func:`serve` does once its service is built."""
+    signal stops it: what :func:`serve` does once its service is built. In a following process of a ``group``, run
+    what its leader leads instead."""
     role, replica_id = service.role, service.replica_id
-    if service.follows:
+    if group is not None and not group.leads():
         try:
-            service.follow()
+            group.follow(service)
         finally:
             service.close()
         return 0
@@ -145,66 +144,6 @@ def serve_service(
             # One parseable line: where this replica's time went (benchmarks/ reads it).
             log.info("%s: time breakdown %s", replica_id, json.dumps({"role": role, **runner.time_breakdown()}))
     return 0
-
-
-def _under_launcher() -> bool:
-    """Whether this process is one rank of a job torch's launcher started (it sets these variables)."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def _run_ranks(processes: int, max_restarts: int) -> int:
-    """Run ``processes`` ranks of this very command on this machine under torch's launcher, and supervise them.
-
-    When a rank dies the launcher stops the others and exits; the ranks are then started again by a new launcher
-    (they resume from the last checkpoint), up to ``max_restarts`` times in a row, after which the error is left to
-    a supervisor (``streamppo up``, Kubernetes). The launcher's own restarts are not used: with gloo, ranks it
-    restarts in place cannot connect to each other (torch 2.13). SIGTERM and SIGINT are passed on to the
-    launcher, which passes them to the ranks: rank 0 finishes its batch and checkpoints, and nothing restarts.
-    """
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={processes}",
-        "--max-restarts=0",
-        "-m",
-        "services.cli",
-        *sys.argv[1:],
-    ]
-    # Each rank's share of the cores (the launcher would set 1 and say so).
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))} | dict(os.environ)
-    stopping, child = False, None
-
-    def forward(signum, frame) -> None:
-        nonlocal stopping
-        stopping = True
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    failures = 0
-    while True:
-        log.info("starting %d ranks: %s", processes, " ".join(command))
-        started = time.monotonic()
-        child = subprocess.Popen(command, env=env)
-        code = child.wait()
-        if code == 0 or stopping:
-            return code
-        # In a row: ranks that trained for a while before one died start the count again.
-        failures = 1 if time.monotonic() - started > 300 else failures + 1
-        if failures > max_restarts:
-            log.error("the ranks failed %d times in a row (exit %d); giving up", failures, code)
-            return code
-        log.warning(
-            "a rank failed (launcher exit %d); restarting all %d ranks (%d of %d)",
-            code,
-            processes,
-            failures,
-            max_restarts,
-        )
-        time.sleep(min(2.0**failures, 30.0))
 
 
 def _report_status(runner: ServiceRunner, state: str | None = None) -> None:

@@ -8,8 +8,10 @@ rules"):
 - a record that fails to decode or validate goes to ``<topic>.dlq`` with the error and its source offset, and is
   committed past: bad input never stops a service and is never silently dropped;
 - outputs are produced and flushed *before* the input is committed (at-least-once);
-- a batch id already handled by this replica is committed past without being processed again;
-- weight announcements are read by every replica (no group), newest version per model.
+- a batch id already handled by this replica is committed past without being processed again (one memory, which a
+  service that checkpoints keeps with its state: :class:`~services.service.Progress`);
+- weight announcements are read by every replica (no group): :class:`~services.weights_feed.WeightsFeed`;
+- batches too large for a record travel by reference: :class:`~services.referenced_batches.ReferencedBatches`.
 """
 
 from __future__ import annotations
@@ -23,24 +25,25 @@ from dataclasses import dataclass
 from common.batch_store import BatchStore, BatchStoreError
 from common.dedupe import RecentIds
 from common.schema import (
-    LEARNER_EPOCH,
     RUN_ID,
     TOPIC_MESSAGE,
+    BatchMessage,
     BatchReference,
     DeadLetter,
     Message,
     ReplicaStatus,
     SchemaError,
-    WeightAnnouncement,
     decode,
     encode,
     message_key,
     message_partition,
 )
 from services.metrics import ServiceMetrics
+from services.referenced_batches import ReferencedBatches
 from services.roles import STATUS_TOPIC, WEIGHTS_TOPIC
-from services.service import Dropped, InputError, Service
-from services.transport import Bus, Consumer, Record, dlq_topic
+from services.service import Dropped, InputError, Progress, Service
+from services.transport import Bus, Record, dlq_topic
+from services.weights_feed import WeightsFeed
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ class _Held:
     """An input record the service is not ready for, kept (uncommitted, its partition paused) since ``since``."""
 
     record: Record
-    message: Message
+    message: BatchMessage
     since: float  # time.monotonic()
 
 
@@ -65,6 +68,9 @@ class ServiceRunner:
             raise TypeError(f"{type(service).__name__} was not initialised by Service.__init__ (it has no run id)")
         self.service, self.replica_id = service, service.replica_id
         self.metrics = metrics or ServiceMetrics(service.role)
+        self.counters: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()  # per part of the loop, see time_breakdown()
+        self.started = time.perf_counter()
         self.producer = bus.producer(self.replica_id)
         self.work = (
             bus.consumer(service.input_topic, group=service.role, client_id=self.replica_id)
@@ -72,23 +78,27 @@ class ServiceRunner:
             else None
         )
         self.weights = (
-            bus.consumer(WEIGHTS_TOPIC, group=None, client_id=self.replica_id, from_beginning=True)
+            WeightsFeed(
+                service,
+                bus.consumer(WEIGHTS_TOPIC, group=None, client_id=self.replica_id, from_beginning=True),
+                self._accept,
+                self.metrics,
+                self.counters,
+                self._timed,
+            )
             if service.weight_models
             else None
         )
-        self.latest_weights: dict[str, int] = {}  # per model: the version loaded
-        self.weights_epoch: dict[str, int] = {}  # per model: the learner epoch of the weights loaded
         self.held: dict[int, _Held] = {}  # per paused partition
         self.last_progress = time.monotonic()  # when input was last handled (see _release_stuck)
         self.log_ends: dict[int, int] = {}  # per input partition: the highest end offset seen
         self.uncommitted: dict[int, Record] = {}  # per partition: the newest record handled but not yet committed
-        self.batches = BatchStore(service.config.batch_store)  # batches too large for a record
-        self.inline_max_bytes = service.config.pipeline.inline_max_bytes
-        self.referenced: dict[int, list[tuple[int, BatchReference]]] = {}  # per partition: (offset, reference) read
-        self.recent = RecentIds(service.config.pipeline.dedupe_window)
-        self.counters: Counter[str] = Counter()
-        self.seconds: Counter[str] = Counter()  # per part of the loop, see time_breakdown()
-        self.started = time.perf_counter()
+        config = service.config
+        self.referenced = ReferencedBatches(BatchStore(config.batch_store), config.pipeline.inline_max_bytes)
+        # The batch ids this replica handled; a service that restores state (the learner) gives back the ids its
+        # state covers, so a batch applied before a crash, but not committed, is recognised when it comes again.
+        restored = service.restored()
+        self.recent = RecentIds(config.pipeline.dedupe_window, restored.handled if restored else ())
         self._produce(service.start())
 
     # ------------------------------------------------------------------ one step
@@ -100,12 +110,12 @@ class ServiceRunner:
         partition paused, so records of other partitions keep flowing: Kafka orders records within a partition
         only, and the batch the pipeline needs next may sit behind another partition's held one.
         """
-        did = self._apply_weights(timeout_s if self.held or self.work is None else 0.0)
+        did = self.weights is not None and self.weights.apply(timeout_s if self.held or self.work is None else 0.0)
         if self.work is None:
             return did
         ready = [held for held in self.held.values() if self.service.ready_for(held.message)]
         if ready:
-            held = min(ready, key=lambda held: getattr(held.message, "step", 0))
+            held = min(ready, key=lambda held: held.message.step)
             del self.held[held.record.partition]
             self.work.resume(held.record.partition)
             self._process(held.record, held.message)
@@ -118,10 +128,8 @@ class ServiceRunner:
             return did
         record = records[0]
         with self._timed("decode"):
-            message = self._decode(record, self.work)
+            message = self._accept(record, TOPIC_MESSAGE[record.topic])
         if message is None:
-            return True
-        if not self._same_run(message):
             self._commit(record)
             return True
         if message.batch_id in self.recent:
@@ -136,7 +144,7 @@ class ServiceRunner:
         self._process(record, message)
         return True
 
-    def _process(self, record: Record, message: Message) -> None:
+    def _process(self, record: Record, message: BatchMessage) -> None:
         self.last_progress = time.monotonic()
         started = time.perf_counter()
         outcome = "processed"
@@ -144,7 +152,8 @@ class ServiceRunner:
             with self._timed("compute"):
                 outputs = self.service.process(message)
         except InputError as exc:
-            self._dead_letter(record, f"cannot process batch {message.batch_id}: {exc}", self.work)
+            self._dead_letter(record, f"cannot process batch {message.batch_id}: {exc}")
+            self._commit(record)
             return
         except Dropped as exc:
             outcome, outputs = "dropped", []
@@ -153,6 +162,8 @@ class ServiceRunner:
         # then show where every batch's time went.
         for output in outputs:
             output.lineage[f"seconds.{self.service.role}"] = round(time.perf_counter() - started, 4)
+        if outcome == "processed":  # a dropped record must not make the real batch of its id look re-delivered
+            self.recent.add(message.batch_id)
         # Durable state first, then its outputs: a learner's checkpoint precedes the announcement of its weights.
         self._defer_commit(record)
         with self._timed("checkpoint"):
@@ -162,15 +173,11 @@ class ServiceRunner:
         with self._timed("commit"):
             if durable:
                 self._commit_deferred()
-        if outcome == "processed":  # a dropped record must not make the real batch of its id look re-delivered
-            self.recent.add(message.batch_id)
         seconds = time.perf_counter() - started
         self.counters["produced"] += len(outputs)
-        sequences = getattr(message, "response_tokens", getattr(message, "prompt_tokens", None))
         # Response tokens handled: those read downstream, those generated by the generator.
-        with_responses = [message] if hasattr(message, "response_lengths") else outputs
-        tokens = sum(int(m.response_lengths.sum()) for m in with_responses if hasattr(m, "response_lengths"))
-        self._count(outcome, len(sequences) if sequences is not None else 0, seconds, tokens)
+        tokens = message.response_tokens_total or sum(output.response_tokens_total for output in outputs)
+        self._count(outcome, message.rows, seconds, tokens)
         self.metrics.lag.labels(self.service.role).set(self.work.lag())
 
     def _release_stuck(self) -> bool:
@@ -184,15 +191,14 @@ class ServiceRunner:
         now = time.monotonic()
         if not self.held or now - self.last_progress < limit:
             return False
-        stuck = max(self.held.values(), key=lambda held: (getattr(held.message, "step", 0), -held.since))
+        stuck = max(self.held.values(), key=lambda held: (held.message.step, -held.since))
         if now - stuck.since < limit:
             return False
         del self.held[stuck.record.partition]
         self.work.resume(stuck.record.partition)
         why = self.service.waiting_for(stuck.message) or "held"
-        self._dead_letter(
-            stuck.record, f"held {now - stuck.since:.0f} s ({why}) while no input could be processed", self.work
-        )
+        self._dead_letter(stuck.record, f"held {now - stuck.since:.0f} s ({why}) while no input could be processed")
+        self._commit(stuck.record)
         self.last_progress = now
         return True
 
@@ -213,21 +219,6 @@ class ServiceRunner:
                 ", ".join(shrunk),
             )
 
-    def _same_run(self, message: Message) -> bool:
-        run_id = message.lineage.get(RUN_ID)
-        if run_id == self.service.run_id:
-            return True
-        self._count("other_run")
-        log.warning(
-            "%s: skipping %s %s of run %r (this is run %r)",
-            self.replica_id,
-            message.SCHEMA,
-            message.batch_id,
-            run_id,
-            self.service.run_id,
-        )
-        return False
-
     # status() keys, by outcome; the same outcomes label streamppo_batches_total.
     _COUNTER_KEYS = {
         "processed": "processed",
@@ -244,7 +235,7 @@ class ServiceRunner:
     def _produce(self, messages: list[Message]) -> None:
         topic = self.service.output_topic
         for message in messages:
-            payload, by_reference = self.batches.record_value(message, self.inline_max_bytes)
+            payload, by_reference = self.referenced.record_value(message)
             self.counters["sent_by_reference"] += by_reference
             partition = message_partition(message, self.producer.partitions(topic))
             self.producer.send(topic, payload, key=message_key(message), partition=partition)
@@ -294,7 +285,8 @@ class ServiceRunner:
         held_seconds = self.held_seconds()
         self.metrics.held_records.labels(self.service.role).set(len(self.held))
         self.metrics.held_seconds.labels(self.service.role).set(held_seconds)
-        versions = {f"weights.{model}": version for model, version in self.latest_weights.items()}
+        loaded = self.weights.loaded if self.weights is not None else {}
+        versions = {f"weights.{model}": version for model, version in loaded.items()}
         status = ReplicaStatus(
             replica=self.replica_id,
             role=self.service.role,
@@ -324,25 +316,13 @@ class ServiceRunner:
 
     def _durable(self, force: bool = False) -> bool:
         offsets = {f"{r.topic}/{r.partition}": r.offset + 1 for r in self.uncommitted.values()}
-        return not offsets or self.service.make_durable(offsets, force)
+        return not offsets or self.service.make_durable(Progress(offsets, self.recent.to_list()), force)
 
     def _commit_deferred(self) -> None:
         for pending in self.uncommitted.values():
             self.work.commit(pending)
-            self._release_referenced(pending)
+            self.referenced.release(pending)
         self.uncommitted.clear()
-
-    def _release_referenced(self, committed: Record) -> None:
-        """Remove the files of referenced batches the group has now committed past: their content lives on in the
-        outputs made from them (or, for the learner, in its checkpoint)."""
-        kept = []
-        for offset, reference in self.referenced.pop(committed.partition, []):
-            if offset <= committed.offset:
-                self.batches.remove(reference)
-            else:
-                kept.append((offset, reference))
-        if kept:
-            self.referenced[committed.partition] = kept
 
     def close(self) -> None:
         if self._durable(force=True):
@@ -356,25 +336,33 @@ class ServiceRunner:
 
     # ------------------------------------------------------------------ internals
 
-    def _decode(self, record: Record, consumer: Consumer) -> Message | None:
-        expected = TOPIC_MESSAGE[record.topic]
+    def _accept(self, record: Record, expected: type) -> Message | None:
+        """``record`` decoded as ``expected`` (a batch sent by reference, fetched), if it is valid and of this run.
+
+        What does not decode or validate is dead-lettered, another run's message skipped and counted: None for
+        either, and the caller commits past the record (a group's input) or not (the weights feed's).
+        """
         try:
-            if consumer is not self.work:
-                return decode(record.value, expected=expected)
             message = decode(record.value, expected=(expected, BatchReference))
             if isinstance(message, BatchReference):
-                reference = message
-                if reference.carries != expected.SCHEMA:
-                    raise SchemaError(f"a reference to a {reference.carries!r} message on {record.topic}")
-                message = decode(self.batches.get(reference), expected=expected)
-                # Removed once committed past; a reference that is dead-lettered keeps its file, for inspection.
-                self.referenced.setdefault(record.partition, []).append((record.offset, reference))
-            return message
+                message = self.referenced.fetch(record, message, expected)
         except (SchemaError, BatchStoreError) as exc:
-            self._dead_letter(record, str(exc), consumer)
+            self._dead_letter(record, str(exc))
             return None
+        if message.lineage.get(RUN_ID) != self.service.run_id:
+            self._count("other_run")
+            log.warning(
+                "%s: skipping %s %s of run %r (this is run %r)",
+                self.replica_id,
+                message.SCHEMA,
+                message.batch_id,
+                message.lineage.get(RUN_ID),
+                self.service.run_id,
+            )
+            return None
+        return message
 
-    def _dead_letter(self, record: Record, error: str, consumer: Consumer) -> None:
+    def _dead_letter(self, record: Record, error: str) -> None:
         letter = DeadLetter(
             error=error,
             source_topic=record.topic,
@@ -386,13 +374,7 @@ class ServiceRunner:
         )
         self.producer.send(dlq_topic(record.topic), encode(letter), key=record.key)
         self.producer.flush()
-        # A referenced batch's file stays with its dead letter (the payload is the reference).
-        held = self.referenced.get(record.partition, [])
-        self.referenced[record.partition] = [(offset, ref) for offset, ref in held if offset != record.offset]
-        if consumer is self.work:
-            self._commit(record)
-        else:
-            consumer.commit(record)
+        self.referenced.keep(record)
         self._count("dead_letter")
         log.warning(
             "%s: %s[%d]@%d sent to %s: %s",
@@ -403,45 +385,3 @@ class ServiceRunner:
             dlq_topic(record.topic),
             error,
         )
-
-    def _apply_weights(self, timeout_s: float) -> bool:
-        if self.weights is None:
-            return False
-        candidates: dict[str, list[WeightAnnouncement]] = {}
-        for record in self.weights.poll(timeout_s, max_records=10_000):
-            log.debug("%s: weights record at offset %d", self.replica_id, record.offset)
-            announcement = self._decode(record, self.weights)
-            if announcement is None or not self._same_run(announcement):
-                continue
-            if announcement.model in self.service.weight_models:
-                candidates.setdefault(announcement.model, []).append(announcement)
-        did = False
-        for model, announcements in candidates.items():
-            # Newest first; a refused snapshot (missing, damaged, forged) never counts as loaded, so the next
-            # candidate, or a later announcement of the same version, is still taken.
-            for announcement in sorted(announcements, key=lambda a: a.policy_version, reverse=True):
-                if announcement.policy_version <= self.latest_weights.get(model, -1):
-                    break
-                epoch = int(announcement.lineage.get(LEARNER_EPOCH, 0))
-                if epoch < self.weights_epoch.get(model, 0):
-                    # A learner that was replaced (restarted elsewhere) and still announces: not the run's writer.
-                    self.counters["zombie_announcements"] += 1
-                    log.warning(
-                        "%s: ignoring %s v%d of learner epoch %d (epoch %d took over)",
-                        self.replica_id,
-                        model,
-                        announcement.policy_version,
-                        epoch,
-                        self.weights_epoch[model],
-                    )
-                    continue
-                did = True
-                with self._timed("load_weights"):
-                    loaded = self.service.on_weights(announcement)
-                if loaded:
-                    self.latest_weights[model] = announcement.policy_version
-                    self.weights_epoch[model] = epoch
-                    self.metrics.policy_version.labels(self.service.role).set(announcement.policy_version)
-                    break
-                self.counters["refused_weights"] += 1
-        return did

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from common.schema import Message, WeightAnnouncement
@@ -20,7 +21,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Dropped", "InputError", "Service", "check_token_ids", "load_announced_weights"]
+__all__ = [
+    "Dropped",
+    "InputError",
+    "ProcessGroup",
+    "Progress",
+    "Service",
+    "check_token_ids",
+    "load_announced_weights",
+]
 
 
 class InputError(ValueError):
@@ -34,6 +43,35 @@ class Dropped(Exception):
 
     Raised by :meth:`Service.process` after the service recorded the decision in its own state; the runner commits
     past the record like a processed one and counts it under the outcome ``dropped``."""
+
+
+@dataclass
+class Progress:
+    """What a service's durable state covers: the input it has consumed and the batches it has handled."""
+
+    offsets: dict[str, int] = field(default_factory=dict)
+    """``"topic/partition"`` → the next offset to read."""
+    handled: list[str] = field(default_factory=list)
+    """The batch ids handled last (oldest first, at most ``pipeline.dedupe_window``)."""
+
+
+class ProcessGroup(ABC):
+    """The processes of one replica that spans several (e.g. the ranks of a sharded learner): one leads (runs the
+    service's lifecycle and talks to the bus), the others follow it."""
+
+    @abstractmethod
+    def launch(self) -> int | None:
+        """Called first in every process of the command. In the process a user (or supervisor) started: start the
+        group's processes and supervise them until they end, and return the exit code. In a process the launch
+        started: None, to go on and serve."""
+
+    @abstractmethod
+    def leads(self) -> bool:
+        """Whether this process leads the group."""
+
+    @abstractmethod
+    def follow(self, service: Service) -> None:
+        """In a following process: run what the leader leads, until it is done."""
 
 
 class Service(ABC):
@@ -50,14 +88,16 @@ class Service(ABC):
        - :meth:`process`: one input message to the output messages (or :class:`InputError`: dead-lettered, or
          :class:`Dropped`: not used, counted);
        - :meth:`make_durable` before its input is committed: False keeps the input uncommitted (re-delivered
-         after a crash) until the service's state is safe.
+         after a crash) until the service's state is safe. What that state covers (:class:`Progress`: the input
+         positions, the batch ids handled) is the runner's to give; a service that restores state gives it back
+         with :meth:`restored`.
        - :meth:`done` after each step: True ends the loop.
     4. :meth:`finish` once, only if :meth:`done` became True (the run is complete): final exports.
     5. :meth:`close` always, last (also after a signal or an error): release engines and files.
 
-    A replica may span several processes (:meth:`processes`, e.g. the ranks of a sharded learner, started by
-    torch's launcher). Its leading process alone runs the lifecycle above and talks to the bus; on the others
-    :attr:`follows` is True and the runner calls :meth:`follow` (then :meth:`close`) instead.
+    A replica may span several processes (:meth:`process_group`, e.g. the ranks of a sharded learner). Its leading
+    process alone runs the lifecycle above and talks to the bus; the others follow it (:meth:`ProcessGroup.follow`,
+    then :meth:`close`).
 
     Observers registered with :meth:`observe` receive the statistics a service reports as it works (the learner
     reports one record per update), e.g. for Prometheus gauges or a progress bar.
@@ -106,15 +146,21 @@ class Service(ABC):
     def process(self, message: Message) -> list[Message]:
         """The core call: one input message to zero or more messages for :attr:`output_topic`."""
 
-    def make_durable(self, offsets: dict[str, int], force: bool = False) -> bool:
+    def make_durable(self, progress: Progress, force: bool = False) -> bool:
         """Whether the state covering all input handled so far survives a crash; input is committed only then.
 
-        ``offsets`` are the input positions that would be committed (``"topic/partition"`` → next offset), for a
-        checkpoint to record. A service whose state lives in memory (the learner between two checkpoints) returns
-        False until its checkpoint is due, or ``force``; its input stays uncommitted meanwhile, so after a crash
-        the broker delivers it again to the state restored from the last checkpoint.
+        ``progress`` is what that state covers, for a checkpoint to record and :meth:`restored` to give back. A
+        service whose state lives in memory (the learner between two checkpoints) returns False until its
+        checkpoint is due, or ``force``; its input stays uncommitted meanwhile, so after a crash the broker delivers
+        it again to the state restored from the last checkpoint.
         """
         return True
+
+    def restored(self) -> Progress | None:
+        """The progress the state this service restored at construction covers (None: it restored nothing). The
+        runner takes its memory of handled batch ids from it, so that a batch applied before a crash but not yet
+        committed is recognised when it comes back."""
+        return None
 
     def done(self) -> bool:
         """Whether this replica has finished its part of the run; most services serve until stopped."""
@@ -129,24 +175,9 @@ class Service(ABC):
     # ------------------------------------------------------------------ replicas of several processes
 
     @classmethod
-    def processes(cls, config: RunConfig) -> int:
-        """Processes one replica runs as on this machine; with more than 1 the process runner starts them
-        through torch's launcher."""
-        return 1
-
-    @classmethod
-    def rank_restarts(cls, config: RunConfig) -> int:
-        """Times in a row the process runner starts all processes again after one of them died."""
-        return 0
-
-    @property
-    def follows(self) -> bool:
-        """True in a process of a multi-process replica other than its leader."""
-        return False
-
-    def follow(self) -> None:
-        """Run what the leading process leads, until it says it is done."""
-        raise NotImplementedError(f"{type(self).__name__} runs as one process")
+    def process_group(cls, config: RunConfig) -> ProcessGroup | None:
+        """How one replica of this role spans several processes on its machine; None: it runs as one."""
+        return None
 
     # ------------------------------------------------------------------ observers
 

@@ -5,14 +5,19 @@ import json
 
 import pytest
 import torch
+from helpers import publish, read_messages
 
+from common.schema import encode
 from common.storage import NoSpaceError, write_or_explain
 from services.advantage import AdvantageService
 from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
+from services.roles import pipeline_topics
+from services.runtime import ServiceRunner
 from services.scorer import ScorerService
-from services.service import Dropped, InputError
+from services.service import Dropped, InputError, Progress
+from services.transport import MemoryBus
 
 
 @pytest.fixture
@@ -38,11 +43,20 @@ def experience(config):
     return [advantage.process(scorer.process(generator.process(feeder.batch(step))[0])[0])[0] for step in range(4)]
 
 
-def apply(learner, message, offset):
+def apply(learner, message, offset, handled=()):
     """What the runner does with one record: process it, then ask whether the state is durable (checkpointing if
-    it is due) before committing ``offset``."""
+    it is due) before committing ``offset``; ``handled``: the ids the runner remembers before this one."""
     outputs = learner.process(message)
-    return outputs, learner.make_durable({"experience/0": offset + 1})
+    return outputs, learner.make_durable(Progress({"experience/0": offset + 1}, [*handled, message.batch_id]))
+
+
+def served(config, bus):
+    """A learner served by the runner over ``bus`` (its experience topic of one partition)."""
+    return ServiceRunner(LearnerService(config), bus)
+
+
+def send(bus, messages):
+    publish(bus, "experience", *(encode(message) for message in messages), partition=0)
 
 
 def weights(learner):
@@ -56,34 +70,45 @@ def test_a_restarted_learner_continues_exactly_where_it_stopped(config, experien
     for offset, message in enumerate(experience):
         apply(uninterrupted, message, offset)
 
-    first = LearnerService(config)
-    apply(first, experience[0], 0)
-    apply(first, experience[1], 1)
-    del first  # killed after its second update was checkpointed, before its input was committed
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics(partitions=1))
+    send(bus, experience)
+    first = served(config, bus)
+    assert first.poll_once() and first.counters["processed"] == 1
+    first.work.commit = lambda record: None  # killed after its second update was checkpointed, before the commit
+    assert first.poll_once() and first.counters["processed"] == 2
+    first.work.close()  # the process is gone: its group membership ends, its uncommitted input comes back
 
-    resumed = LearnerService(config)
-    assert resumed.trainer.version == 2 and resumed.updates == 2 and resumed.offsets == {"experience/0": 2}
-    assert [a.policy_version for a in resumed.start()] == [2, 2], "re-announces the resumed version"
-    assert resumed.process(experience[1]) == [], "the re-delivered batch is recognised"
-    apply(resumed, experience[2], 2)
-    apply(resumed, experience[3], 3)
-    assert resumed.trainer.version == 4 and resumed.updates == 4
-    expected, actual = weights(uninterrupted), weights(resumed)
+    resumed = served(config, bus)
+    learner = resumed.service
+    assert learner.trainer.version == 2 and learner.updates == 2
+    assert learner.restored().offsets == {"experience/0": 2}
+    assert [a.policy_version for a in read_messages(bus, "weights")[-2:]] == [2, 2], "re-announces the resumed version"
+    assert resumed.poll_once() and resumed.counters["duplicates"] == 1, "the re-delivered batch is recognised"
+    while resumed.poll_once():
+        pass
+    assert learner.trainer.version == 4 and learner.updates == 4 and resumed.counters["processed"] == 2
+    expected, actual = weights(uninterrupted), weights(learner)
     assert all(torch.equal(expected[k], actual[k]) for k in expected), "same weights as a run that never stopped"
 
 
 def test_the_checkpoint_keeps_a_bounded_memory_of_batch_ids(config, experience):
     config = config.model_copy(update={"pipeline": config.pipeline.model_copy(update={"dedupe_window": 2})})
-    learner = LearnerService(config)
-    for offset, message in enumerate(experience):
-        apply(learner, message, offset)
-    resumed = LearnerService(config)
-    assert resumed.handled.to_list() == [m.batch_id for m in experience[-2:]], "the last two ids, not all four"
-    assert resumed.process(experience[-1]) == [] and resumed.trainer.version == 4, "a re-delivery is still recognised"
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics(partitions=1))
+    send(bus, experience)
+    first = served(config, bus)
+    while first.poll_once():
+        pass
+    first.work.close()
+    resumed = served(config, bus)
+    assert resumed.recent.to_list() == [m.batch_id for m in experience[-2:]], "the last two ids, not all four"
+    send(bus, experience[-1:])  # a re-delivery
+    assert resumed.poll_once() and resumed.counters["duplicates"] == 1 and resumed.service.trainer.version == 4
     meta = json.loads(
         (config.checkpoint_dir / (config.checkpoint_dir / "LATEST").read_text() / "learner.json").read_text()
     )
-    assert meta["handled"] == resumed.handled.to_list()
+    assert meta["handled"] == resumed.recent.to_list()
 
 
 def test_a_metrics_line_lost_to_a_crash_is_written_on_resume(config, experience):
@@ -111,14 +136,13 @@ def test_with_checkpoint_every_n_a_crash_re_applies_the_updates_since_the_checkp
     assert [apply(first, experience[i], i)[1] for i in range(4)] == [False, False, True, False], (
         "input may be committed at every third update only"
     )
-    apply(first, experience[3], 3)
     del first  # killed: its fourth update was never checkpointed, and batch 3 never committed
 
     resumed = LearnerService(config)
-    assert resumed.trainer.version == 3 and resumed.offsets == {"experience/0": 3}
+    assert resumed.trainer.version == 3 and resumed.restored().offsets == {"experience/0": 3}
     assert len(resumed.metrics_log.path.read_text().splitlines()) == 3, "metrics lines only for checkpointed updates"
     apply(resumed, experience[3], 3)  # re-delivered from the committed offset, applied again
-    assert resumed.make_durable({"experience/0": 4}, force=True), "shutdown checkpoints what is in hand"
+    assert resumed.make_durable(Progress({"experience/0": 4}), force=True), "shutdown checkpoints what is in hand"
     expected, actual = weights(uninterrupted), weights(resumed)
     assert all(torch.equal(expected[k], actual[k]) for k in expected), "same weights as a run that never stopped"
 

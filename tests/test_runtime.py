@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import publish, read_all
 from safetensors import safe_open
 
 from common.batch_store import BatchStore
@@ -24,16 +25,6 @@ def bus():
     bus = MemoryBus()
     bus.create_topics(pipeline_topics(partitions=2))
     return bus
-
-
-def read_all(bus, topic):
-    return [r.value for r in bus.consumer(topic, None, "reader").poll(0.0, max_records=1000)]
-
-
-def publish(bus, topic, *payloads):
-    producer = bus.producer("test")
-    for payload in payloads:
-        producer.send(topic, payload, key=b"k")
 
 
 def announce_v1(config, version=1):

@@ -26,7 +26,6 @@ import torch
 from common.broadcast import WeightSender
 from common.checkpoint import load_latest_checkpoint, next_epoch, save_checkpoint
 from common.config import RunConfig
-from common.dedupe import RecentIds
 from common.evaluation import answer_eval_prompts, write_generations
 from common.export import export_final_models
 from common.metrics_log import MetricsLog
@@ -42,7 +41,8 @@ from common.parallel import init_ranks, shard_model
 from common.schema import ADAPTER, ADAPTER_BASE, LEARNER_EPOCH, RUN_ID, ExperienceBatch, WeightAnnouncement, new_header
 from common.trainer import Experience, PPOTrainer
 from common.weights import Snapshot, WeightStore
-from services.service import Dropped, InputError, Service, check_token_ids
+from services.learner.ranks import LearnerRanks
+from services.service import Dropped, InputError, Progress, Service, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,7 @@ class LearnerService(Service):
         self.before_path = self.run_dir / "generations_before.jsonl"
         self.updates = 0
         self.dropped_stale = 0
-        self.handled = RecentIds(config.pipeline.dedupe_window)  # trained on or dropped
-        self.offsets: dict[str, int] = {}  # "topic/partition" -> next offset, as of the last checkpoint
+        self.progress: Progress | None = None  # what the last checkpoint covers (input offsets, batch ids handled)
         self.since_checkpoint = 0  # batches consumed since the last checkpoint
         self.unsaved_records: list[dict] = []  # metrics lines of those updates, written with the next checkpoint
         self.started = time.time()
@@ -102,19 +101,8 @@ class LearnerService(Service):
         return shard_model(model, self.ranks, getattr(torch, dtype)) if sharded else model
 
     @classmethod
-    def processes(cls, config: RunConfig) -> int:
-        return config.learner.parallel.processes
-
-    @classmethod
-    def rank_restarts(cls, config: RunConfig) -> int:
-        return config.learner.parallel.max_restarts
-
-    @property
-    def follows(self) -> bool:
-        return not self.ranks.leads
-
-    def follow(self) -> None:
-        self.ranks.follow(self.trainer)
+    def process_group(cls, config: RunConfig) -> LearnerRanks | None:
+        return LearnerRanks(config) if config.learner.parallel.processes > 1 else None
 
     def close(self) -> None:
         if self.sender is not None:
@@ -129,8 +117,7 @@ class LearnerService(Service):
         self.trainer.load(folder)
         self.updates, self.dropped_stale = meta["updates"], meta["dropped_stale"]
         # "applied": the unbounded id list of checkpoints written before the window existed
-        self.handled = RecentIds(self.config.pipeline.dedupe_window, meta.get("handled", meta.get("applied", [])))
-        self.offsets = meta["offsets"]
+        self.progress = Progress(meta["offsets"], meta.get("handled", meta.get("applied", [])))
         # A learner killed between its checkpoint and its metrics lines writes those lines now.
         self.metrics_log.restore(meta["records"])
         log.info(
@@ -138,8 +125,11 @@ class LearnerService(Service):
             self.replica_id,
             self.trainer.version,
             self.updates,
-            self.offsets,
+            self.progress.offsets,
         )
+
+    def restored(self) -> Progress | None:
+        return self.progress
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -203,9 +193,6 @@ class LearnerService(Service):
                 f"step {message.step} cannot be real: the run has steps 0..{self.config.run.steps - 1} and the "
                 f"learner, at v{self.trainer.version}, has not published weights that could sample it"
             )
-        if message.batch_id in self.handled:
-            log.info("%s: batch %s is already in the checkpoint; not applied again", self.replica_id, message.batch_id)
-            return []
         staleness = self.trainer.version - message.policy_version
         if staleness < 0:
             # Sampled by a policy this learner never published: a learner that lost its checkpoint, or weights from
@@ -230,18 +217,18 @@ class LearnerService(Service):
             **stage_seconds,
             **stats,
         }
-        self.handled.add(message.batch_id)
         self.since_checkpoint += 1
         self.unsaved_records.append(record)
         self.report(record)
         return self.announce()
 
-    def make_durable(self, offsets: dict[str, int], force: bool = False) -> bool:
+    def make_durable(self, progress: Progress, force: bool = False) -> bool:
         if self.since_checkpoint == 0:
             return True
         if self.since_checkpoint < self.config.learner.checkpoint_every and not force:
             return False
-        self.offsets.update(offsets)
+        offsets = {**(self.progress.offsets if self.progress else {}), **progress.offsets}
+        self.progress = Progress(offsets, progress.handled)
         started = time.perf_counter()
         save_checkpoint(
             self.config.checkpoint_dir,
@@ -251,8 +238,8 @@ class LearnerService(Service):
             {
                 "updates": self.updates,
                 "dropped_stale": self.dropped_stale,
-                "handled": self.handled.to_list(),
-                "offsets": self.offsets,
+                "handled": self.progress.handled,
+                "offsets": self.progress.offsets,
                 "records": self.unsaved_records,
             },
         )

@@ -1,0 +1,93 @@
+"""The weights feed of one replica: the newest announcement of each model it loads, offered to its service.
+
+Every replica that loads weights reads the whole ``weights`` topic on its own (no consumer group), so a late joiner
+sees the newest announcement of each model. Of the announcements a poll brings, the newest version per model is
+offered first; one the service refuses (a snapshot missing, damaged or forged) never counts as loaded, so the next
+older one is tried, and a later announcement of the same version is still taken. Announcements of a learner epoch
+older than the weights already loaded come from a learner that was replaced but still runs: they are ignored and
+counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+from common.schema import LEARNER_EPOCH, WeightAnnouncement
+from services.metrics import ServiceMetrics
+from services.service import Service
+from services.transport import Consumer, Record
+
+log = logging.getLogger(__name__)
+
+__all__ = ["WeightsFeed"]
+
+
+class WeightsFeed:
+    """``accept(record, type)`` decodes a record (dead-lettering what does not decode) and returns the message if it
+    belongs to this run, else None; ``counters`` are the runner's (``refused_weights``, ``zombie_announcements``);
+    ``timed(part)`` times a part of the runner's loop."""
+
+    def __init__(
+        self,
+        service: Service,
+        consumer: Consumer,
+        accept: Callable[[Record, type], WeightAnnouncement | None],
+        metrics: ServiceMetrics,
+        counters: Counter,
+        timed: Callable[[str], AbstractContextManager],
+    ):
+        self.service, self.consumer, self.accept = service, consumer, accept
+        self.metrics, self.counters, self.timed = metrics, counters, timed
+        self.loaded: dict[str, int] = {}  # per model: the version loaded
+        self.epochs: dict[str, int] = {}  # per model: the learner epoch of the weights loaded
+
+    def apply(self, timeout_s: float) -> bool:
+        """Offer the service the newest announcements that arrived within ``timeout_s``; whether any was offered."""
+        candidates: dict[str, list[WeightAnnouncement]] = {}
+        for record in self.consumer.poll(timeout_s, max_records=10_000):
+            announcement = self.accept(record, WeightAnnouncement)
+            if announcement is not None and announcement.model in self.service.weight_models:
+                candidates.setdefault(announcement.model, []).append(announcement)
+        offered = False
+        for model, announcements in candidates.items():
+            for announcement in sorted(announcements, key=lambda a: a.policy_version, reverse=True):
+                if announcement.policy_version <= self.loaded.get(model, -1):
+                    break
+                if self._from_a_replaced_learner(announcement):
+                    continue
+                offered = True
+                if self._load(announcement):
+                    break
+        return offered
+
+    def _from_a_replaced_learner(self, announcement: WeightAnnouncement) -> bool:
+        epoch, newest = int(announcement.lineage.get(LEARNER_EPOCH, 0)), self.epochs.get(announcement.model, 0)
+        if epoch >= newest:
+            return False
+        self.counters["zombie_announcements"] += 1
+        log.warning(
+            "%s: ignoring %s v%d of learner epoch %d (epoch %d took over)",
+            self.service.replica_id,
+            announcement.model,
+            announcement.policy_version,
+            epoch,
+            newest,
+        )
+        return True
+
+    def _load(self, announcement: WeightAnnouncement) -> bool:
+        with self.timed("load_weights"):
+            loaded = self.service.on_weights(announcement)
+        if not loaded:
+            self.counters["refused_weights"] += 1
+            return False
+        self.loaded[announcement.model] = announcement.policy_version
+        self.epochs[announcement.model] = int(announcement.lineage.get(LEARNER_EPOCH, 0))
+        self.metrics.policy_version.labels(self.service.role).set(announcement.policy_version)
+        return True
+
+    def close(self) -> None:
+        self.consumer.close()

@@ -1,0 +1,21 @@
+"""Helpers the test modules share: reading and writing a bus's topics."""
+
+from common.schema import decode
+
+
+def read_all(bus, topic) -> list[bytes]:
+    """Every record's value on ``topic`` of the in-memory bus, from the beginning."""
+    return [r.value for r in bus.consumer(topic, None, "reader").poll(0.0, max_records=1000)]
+
+
+def read_messages(bus, topic) -> list:
+    """Every message on ``topic`` of the in-memory bus, decoded."""
+    return [decode(value) for value in read_all(bus, topic)]
+
+
+def publish(bus, topic, *payloads, key=b"k", partition=None):
+    """Raw payloads onto ``topic``."""
+    producer = bus.producer("test")
+    for payload in payloads:
+        producer.send(topic, payload, key=key, partition=partition)
+    producer.flush()
