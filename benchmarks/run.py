@@ -171,7 +171,7 @@ def bench_codec() -> dict:
 
 def _bus_round_trip(bus, topic: str, payload: bytes, count: int) -> dict:
     producer = bus.producer("bench")
-    consumer = bus.consumer(topic, None, "bench", from_beginning=True)
+    consumer = bus.consumer(topic, None, "bench")
     producer.send(topic, b"warm-up")  # the consumer has its partitions once this arrives
     producer.flush()
     while not consumer.poll(0.05, 1):

@@ -117,7 +117,7 @@ def pipeline_latency(
     threads = [threading.Thread(target=loop, args=(r,), daemon=True) for r in runners]
     for thread in threads:
         thread.start()
-    sink = bus.consumer("weights", None, "bench-sink", from_beginning=False)
+    sink = bus.consumer("weights", None, "bench-sink")  # what is there before the first batch is read in warm-up
     producer = bus.producer("bench-feed")
     warm_up = time.monotonic() + 8  # let every group form, the sink's included (it joins on its first poll)
     while time.monotonic() < warm_up:

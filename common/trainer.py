@@ -28,7 +28,15 @@ from common.sequences import (
     response_values,
 )
 from common.storage import fsync_file
-from common.weights import first_names, is_adapted, load_state_into, published_tensors, write_part
+from common.weights import (
+    first_names,
+    is_adapted,
+    load_state_into,
+    part_name,
+    plan_parts,
+    published_tensors,
+    write_part,
+)
 
 __all__ = ["Experience", "PPOTrainer"]
 
@@ -453,26 +461,24 @@ class PPOTrainer:
         """Every rank writes its part of a sharded snapshot of ``model`` into ``folder`` (in parallel); rank 0
         returns ``[(file name, digest, {tensor: shape}), ...]`` of all parts (None on the others).
 
-        Tensors are dealt to the ranks largest first, each to the rank with the fewest bytes so far, the same way
-        on every rank. Each is gathered whole (``full_tensor``, a collective every rank joins, in one order) and
+        Tensors are dealt to the ranks by :func:`common.weights.plan_parts`, the same way on every rank. Each is
+        gathered whole (``full_tensor``, a collective every rank joins, in one order) and
         kept by its owner only: the traffic of gathering the state to rank 0, and no rank holds more than its part
         plus the one tensor in flight.
         """
         module = self._module(model)
         state = module.state_dict()
         names = sorted(first_names(module))  # one order on every rank
-        load, owner = [0] * self.ranks.world_size, {}
-        for name in sorted(names, key=lambda n: (-state[n].numel() * state[n].element_size(), n)):
-            owner[name] = load.index(min(load))
-            load[owner[name]] += state[name].numel() * state[name].element_size()
+        world, rank = self.ranks.world_size, self.ranks.rank
+        owner = plan_parts({n: state[n].numel() * state[n].element_size() for n in names}, world)
         target, mine = getattr(torch, dtype), {}
         for name in names:
             tensor = state[name]
             whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            if owner[name] == self.ranks.rank:
+            if owner[name] == rank:
                 whole = whole.detach().cpu()
                 mine[name] = (whole.to(target) if whole.is_floating_point() else whole).contiguous()
-        part = f"part-{self.ranks.rank:05d}-of-{self.ranks.world_size:05d}.safetensors"
+        part = part_name(rank, world)
         written = (part, write_part(folder, part, mine, digest), {n: tuple(t.shape) for n, t in mine.items()})
         return self.ranks.gather(written)
 

@@ -272,6 +272,21 @@ class WeightStore:
         return Snapshot(model_name, version, str(index.resolve()), digest, size, (link,), False)
 
 
+def plan_parts(nbytes: dict[str, int], parts: int) -> dict[str, int]:
+    """Which part of a sharded snapshot holds each tensor: largest first, each to the part with the fewest bytes so
+    far, ties by name, so that every rank computes the same plan. ``nbytes``: tensor name -> its size."""
+    load, owner = [0] * parts, {}
+    for name in sorted(nbytes, key=lambda n: (-nbytes[n], n)):
+        owner[name] = load.index(min(load))
+        load[owner[name]] += nbytes[name]
+    return owner
+
+
+def part_name(part: int, parts: int) -> str:
+    """The file name of part ``part`` of ``parts`` in a sharded snapshot's folder."""
+    return f"part-{part:05d}-of-{parts:05d}.safetensors"
+
+
 def write_part(folder: str, name: str, state: dict[str, torch.Tensor], algorithm: str) -> str:
     """Write one rank's part of a sharded snapshot (CPU tensors) as ``folder/name``; returns its digest."""
     return _write_safetensors(Path(folder) / name, state, algorithm, f"snapshot part {name}")

@@ -80,7 +80,7 @@ class ServiceRunner:
         self.weights = (
             WeightsFeed(
                 service,
-                bus.consumer(WEIGHTS_TOPIC, group=None, client_id=self.replica_id, from_beginning=True),
+                bus.consumer(WEIGHTS_TOPIC, group=None, client_id=self.replica_id),
                 self._accept,
                 self.metrics,
                 self.counters,

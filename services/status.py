@@ -29,7 +29,7 @@ class PipelineStatus:
 
 def _read_all(bus: Bus, topic: str, timeout_s: float) -> list[Record]:
     """Every record of ``topic`` from the beginning, read without joining a group."""
-    consumer = bus.consumer(topic, None, "streamppo-status", from_beginning=True)
+    consumer = bus.consumer(topic, None, "streamppo-status")
     records, empty, deadline = [], 0, time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline and empty < 2:

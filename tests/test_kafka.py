@@ -118,69 +118,6 @@ def fill(bus, topic, count):
     producer.flush()
 
 
-def test_groups_share_partitions_and_each_group_sees_all(bus):
-    topic, group = unique("t"), unique("g")
-    bus.create_topics([TopicSpec(topic, 4)])
-    fill(bus, topic, 40)
-    first, second = bus.consumer(topic, group, "first"), bus.consumer(topic, group, "second")
-    seen_first, seen_second, deadline = [], [], time.monotonic() + 60
-    while len(seen_first) + len(seen_second) < 40 and time.monotonic() < deadline:
-        seen_first += [r.value for r in first.poll(0.3, 100)]
-        seen_second += [r.value for r in second.poll(0.3, 100)]
-    assert sorted(seen_first + seen_second) == sorted(f"v{i}".encode() for i in range(40))
-    assert seen_first and seen_second, "both members of the group got partitions"
-    assert sorted(drain(bus.consumer(topic, unique("g"), "other-group"), 40)) == sorted(seen_first + seen_second)
-    assert len(drain(bus.consumer(topic, None, "broadcast"), 40)) == 40
-
-
-def test_uncommitted_records_are_redelivered_to_the_next_member(bus):
-    topic, group = unique("t"), unique("g")
-    bus.create_topics([TopicSpec(topic, 1)])
-    fill(bus, topic, 5)
-    first = bus.consumer(topic, group, "first")
-    records, deadline = [], time.monotonic() + 30
-    while len(records) < 5 and time.monotonic() < deadline:
-        records += first.poll(1.0, max_records=5)
-    first.commit(records[1])
-    first.close()
-    assert drain(bus.consumer(topic, group, "second"), 3) == [b"v2", b"v3", b"v4"]
-
-
-def test_a_message_of_several_megabytes_round_trips(bus):
-    topic = unique("big")
-    bus.create_topics([TopicSpec(topic, 1)])
-    payload = uuid.uuid4().bytes * (3 * 1024 * 1024 // 16)  # 3 MiB: above every 1 MB client default
-    producer = bus.producer("big")
-    producer.send(topic, payload)
-    producer.flush()
-    assert drain(bus.consumer(topic, unique("g"), "c"), 1) == [payload]
-
-
-def test_a_record_sent_to_a_partition_lands_there(bus):
-    topic = unique("t")
-    bus.create_topics([TopicSpec(topic, 3)])
-    producer = bus.producer("test")
-    assert producer.partitions(topic) == 3
-    for i in range(6):
-        producer.send(topic, f"v{i}".encode(), key=b"same key", partition=i % 3)
-    producer.flush()
-    records, consumer, deadline = [], bus.consumer(topic, None, "reader"), time.monotonic() + 30
-    while len(records) < 6 and time.monotonic() < deadline:
-        records += consumer.poll(0.5, 100)
-    assert sorted((r.partition, r.value) for r in records) == sorted((i % 3, f"v{i}".encode()) for i in range(6))
-
-
-def test_lag_from_the_high_watermark(bus):
-    topic = unique("t")
-    bus.create_topics([TopicSpec(topic, 1)])
-    fill(bus, topic, 6)
-    consumer = bus.consumer(topic, unique("g"), "c")
-    got, deadline = [], time.monotonic() + 30
-    while len(got) < 2 and time.monotonic() < deadline:
-        got += consumer.poll(1.0, max_records=2)
-    assert len(got) == 2 and consumer.lag() == 4
-
-
 def test_a_malformed_record_lands_in_the_dlq_over_kafka(bus, kafka_config):
     from services.scorer import ScorerService
 

@@ -100,7 +100,9 @@ class Bus(ABC):
     def producer(self, client_id: str) -> Producer: ...
 
     @abstractmethod
-    def consumer(self, topic: str, group: str | None, client_id: str, from_beginning: bool = True) -> Consumer: ...
+    def consumer(self, topic: str, group: str | None, client_id: str) -> Consumer:
+        """A consumer of ``topic`` in ``group`` (None: all partitions, no group), from the beginning of what the
+        group has not committed."""
 
     def close(self) -> None:
         pass

@@ -186,7 +186,7 @@ class KafkaBus(Bus):
             )
         )
 
-    def consumer(self, topic: str, group: str | None, client_id: str, from_beginning: bool = True) -> Consumer:
+    def consumer(self, topic: str, group: str | None, client_id: str) -> Consumer:
         s = self.settings
         kafka_consumer = self._retrying(
             "consumer",
@@ -194,7 +194,7 @@ class KafkaBus(Bus):
                 client_id=client_id,
                 group_id=group,
                 enable_auto_commit=False,
-                auto_offset_reset="earliest" if from_beginning else "latest",
+                auto_offset_reset="earliest",
                 session_timeout_ms=s.session_timeout_ms,
                 heartbeat_interval_ms=s.heartbeat_interval_ms,
                 max_poll_interval_ms=s.max_poll_interval_ms,

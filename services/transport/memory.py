@@ -43,8 +43,8 @@ class MemoryBus(Bus):
     def producer(self, client_id: str) -> Producer:
         return _MemoryProducer(self)
 
-    def consumer(self, topic: str, group: str | None, client_id: str, from_beginning: bool = True) -> Consumer:
-        return _MemoryConsumer(self, topic, group, client_id, from_beginning)
+    def consumer(self, topic: str, group: str | None, client_id: str) -> Consumer:
+        return _MemoryConsumer(self, topic, group, client_id)
 
     # -- used by producers and consumers, under the lock
 
@@ -99,7 +99,7 @@ class _MemoryProducer(Producer):
 class _MemoryConsumer(Consumer):
     _ids = 0
 
-    def __init__(self, bus: MemoryBus, topic: str, group: str | None, client_id: str, from_beginning: bool):
+    def __init__(self, bus: MemoryBus, topic: str, group: str | None, client_id: str):
         self.bus, self.topic, self.group = bus, topic, group
         _MemoryConsumer._ids += 1
         self.member = f"{client_id}-{_MemoryConsumer._ids}"
@@ -110,9 +110,8 @@ class _MemoryConsumer(Consumer):
         with bus._lock:
             t = bus.topic(topic)
             if group is None:
-                self.positions = {p: 0 if from_beginning else len(log) for p, log in enumerate(t.partitions)}
+                self.positions = {p: 0 for p in range(len(t.partitions))}
             else:
-                self.from_beginning = from_beginning
                 bus._join(group, topic, self.member)
 
     def _sync_assignment(self) -> None:
@@ -123,12 +122,10 @@ class _MemoryConsumer(Consumer):
         if generation == self.generation:
             return
         self.generation = generation
-        logs = self.bus.topic(self.topic).partitions
         self.positions = {}
         self.paused = set()  # as in Kafka, a rebalance forgets pauses
         for p in self.bus._assignment(self.group, self.topic, self.member):
-            default = 0 if self.from_beginning else len(logs[p])
-            self.positions[p] = self.bus._committed.get((self.group, self.topic, p), default)
+            self.positions[p] = self.bus._committed.get((self.group, self.topic, p), 0)
 
     def poll(self, timeout_s: float = 0.0, max_records: int = 1) -> list[Record]:
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,198 @@
+"""The bus contract (services/transport/base.py), one suite run against both buses: the in-memory bus, which every
+fast test of the pipeline trusts, and Kafka over a real broker started by the tests.
+
+Kafka answers over the network and rebalances groups in seconds; every wait here is for a count of records with a
+deadline, never a fixed sleep, except where a test asserts that nothing arrives (``settle``).
+"""
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from services.transport import MemoryBus, TopicSpec
+
+
+class Contract:
+    """One bus under test, with topics of its own."""
+
+    def __init__(self, bus, settle_s: float):
+        self.bus, self.settle_s = bus, settle_s
+
+    def topic(self, partitions: int) -> str:
+        name = f"t-{uuid.uuid4().hex[:8]}"
+        self.bus.create_topics([TopicSpec(name, partitions)])
+        return name
+
+    def fill(self, topic: str, count: int, first: int = 0) -> None:
+        producer = self.bus.producer("contract")
+        for i in range(first, first + count):
+            producer.send(topic, f"v{i}".encode(), key=f"k{i}".encode())
+        producer.flush()
+
+    def group(self) -> str:
+        return f"g-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(params=["memory", "kafka"])
+def contract(request):
+    if request.param == "memory":
+        yield Contract(MemoryBus(), settle_s=0.0)
+        return
+    from services.process import kafka_bus
+
+    bus = kafka_bus(request.getfixturevalue("make_config")(*request.getfixturevalue("kafka_broker")))
+    yield Contract(bus, settle_s=2.0)
+    bus.close()
+
+
+def drain(consumers, expected: int, timeout_s: float = 60.0, commit: bool = True) -> list[list[bytes]]:
+    """What each of ``consumers`` polls until they have ``expected`` records together (or the deadline)."""
+    seen = [[] for _ in consumers]
+    deadline = time.monotonic() + timeout_s
+    while sum(map(len, seen)) < expected and time.monotonic() < deadline:
+        for got, consumer in zip(seen, consumers):
+            for record in consumer.poll(0.2, max_records=100):
+                got.append(record.value)
+                if commit:
+                    consumer.commit(record)
+    return seen
+
+
+def nothing_more(contract, consumer) -> list[bytes]:
+    """What ``consumer`` polls within the bus's settle time: nothing, if the contract holds."""
+    deadline, got = time.monotonic() + contract.settle_s, []
+    while True:
+        got += [r.value for r in consumer.poll(0.1, max_records=100)]
+        if time.monotonic() >= deadline:
+            return got
+
+
+def values(count: int, first: int = 0) -> list[bytes]:
+    return [f"v{i}".encode() for i in range(first, first + count)]
+
+
+def test_every_group_sees_every_record_and_members_share_the_partitions(contract):
+    topic = contract.topic(4)
+    contract.fill(topic, 40)
+    group = contract.group()
+    first, second = contract.bus.consumer(topic, group, "first"), contract.bus.consumer(topic, group, "second")
+    one, two = drain([first, second], 40)
+    assert sorted(one + two) == sorted(values(40)) and one and two, "split between the members, each record once"
+    (other,) = drain([contract.bus.consumer(topic, contract.group(), "other")], 40)
+    assert sorted(other) == sorted(values(40)), "another group reads everything again"
+
+
+def test_one_key_one_partition_in_order(contract):
+    topic = contract.topic(3)
+    producer = contract.bus.producer("p")
+    for i in range(10):
+        producer.send(topic, str(i).encode(), key=b"same")
+    producer.flush()
+    consumer = contract.bus.consumer(topic, None, "reader")
+    records, deadline = [], time.monotonic() + 30
+    while len(records) < 10 and time.monotonic() < deadline:
+        records += consumer.poll(0.2, max_records=100)
+    assert len({r.partition for r in records}) == 1
+    assert [int(r.value) for r in records] == list(range(10))
+
+
+def test_a_record_sent_to_a_partition_lands_there(contract):
+    topic = contract.topic(3)
+    producer = contract.bus.producer("p")
+    assert producer.partitions(topic) == 3
+    for i in range(6):
+        producer.send(topic, f"v{i}".encode(), key=b"same key", partition=i % 3)
+    producer.flush()
+    consumer, records, deadline = contract.bus.consumer(topic, None, "reader"), [], time.monotonic() + 30
+    while len(records) < 6 and time.monotonic() < deadline:
+        records += consumer.poll(0.2, max_records=100)
+    assert sorted((r.partition, r.value) for r in records) == sorted((i % 3, f"v{i}".encode()) for i in range(6))
+
+
+def test_uncommitted_records_are_redelivered_to_the_next_member(contract):
+    topic, group = contract.topic(1), contract.group()
+    contract.fill(topic, 5)
+    crashed = contract.bus.consumer(topic, group, "crashed")
+    records, deadline = [], time.monotonic() + 30
+    while len(records) < 5 and time.monotonic() < deadline:
+        records += crashed.poll(0.2, max_records=5)
+    crashed.commit(records[1])  # committed through offset 1; offsets 2..4 polled but not committed
+    crashed.close()
+    (successor,) = drain([contract.bus.consumer(topic, group, "successor")], 3)
+    assert successor == [b"v2", b"v3", b"v4"]
+
+
+def test_a_members_partitions_move_to_the_survivor_when_it_leaves(contract):
+    topic, group = contract.topic(2), contract.group()
+    leaving, staying = contract.bus.consumer(topic, group, "leaving"), contract.bus.consumer(topic, group, "staying")
+    contract.fill(topic, 10)
+    got_leaving, got_staying = drain([leaving, staying], 10, commit=False)
+    assert got_leaving, "the leaver had partitions"
+    leaving.close()  # it committed nothing: what it read comes again, to the survivor
+    deadline = time.monotonic() + 60
+    while set(got_staying) != set(values(10)) and time.monotonic() < deadline:
+        got_staying += [r.value for r in staying.poll(0.2, max_records=100)]
+    assert set(got_staying) == set(values(10))
+
+
+def test_readers_without_a_group_read_everything_from_the_beginning_and_what_comes_after(contract):
+    topic = contract.topic(4)
+    contract.fill(topic, 8)
+    x, y = contract.bus.consumer(topic, None, "x"), contract.bus.consumer(topic, None, "y")
+    assert [sorted(got) for got in drain([x], 8)] == [sorted(values(8))]
+    assert [sorted(got) for got in drain([y], 8)] == [sorted(values(8))]
+    assert nothing_more(contract, x) == []
+    contract.fill(topic, 1, first=8)
+    assert drain([x], 1) == [[b"v8"]] and drain([y], 1) == [[b"v8"]]
+
+
+def test_lag_counts_the_records_not_yet_consumed(contract):
+    topic = contract.topic(1)
+    contract.fill(topic, 6)
+    consumer = contract.bus.consumer(topic, contract.group(), "c")
+    got, deadline = [], time.monotonic() + 30
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += consumer.poll(0.5, max_records=2 - len(got))
+    assert len(got) == 2 and consumer.lag() == 4
+
+
+def test_a_paused_partition_is_held_back_while_the_others_flow(contract):
+    topic = contract.topic(2)
+    producer = contract.bus.producer("p")
+    for i in range(6):
+        producer.send(topic, f"v{i}".encode(), partition=i % 2)
+    producer.flush()
+    consumer, first, deadline = contract.bus.consumer(topic, contract.group(), "c"), [], time.monotonic() + 30
+    while not first and time.monotonic() < deadline:
+        first = consumer.poll(0.2, max_records=1)
+    held = first[0].partition
+    consumer.pause(held)
+    others = [v for i, v in enumerate(values(6)) if i % 2 != held]
+    (flowing,) = drain([consumer], len(others), commit=False)
+    flowing += nothing_more(contract, consumer)
+    assert sorted(flowing) == sorted(others), "the other partition flows; nothing of the paused one"
+    consumer.resume(held)
+    (rest,) = drain([consumer], 2, commit=False)
+    assert sorted([first[0].value, *flowing, *rest]) == sorted(values(6)), "after resume, the held records, once each"
+
+
+def test_poll_waits_for_a_record_sent_meanwhile(contract):
+    topic = contract.topic(1)
+    consumer = contract.bus.consumer(topic, None, "c")
+    consumer.poll(0.1)  # assigned and positioned
+    threading.Timer(0.3, contract.fill, args=(topic, 1)).start()
+    got, deadline = [], time.monotonic() + 30
+    while not got and time.monotonic() < deadline:
+        got = consumer.poll(timeout_s=5.0)
+    assert [r.value for r in got] == [b"v0"]
+
+
+def test_a_record_of_several_megabytes_round_trips(contract):
+    topic = contract.topic(1)
+    payload = uuid.uuid4().bytes * (3 * 1024 * 1024 // 16)  # 3 MiB: above every 1 MB client default
+    producer = contract.bus.producer("big")
+    producer.send(topic, payload)
+    producer.flush()
+    assert drain([contract.bus.consumer(topic, contract.group(), "c")], 1) == [[payload]]
