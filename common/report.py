@@ -10,42 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["PLOTS", "format_summary", "load_metrics", "summarise", "summary_window", "write_report"]
+from common.statistics import PLOTS, plotted, summarised
 
-# file name -> (title, [(metrics key, legend)], y label)
-PLOTS = {
-    "reward": ("Mean reward (reward model / function score)", [("reward_mean", "reward")], "score"),
-    "kl": ("KL to the reference (per token) and β", [("kl", "KL"), ("kl_coef", "β")], ""),
-    "losses": ("Policy and value loss", [("policy_loss", "policy"), ("value_loss", "value")], "loss"),
-    "clip_fraction": ("Clip fraction", [("clip_frac", "clipped share of tokens")], ""),
-    "entropy": ("Policy entropy (per token)", [("entropy", "entropy")], "nats"),
-    "explained_variance": ("Critic explained variance", [("explained_variance", "explained variance")], ""),
-    "stage_throughput": (
-        "Per-stage throughput",
-        [
-            ("throughput_generator", "generator"),
-            ("throughput_scorer", "scorer"),
-            ("throughput_advantage", "advantage"),
-            ("throughput_learner", "learner"),
-        ],
-        "sequences / s of compute",
-    ),
-    "staleness": ("Staleness of the experience trained on", [("staleness", "versions behind")], "versions"),
-}
-
-SUMMARY_KEYS = (
-    "reward_mean",
-    "kl",
-    "kl_coef",
-    "policy_loss",
-    "value_loss",
-    "clip_frac",
-    "entropy",
-    "explained_variance",
-    "response_length",
-    "staleness",
-    "logprob_mismatch",
-)
+__all__ = ["format_summary", "load_metrics", "summarise", "summary_window", "write_report"]
 
 
 def load_metrics(run_dir: Path) -> list[dict]:
@@ -83,7 +50,7 @@ def summarise(records: list[dict]) -> dict:
     size = summary_window(len(records))
     rows = {
         key: {"first": _window(records, key, True, size), "last": _window(records, key, False, size)}
-        for key in SUMMARY_KEYS
+        for key in summarised()
         if any(key in r for r in records)
     }
     return {"updates": len(records), "window": size, "wall_seconds": records[-1].get("time"), "metrics": rows}
@@ -113,19 +80,19 @@ def write_report(run_dir: Path, tensorboard: bool = False) -> tuple[list[Path], 
     out = Path(run_dir) / "report"
     out.mkdir(exist_ok=True)
     paths = []
-    for name, (title, series, ylabel) in PLOTS.items():
+    for name, plot in PLOTS.items():
         fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
         drawn = 0
-        for key, label in series:
+        for key, label in plotted(name):
             points = [(r["step"], r[key]) for r in records if key in r]
             if points:
                 ax.plot(*zip(*points), marker="." if len(points) < 50 else None, label=label)
                 drawn += 1
         if not drawn:
             ax.text(0.5, 0.5, "not recorded in this run", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(title)
+        ax.set_title(plot.title)
         ax.set_xlabel("PPO update")
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(plot.ylabel)
         ax.grid(alpha=0.3)
         if drawn > 1:
             ax.legend()

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from common.config import RunConfig
 from common.report import load_metrics, summarise
+from common.statistics import progress_labels
 from services.roles import ROLES, pipeline_topics
 from services.runtime import ServiceRunner
 from services.transport import MemoryBus
@@ -64,7 +65,7 @@ def _progress_bar(total: int, enabled: bool):
         if "step" not in record:
             return
         bar.update(1)
-        shown = {"reward": "reward_mean", "kl": "kl", "pg": "policy_loss", "vf": "value_loss"}
+        shown = progress_labels()
         bar.set_postfix({label: f"{record[key]:.4g}" for label, key in shown.items() if key in record})
 
     return bar, on_record

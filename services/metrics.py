@@ -9,24 +9,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-__all__ = ["LEARNER_STATS", "ServiceMetrics"]
+from common.statistics import LEARNER_STATISTICS, gauges
 
-# Learner statistics exported as gauges (keys of the learner's per-update record, PPOTrainer.train's result).
-LEARNER_STATS = (
-    "reward_mean",
-    "kl",
-    "kl_coef",
-    "policy_loss",
-    "value_loss",
-    "entropy",
-    "clip_frac",
-    "approx_kl",
-    "explained_variance",
-    "grad_norm_actor",
-    "grad_norm_critic",
-    "logprob_mismatch",
-    "response_length",
-)
+__all__ = ["ServiceMetrics"]
 
 
 class ServiceMetrics:
@@ -70,8 +55,8 @@ class ServiceMetrics:
             "streamppo_staleness", "Versions between the learner and the batch it trained on.", ["role"], registry=r
         )
         self.learner = {
-            name: Gauge(f"streamppo_learner_{name}", f"Learner statistic {name} of the last update.", registry=r)
-            for name in LEARNER_STATS
+            name: Gauge(f"streamppo_learner_{name}", f"Of the last update: {LEARNER_STATISTICS[name].doc}.", registry=r)
+            for name in gauges()
         }
 
     def count(self, outcome: str, sequences: int = 0, seconds: float | None = None, tokens: int = 0) -> None:

@@ -15,6 +15,7 @@ import yaml
 from conftest import REPO
 
 from common.config import load_config
+from services.roles import ROLES
 
 DEPLOY = REPO / "deploy"
 CHART = DEPLOY / "helm" / "streamppo"
@@ -160,7 +161,7 @@ def test_the_compose_file_is_valid_and_runs_every_service():
     )
     assert services["scorer"]["deploy"]["replicas"] == 3
     assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller", "KRaft, no ZooKeeper"
-    for role in ("generator", "scorer", "advantage", "learner"):
+    for role in (name for name, role in ROLES.items() if role.input_topic is not None):
         command = services[role]["command"]
         assert command[0] == role and command[command.index("--metrics-port") + 1] == "9100"
         assert services[role]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
@@ -172,7 +173,7 @@ def test_the_compose_file_is_valid_and_runs_every_service():
 
 def test_the_gpu_override_reserves_a_gpu_for_each_model_service():
     services = compose("docker-compose.yml", "docker-compose.gpu.yml")["services"]
-    for role in ("generator", "scorer", "advantage", "learner"):
+    for role in (name for name, role in ROLES.items() if role.input_topic is not None):
         (device,) = services[role]["deploy"]["resources"]["reservations"]["devices"]
         assert device["capabilities"] == ["gpu"] and services[role]["build"]["target"] == "gpu"
     assert "deploy" not in services["kafka"]
@@ -193,12 +194,13 @@ def test_the_dockerfile_passes_hadolint():
 
 def exported_series() -> set[str]:
     """Every series name the services export, from a metrics registry that has seen each kind of event."""
-    from services.metrics import LEARNER_STATS, ServiceMetrics
+    from common.statistics import gauges
+    from services.metrics import ServiceMetrics
 
     metrics = ServiceMetrics("learner")
     for outcome in ("processed", "dead_letter", "duplicate", "other_run"):
         metrics.count(outcome, sequences=2, seconds=0.1, tokens=5)
-    metrics.observe({name: 1.0 for name in LEARNER_STATS})
+    metrics.observe({name: 1.0 for name in gauges()})
     metrics.lag.labels("learner").set(0)
     return {sample.name for family in metrics.registry.collect() for sample in family.samples}
 
@@ -252,3 +254,39 @@ def test_a_learner_over_several_nodes_rendezvous_through_its_headless_service():
     assert "learner.parallel.processes=2" in single_container["args"]
     default = by_kind(manifests(), "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]
     assert not any("parallel" in a for a in default["args"]), "by default one process, as before"
+
+
+def _role_of(command: list[str] | None) -> str | None:
+    """The role a container's command runs (by name or alias), or None."""
+    names = {name: role.name for role in ROLES.values() for name in (role.name, *role.aliases)}
+    return names.get(command[0]) if command else None
+
+
+@pytest.mark.parametrize("values", [None, SCALED], ids=["default", "scaled"])
+def test_the_chart_runs_every_role_of_the_role_table_once(values):
+    """Each role is a workload of its own, with its values and their schema; the chart names no role that is not one."""
+    workloads = {}
+    for doc in manifests(values):
+        if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
+            container = doc["spec"]["template"]["spec"]["containers"][0]
+            role = _role_of(container.get("args") or container.get("command"))
+            assert role is not None, f"{doc['metadata']['name']} runs no role of services/roles.py"
+            workloads[role] = workloads.get(role, 0) + 1
+    assert workloads == {role: 1 for role in ROLES}
+    chart_values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for role in ROLES:
+        assert role in chart_values and role in schema["properties"], role
+    shared = {"image", "imagePullSecrets", "config", "kafka", "metrics", "sharedStorage", "podSecurityContext"}
+    shared |= {"securityContext", "terminationGracePeriodSeconds", "grafanaDashboard"}
+    assert set(chart_values) - shared == set(ROLES), "a values entry for a role the table no longer has"
+
+
+def test_the_compose_files_run_every_role_of_the_role_table_once():
+    services = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())["services"]
+    roles = [_role_of(service.get("command")) for service in services.values()]
+    assert sorted(r for r in roles if r) == sorted(ROLES)
+    gpu = yaml.safe_load((COMPOSE / "docker-compose.gpu.yml").read_text())["services"]
+    # Every role that consumes input runs a model; the feeder only reads a file.
+    model_roles = {name for name, role in ROLES.items() if role.input_topic is not None}
+    assert {_role_of(services[name]["command"]) for name in gpu} == model_roles

@@ -177,7 +177,7 @@ def test_running_services_serve_prometheus_metrics(cluster):
     """Scrape /metrics of the four services while they work: every documented series is there and counts."""
     import urllib.request
 
-    from services.metrics import LEARNER_STATS
+    from common.statistics import gauges
     from services.transport.local_broker import free_port
 
     c = cluster(8)
@@ -200,7 +200,7 @@ def test_running_services_serve_prometheus_metrics(cluster):
         if role in ("generator", "advantage", "learner"):  # the roles that hold weights
             assert value(f'streamppo_policy_version{{role="{role}"}}') >= 1, role
         if role == "learner":
-            for stat in LEARNER_STATS:
+            for stat in gauges():
                 assert f"streamppo_learner_{stat} " in body, stat
             assert 'streamppo_staleness{role="learner"}' in body
     assert c.processes["learner"].wait(timeout=300) == 0

@@ -153,3 +153,16 @@ def test_kl_in_the_loss_pulls_the_policy_toward_the_reference(tiny_model, experi
         assert "kl_loss" not in stats and moved == 0.0
     else:  # k3's gradient lowers log π where π_ref is lower
         assert stats["kl_loss"] > 0 and moved < 0
+
+
+def test_every_statistic_the_trainer_reports_is_named_in_the_table(tiny_model, experience):
+    """common/statistics.py is the one list of them: gauges, summaries, the progress bar and the plots read it."""
+    from common.statistics import LEARNER_STATISTICS
+
+    tokenizer, exp = experience
+    reported = set(make_trainer(tiny_model, tokenizer, dual_clip=3.0).train(exp))
+    grpo = AlgorithmSection(estimator="grpo", kl_in="loss", kl_estimator="k3")
+    with_reference = dataclasses.replace(exp, ref_logprobs=exp.behaviour_logprobs - 0.1)
+    reported |= set(make_trainer(tiny_model, tokenizer, grpo).train(with_reference))
+    assert "kl_loss" in reported
+    assert reported and reported <= set(LEARNER_STATISTICS), sorted(reported - set(LEARNER_STATISTICS))

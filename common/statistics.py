@@ -1,0 +1,127 @@
+"""The learner's statistics, named once: what each update reports, and where each one is shown.
+
+One line of ``metrics.jsonl`` per update holds them (the trainer's, plus the learner's bookkeeping); this table says
+which become Prometheus gauges (``streamppo_learner_<name>``), which the run summary and ``streamppo report``
+average over the first and last updates, which the progress bar shows, and which plot draws each. The dashboard
+queries only exported series (``tests/test_deploy.py``), and the trainer reports only statistics named here
+(``tests/test_trainer.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LEARNER_STATISTICS", "PLOTS", "Plot", "Statistic", "gauges", "plotted", "progress_labels", "summarised"]
+
+
+@dataclass(frozen=True)
+class Statistic:
+    name: str
+    doc: str
+    gauge: bool = False  # exported as the gauge streamppo_learner_<name>
+    summary: bool = False  # averaged over the first and last updates by the run summary and `streamppo report`
+    progress: str | None = None  # its label on the progress bar of `streamppo run`
+    plot: str | None = None  # the PLOTS entry that draws it
+    legend: str | None = None  # its line's label in that plot (default: its name)
+
+
+@dataclass(frozen=True)
+class Plot:
+    title: str
+    ylabel: str = ""
+
+
+PLOTS: dict[str, Plot] = {
+    "reward": Plot("Mean reward (reward model / function score)", "score"),
+    "kl": Plot("KL to the reference (per token) and β"),
+    "losses": Plot("Policy and value loss", "loss"),
+    "clip_fraction": Plot("Clip fraction"),
+    "entropy": Plot("Policy entropy (per token)", "nats"),
+    "explained_variance": Plot("Critic explained variance"),
+    "stage_throughput": Plot("Per-stage throughput", "sequences / s of compute"),
+    "staleness": Plot("Staleness of the experience trained on", "versions"),
+}
+
+_STATISTICS = (
+    # What the experience says.
+    Statistic("reward_mean", "mean score of the batch's responses", True, True, "reward", "reward", "reward"),
+    Statistic("reward_std", "standard deviation of those scores"),
+    Statistic("kl", "per-token KL estimate to the reference, mean", True, True, "kl", "kl", "KL"),
+    Statistic("kl_per_sequence", "KL summed over each response, mean"),
+    Statistic("kl_coef", "β after this update", True, True, plot="kl", legend="β"),
+    Statistic(
+        "explained_variance",
+        "1 − Var(R − V) / Var(R) of the critic",
+        True,
+        True,
+        plot="explained_variance",
+        legend="explained variance",
+    ),
+    Statistic("advantage_mean", "mean advantage over the response tokens"),
+    Statistic("response_length", "mean response length in tokens", True, True),
+    Statistic("finished_frac", "share of responses that ended with EOS"),
+    Statistic("logprob_mismatch", "mean |log π_old − log π_behaviour|: sampler against learner", True, True),
+    Statistic("logprob_mismatch_max", "largest such gap of a token"),
+    Statistic(
+        "staleness",
+        "versions between the learner and the policy that sampled the batch",
+        summary=True,
+        plot="staleness",
+        legend="versions behind",
+    ),
+    Statistic("policy_version", "the learner's version after this update"),
+    # What the update did (means over its optimizer steps).
+    Statistic("policy_loss", "policy loss", True, True, "pg", "losses", "policy"),
+    Statistic("value_loss", "critic's loss", True, True, "vf", "losses", "value"),
+    Statistic("kl_loss", "the KL term of the loss (algorithm.kl_in: loss)"),
+    Statistic("entropy", "policy entropy per token", True, True, plot="entropy", legend="entropy"),
+    Statistic(
+        "clip_frac",
+        "share of tokens whose ratio was clipped",
+        True,
+        True,
+        plot="clip_fraction",
+        legend="clipped share of tokens",
+    ),
+    Statistic("approx_kl", "k3 estimate of KL(π_old ‖ π_θ): how far the update moved", True),
+    Statistic("dual_clip_frac", "share of tokens bounded by the dual clip"),
+    Statistic("value_clip_frac", "share of tokens whose clipped value error was larger"),
+    Statistic("grad_norm_actor", "actor's gradient norm before clipping", True),
+    Statistic("grad_norm_critic", "critic's gradient norm before clipping", True),
+    # The learner's bookkeeping of the update.
+    Statistic("step", "updates applied, this one included"),
+    Statistic("batch_id", "the experience batch trained on"),
+    Statistic("time", "seconds since the learner started"),
+    Statistic("train_seconds", "seconds this update took"),
+    Statistic("sequences", "responses in the batch"),
+    Statistic("dropped_stale", "batches dropped so far as too stale or impossible"),
+)
+LEARNER_STATISTICS: dict[str, Statistic] = {statistic.name: statistic for statistic in _STATISTICS}
+
+# Computed by the report from each line: sequences per second of each stage's compute.
+STAGES = ("generator", "scorer", "advantage", "learner")
+THROUGHPUT = {
+    f"throughput_{stage}": Statistic(
+        f"throughput_{stage}", f"{stage} sequences / s", plot="stage_throughput", legend=stage
+    )
+    for stage in STAGES
+}
+
+
+def gauges() -> list[str]:
+    return [s.name for s in LEARNER_STATISTICS.values() if s.gauge]
+
+
+def summarised() -> list[str]:
+    return [s.name for s in LEARNER_STATISTICS.values() if s.summary]
+
+
+def progress_labels() -> dict[str, str]:
+    """Progress bar label -> statistic."""
+    return {s.progress: s.name for s in LEARNER_STATISTICS.values() if s.progress}
+
+
+def plotted(plot: str) -> list[tuple[str, str]]:
+    """``(statistic, legend)`` of each line of ``plot``."""
+    every = {**LEARNER_STATISTICS, **THROUGHPUT}.values()
+    return [(s.name, s.legend or s.name) for s in every if s.plot == plot]
