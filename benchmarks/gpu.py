@@ -37,11 +37,11 @@ from benchmarks.weight_paths import StorePath, broadcast_paths, interleaved, scr
 from common.config import AlgorithmSection, LearnerSection  # noqa: E402
 from common.generation import sample_responses  # noqa: E402
 from common.models import load_actor, load_critic  # noqa: E402
-from common.parallel import init_ranks, shard_model  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from common.storage import state_nbytes  # noqa: E402
-from common.trainer import Experience, PPOTrainer  # noqa: E402
 from common.weights import WeightStore  # noqa: E402
+from services.learner.parallel import init_ranks, shard_model  # noqa: E402
+from services.learner.trainer import Experience, PPOTrainer  # noqa: E402
 
 QWEN25_05B = dict(
     vocab_size=151936,

@@ -33,9 +33,11 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.batches import experience_batch  # noqa: E402
 from benchmarks.weight_paths import StorePath, broadcast_paths, interleaved, scratch_dir  # noqa: E402
-from common.models import build_tiny_char_llama, load_actor, resolve_model  # noqa: E402
-from common.schema import ExperienceBatch, RolloutBatch, decode, encode, new_header  # noqa: E402
+from common.models import load_actor, resolve_model  # noqa: E402
+from common.schema import RolloutBatch, decode, encode  # noqa: E402
+from recipes.models import build_tiny_char_llama  # noqa: E402
 from services.transport import MemoryBus, TopicSpec  # noqa: E402
 from services.transport.kafka import KafkaBus, KafkaSettings  # noqa: E402
 from services.transport.local_broker import LocalBroker  # noqa: E402
@@ -108,32 +110,6 @@ def models() -> dict[str, Path]:
 
 
 # ------------------------------------------------------------------------------------------------------ 1. codec
-
-
-def experience_batch(n=64, t=512, p=64) -> ExperienceBatch:
-    rng = np.random.default_rng(0)
-    f = lambda: rng.standard_normal((n, t), dtype=np.float32)  # noqa: E731
-    return ExperienceBatch(
-        **new_header("bench-0", "bench", 3, {"run.id": "bench"}),
-        step=0,
-        group_index=np.arange(n),
-        prompt_text=["an opinion about a film"] * n,
-        prompt_label=[""] * n,
-        response_text=["a response " * 40] * n,
-        prompt_tokens=rng.integers(0, 49152, (n, p)),
-        prompt_lengths=np.full(n, p),
-        response_tokens=rng.integers(0, 49152, (n, t)),
-        response_lengths=np.full(n, t),
-        finished=np.ones(n, bool),
-        behaviour_logprobs=f(),
-        scores=rng.standard_normal(n).astype(np.float32),
-        ref_logprobs=f(),
-        values=f(),
-        kl=f(),
-        token_rewards=f(),
-        advantages=f(),
-        returns=f(),
-    )
 
 
 def bench_codec() -> dict:
@@ -304,8 +280,8 @@ def _prompts(vocab: int, batch: int = 16, length: int = 32):
 def _sampler(backend: str, path: Path):
     """The generator's own sampler for ``path``, as a run config with that backend makes it."""
     from common.config import load_config
-    from common.generation import make_sampler
     from common.models import load_tokenizer
+    from services.generator.samplers import make_sampler
 
     config = load_config(EXAMPLE, [f"model.actor={path}", f"generation.backend={backend}"])
     return make_sampler(config, path, load_tokenizer(path))

@@ -18,7 +18,7 @@ with whoever joins.
 
 Receivers stage what they receive in buffers of their own (one model's worth, reused from version to version), so
 the sampler keeps sampling while the next version arrives, and its weights change only when the announcement comes.
-A transformers generator is one receiver; a vLLM engine's every worker is one (``common.vllm_sampler``), and
+A transformers generator is one receiver; a vLLM engine's every worker is one (``services.generator.vllm_sampler``), and
 reloads in place from its buffers.
 
 The group is gloo, so tensors travel through host memory on GPUs too (``benchmarks/gpu.py`` measures that path).

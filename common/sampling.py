@@ -1,4 +1,5 @@
-"""What a sampler takes and returns, shared by both samplers (``common.generation``, ``common.vllm_sampler``)."""
+"""What a sampler takes and returns, shared by the generator's samplers (``services/generator/samplers.py``) and the
+learner's evaluation (``common.generation``)."""
 
 from __future__ import annotations
 

@@ -82,7 +82,8 @@ def _up(args) -> int:
 
 
 def _models(args) -> int:
-    from common.models import BUILTIN_MODELS, resolve_model
+    from common.models import resolve_model
+    from recipes.models import BUILTIN_MODELS
 
     if args.action == "list":
         for name, (build, _revision) in BUILTIN_MODELS.items():
@@ -96,7 +97,7 @@ def _models(args) -> int:
 
 def _train_rm(args) -> int:
     from common.models import resolve_model
-    from common.reward_training import RewardTrainingConfig, load_pairs, train_reward_model
+    from recipes.reward_model import RewardTrainingConfig, load_pairs, train_reward_model
 
     try:
         pairs = load_pairs(args.pairs)

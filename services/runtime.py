@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from common.batch_store import BatchStore, BatchStoreError
-from common.dedupe import RecentIds
 from common.schema import (
     RUN_ID,
     TOPIC_MESSAGE,
@@ -38,6 +37,7 @@ from common.schema import (
     message_key,
     message_partition,
 )
+from services.dedupe import RecentIds
 from services.metrics import ServiceMetrics
 from services.referenced_batches import ReferencedBatches
 from services.roles import STATUS_TOPIC, WEIGHTS_TOPIC

@@ -2,10 +2,10 @@
 
 ``ranks_worker.py MODEL EXPERIENCE OUT [--load FOLDER] [--save FOLDER] [--snapshot FOLDER] [--updates K]
 [--set key=value ...]``: builds the learner's trainer (FSDP2 over the launcher's ranks), optionally loads a
-checkpoint, applies ``EXPERIENCE`` (a ``torch.save``d :class:`common.trainer.Experience`) K times, optionally saves
-a checkpoint and writes sharded actor and critic snapshots (a part from each rank) into a weight store, and on rank
-0 writes the full actor and critic states, the snapshots and the last update's statistics to ``OUT``. Rank 0 leads, the
-others follow, as in the learner service.
+checkpoint, applies ``EXPERIENCE`` (a ``torch.save``d :class:`services.learner.trainer.Experience`) K times,
+optionally saves a checkpoint and writes sharded actor and critic snapshots (a part from each rank) into a weight
+store, and on rank 0 writes the full actor and critic states, the snapshots and the last update's statistics to
+``OUT``. Rank 0 leads, the others follow, as in the learner service.
 """
 
 import argparse
@@ -19,9 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.config import AlgorithmSection, LearnerSection  # noqa: E402
 from common.models import load_actor, load_critic, load_tokenizer  # noqa: E402
-from common.parallel import init_ranks, shard_model  # noqa: E402
-from common.trainer import PPOTrainer  # noqa: E402
 from common.weights import WeightStore  # noqa: E402
+from services.learner.parallel import init_ranks, shard_model  # noqa: E402
+from services.learner.trainer import PPOTrainer  # noqa: E402
 
 
 def main() -> None:

@@ -6,8 +6,9 @@ import json
 import pytest
 
 from common.data import DatasetError, load_prompts
-from common.rewards import RewardError, RewardFunction, final_number_matches
+from common.rewards import RewardError, RewardFunction
 from common.schema import DeadLetter, decode, encode
+from recipes.rewards import final_number_matches
 from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.roles import pipeline_topics
@@ -56,8 +57,8 @@ def test_the_final_number_is_checked_against_the_label():
 
 
 def test_a_reward_function_gets_labels_only_if_it_takes_them():
-    two = RewardFunction("common.rewards:vowel_fraction")
-    three = RewardFunction("common.rewards:final_number_matches")
+    two = RewardFunction("recipes.rewards:vowel_fraction")
+    three = RewardFunction("recipes.rewards:final_number_matches")
     assert not two.takes_labels and three.takes_labels
     assert two(["p"], ["aa"], ["7"]).tolist() == [1.0]
     assert three(["p"], ["it is 7"], ["7"]).tolist() == [1.0]
@@ -73,7 +74,7 @@ def labelled_config(make_config, tmp_path):
         "generation.n=2",
         "generation.max_new_tokens=4",
         "learner.mini_batch_size=4",
-        "reward.function=common.rewards:final_number_matches",
+        "reward.function=recipes.rewards:final_number_matches",
     )
 
 

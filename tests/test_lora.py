@@ -9,8 +9,8 @@ import torch
 from common.config import AlgorithmSection, LearnerSection, LoraOptions
 from common.models import ModelLoadError, add_lora, load_actor
 from common.sequences import pack, response_logprobs
-from common.trainer import PPOTrainer
 from common.weights import WeightIntegrityError, WeightStore, load_snapshot_into, published_tensors
+from services.learner.trainer import PPOTrainer
 
 LORA = LoraOptions(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
 

@@ -11,7 +11,7 @@ import torch
 from common.config import AlgorithmSection, LearnerSection
 from common.models import enable_activation_checkpointing, load_actor, load_critic
 from common.sequences import lengths_to_mask, micro_batches
-from common.trainer import PPOTrainer
+from services.learner.trainer import PPOTrainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

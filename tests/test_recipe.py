@@ -50,7 +50,7 @@ def test_smollm2_converted_from_the_gguf_wheel_computes_what_the_gguf_does(model
 
 
 def test_bradley_terry_loss_on_worked_numbers():
-    from common.reward_training import bradley_terry_loss
+    from recipes.reward_model import bradley_terry_loss
 
     # Equal scores: P(chosen ≻ rejected) = 1/2, loss log 2; a margin of 2: -log σ(2) = log(1 + e^-2).
     loss = bradley_terry_loss(torch.tensor([0.0, 3.0]), torch.tensor([0.0, 1.0]))
@@ -154,7 +154,7 @@ def test_arithmetic_problems_are_labelled_and_held_out_ones_never_trained_on(tmp
     import re
 
     from common.data import load_prompts
-    from common.rewards import final_number_matches
+    from recipes.rewards import final_number_matches
 
     def problems(out, seed):
         command = [sys.executable, ARITHMETIC / "problems.py", "--out", out, "--seed", str(seed), "--train", "500"]

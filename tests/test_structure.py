@@ -13,12 +13,12 @@ from services.roles import ROLES, STATUS_TOPIC, WEIGHTS_TOPIC, Role, pipeline_to
 from services.service import Service
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("common", "services")
+PACKAGES = ("common", "services", "recipes")
 
 
-def project_modules() -> dict[str, Path]:
+def project_modules(packages=PACKAGES) -> dict[str, Path]:
     modules = {}
-    for package in PACKAGES:
+    for package in packages:
         for path in (REPO / package).rglob("*.py"):
             parts = path.relative_to(REPO).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -46,7 +46,7 @@ def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
 
 
 def test_no_module_imports_one_that_imports_it_back():
-    modules = project_modules()
+    modules = project_modules((*PACKAGES, "benchmarks"))
     graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
     # A package's __init__ re-exporting its own submodule is not a cycle: importing the submodule runs it first.
     for name in graph:
@@ -68,12 +68,38 @@ def test_no_module_imports_one_that_imports_it_back():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_common_imports_no_transport_and_no_service():
+def test_common_imports_no_service_and_no_core_imports_a_transport():
+    """common/ (what two roles or more share) and recipes/ import no service; a role's folder (its adapter and the
+    core only it uses) imports no transport and no runner: only the runners touch the bus."""
+    from services.roles import ROLES
+
     modules = project_modules()
+    role_packages = {role.service.partition(":")[0] for role in ROLES.values()}
+    runners = {"services.transport", "services.runtime", "services.process", "services.embedded", "services.cluster"}
     for name, path in modules.items():
-        if name.startswith("common"):
-            bad = {dep for dep in imports_of(path, modules) if dep.startswith("services")}
+        imported = imports_of(path, modules)
+        if name.startswith(("common", "recipes")):
+            bad = {dep for dep in imported if dep.startswith("services")}
             assert not bad, f"{name} imports {bad}"
+        if name.startswith(("common", "recipes")) or any(name.startswith(package) for package in role_packages):
+            bad = {dep for dep in imported if dep.startswith(tuple(runners))} | ({"kafka"} & imported)
+            assert not bad, f"{name} imports {bad}"
+
+
+def test_common_holds_what_two_roles_or_more_share():
+    """A module of common/ that only one role's folder imports belongs in that folder."""
+    from services.roles import ROLES
+
+    modules = project_modules()
+    role_packages = {role.service.partition(":")[0] for role in ROLES.values()}
+    users: dict[str, set[str]] = {name: set() for name in modules if name.startswith("common.")}
+    for name, path in modules.items():
+        owner = next((p for p in role_packages if name.startswith(p)), name)
+        for dep in imports_of(path, modules):
+            if dep in users and owner != dep:
+                users[dep].add(owner)
+    only_one_role = {dep: who for dep, who in users.items() if len(who) == 1 and who <= role_packages}
+    assert not only_one_role, only_one_role
 
 
 def test_simulated_compute_cannot_be_selected_by_a_product_config(make_config):

@@ -11,7 +11,7 @@ from conftest import sampled_experience
 from common.config import AlgorithmSection, LearnerSection
 from common.models import load_actor, load_critic
 from common.sequences import pack, response_logprobs
-from common.trainer import PPOTrainer
+from services.learner.trainer import PPOTrainer
 
 
 def make_trainer(tiny_model, tokenizer, algorithm=None, temperature=1.0, **learner):

@@ -13,8 +13,8 @@ from common.config import VllmOptions  # noqa: E402
 from common.models import load_actor, load_critic, load_tokenizer  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from common.sequences import lengths_to_mask, pack, response_logprobs  # noqa: E402
-from common.vllm_sampler import VllmSampler  # noqa: E402
 from common.weights import WeightIntegrityError, WeightStore  # noqa: E402
+from services.generator.vllm_sampler import VllmSampler  # noqa: E402
 
 PARAMS = SamplingParams(n=3, max_new_tokens=16, temperature=0.8, seed=11)
 

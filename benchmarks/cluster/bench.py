@@ -261,7 +261,7 @@ def per_hop(sizes: list[tuple[str, int, int, int, float]], folder: Path, repeat:
     in ``folder`` (with its digest) + produce the reference, fetch, read and check the file + decode, commit +
     remove the file. ``sizes``: (label, sequences, prompt tokens, response tokens, the profile's step seconds).
     """
-    from benchmarks.run import experience_batch
+    from benchmarks.batches import experience_batch
     from common.batch_store import BatchStore
     from common.schema import decode, encode
     from services.transport import TopicSpec

@@ -31,11 +31,11 @@ from benchmarks.cluster.profiles import PROFILES, CostModel
 from common.config import load_config
 from common.sampling import Samples
 from common.schema import PromptBatch
-from common.trainer import Experience
 from services.advantage import AdvantageService
 from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
+from services.learner.trainer import Experience
 from services.process import kafka_bus, serve_service
 from services.scorer import ScorerService
 

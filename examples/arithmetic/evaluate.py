@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.config import ModelSection  # noqa: E402
 from common.data import load_prompts, tokenize_prompts  # noqa: E402
 from common.models import load_tokenizer, resolve_model  # noqa: E402
-from common.rewards import final_number_matches  # noqa: E402
+from recipes.rewards import final_number_matches  # noqa: E402
 
 
 def greedy_answers(model_dir: Path, tokenizer, texts: list[str], max_new_tokens: int) -> list[str]:

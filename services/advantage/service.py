@@ -13,11 +13,11 @@ from functools import partial
 import torch
 
 from common.config import RunConfig
-from common.estimation import estimate_advantages, shaping_lineage
 from common.models import load_critic, load_tokenizer, resolve_model
 from common.schema import ExperienceBatch, ScoredBatch, WeightAnnouncement, derive
 from common.sequences import batched_response_values, lengths_to_mask, pack
 from common.weights import load_snapshot_into
+from services.advantage.estimation import estimate_advantages, shaping_lineage
 from services.service import Service, check_token_ids, load_announced_weights
 
 log = logging.getLogger(__name__)

@@ -7,11 +7,11 @@ import logging
 import torch
 
 from common.config import RunConfig
-from common.generation import make_sampler
 from common.models import load_tokenizer, resolve_model
 from common.sampling import SamplingParams
 from common.schema import ADAPTER_BASE, PromptBatch, RolloutBatch, WeightAnnouncement, new_header
 from common.weights import WeightIntegrityError
+from services.generator.samplers import make_sampler
 from services.service import InputError, Service, check_token_ids, load_announced_weights
 
 log = logging.getLogger(__name__)

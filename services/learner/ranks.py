@@ -2,7 +2,7 @@
 
 With ``learner.parallel.processes`` > 1, ``streamppo learner`` runs that many ranks of this very command on its
 machine under torch's launcher (``torch.distributed.run``); rank 0 leads (the service's lifecycle, the bus) and the
-others follow it (:mod:`common.parallel`). When a rank dies the launcher stops the others and exits; all ranks are
+others follow it (:mod:`.parallel`). When a rank dies the launcher stops the others and exits; all ranks are
 then started again by a new launcher (they resume from the last checkpoint), as :mod:`services.restarts` says, after
 which the error is left to a supervisor (``streamppo up``, Kubernetes). The launcher's own restarts are not used:
 with gloo, ranks it restarts in place cannot connect to each other (torch 2.13). SIGTERM and SIGINT are passed on

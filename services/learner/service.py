@@ -26,9 +26,6 @@ import torch
 from common.broadcast import WeightSender
 from common.checkpoint import load_latest_checkpoint, next_epoch, save_checkpoint
 from common.config import RunConfig
-from common.evaluation import answer_eval_prompts, write_generations
-from common.export import export_final_models
-from common.metrics_log import MetricsLog
 from common.models import (
     add_lora,
     enable_activation_checkpointing,
@@ -37,11 +34,14 @@ from common.models import (
     load_tokenizer,
     resolve_model,
 )
-from common.parallel import init_ranks, shard_model
 from common.schema import ADAPTER, ADAPTER_BASE, LEARNER_EPOCH, RUN_ID, ExperienceBatch, WeightAnnouncement, new_header
-from common.trainer import Experience, PPOTrainer
 from common.weights import Snapshot, WeightStore
+from services.learner.evaluation import answer_eval_prompts, write_generations
+from services.learner.export import export_final_models
+from services.learner.metrics_log import MetricsLog
+from services.learner.parallel import init_ranks, shard_model
 from services.learner.ranks import LearnerRanks
+from services.learner.trainer import Experience, PPOTrainer
 from services.service import Dropped, InputError, Progress, Service, check_token_ids
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,6 @@ import torch
 from common import ppo
 from common.algorithms import POLICY_LOSSES
 from common.config import AlgorithmSection, LearnerSection
-from common.parallel import Ranks, gather_full_state, lead
 from common.schema import ExperienceBatch
 from common.sequences import (
     PackedSequences,
@@ -37,6 +36,7 @@ from common.weights import (
     published_tensors,
     write_part,
 )
+from services.learner.parallel import Ranks, gather_full_state, lead
 
 __all__ = ["Experience", "PPOTrainer"]
 
@@ -133,8 +133,8 @@ class PPOTrainer:
         ranks: Ranks | None = None,
         max_response_length: int | None = None,
     ):
-        """``actor`` and ``critic`` come sharded already when ``ranks.sharded`` (:func:`common.parallel.shard_model`):
-        the optimizers must see the sharded parameters. ``critic`` is None with a critic-free estimator.
+        """``actor`` and ``critic`` come sharded already when ``ranks.sharded`` (:func:`.parallel.shard_model`): the
+        optimizers must see the sharded parameters. ``critic`` is None with a critic-free estimator.
         ``max_response_length`` (the sampler's limit) normalises the ``seq-mean-token-sum-norm`` loss."""
         if (critic is None) == algorithm.uses_critic:
             raise ValueError(
