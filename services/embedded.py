@@ -71,10 +71,12 @@ def _progress_bar(total: int, enabled: bool):
     return bar, on_record
 
 
-def run_embedded(config: RunConfig, progress: bool = True) -> RunSummary:
+def run_embedded(config: RunConfig, progress: bool = True, bus: MemoryBus | None = None) -> RunSummary:
+    """Run the pipeline to its end; ``bus``: the in-memory bus to run it over (a new one by default), for a caller
+    that reads the topics afterwards."""
     started = time.time()
     run_dir = _start_from_scratch(config)
-    bus = MemoryBus()
+    bus = bus or MemoryBus()
     bus.create_topics(pipeline_topics())
     bar, on_record = _progress_bar(config.run.steps, progress)
     built, runners = {}, []

@@ -5,6 +5,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 from services.embedded import run_embedded
 
@@ -172,3 +173,35 @@ def test_broadcast_weights_train_exactly_as_stored_ones(make_config, tmp_path, c
     # Every version after the initial weights came by the broadcast (the first waited for the group to form).
     assert runs["broadcast-loads"] == ["v1", "v2", "v3", "v4"]
     assert runs["store"] == runs["broadcast"]
+
+
+def test_a_critic_free_run_has_no_critic_anywhere(make_config, caplog):
+    """GRPO: no service loads, trains, checkpoints or publishes a critic, and the experience on the topic says which
+    estimator made it."""
+    from helpers import read_messages
+
+    from services.transport import MemoryBus
+
+    steps = 4
+    config = make_config(f"run.steps={steps}", "data.eval_prompts=0", example="grpo.yaml")
+    bus = MemoryBus()
+    with caplog.at_level(logging.INFO):
+        run_embedded(config, progress=False, bus=bus)
+    assert "advantage-0: grpo needs no critic; none is loaded" in caplog.text
+    assert "critic weights" not in caplog.text  # nobody loaded, nor was offered, a critic snapshot
+    run = config.run.dir
+    assert {p.name.split("-v")[0] for p in (run / "weights").iterdir()} == {"actor"}
+    checkpoint = (run / "checkpoints" / (run / "checkpoints" / "LATEST").read_text().strip()) / "trainer.pt"
+    assert set(torch.load(checkpoint, weights_only=True)) >= {"actor", "actor_optimizer"}
+    assert not {"critic", "critic_optimizer"} & set(torch.load(checkpoint, weights_only=True))
+    assert sorted(p.name for p in (run / "final").iterdir()) == ["actor"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert len(records) == steps and all("grad_norm_critic" not in r and "value_loss" not in r for r in records)
+    experience = read_messages(bus, "experience")
+    assert len(experience) == steps
+    for message in experience:
+        assert message.lineage["shaping.estimator"] == "grpo" and "critic.version" not in message.lineage
+        assert not message.values.any(), "values are zeros: there is no critic"
+        assert message.advantages.any()
+    announced = {m.model for m in read_messages(bus, "weights")}
+    assert announced == {"actor"}

@@ -143,61 +143,24 @@ def test_an_unreachable_broker_is_a_clear_error():
 
 
 @pytest.mark.slow
-def test_streamppo_up_runs_the_pipeline_as_processes(kafka_broker, kafka_config, tmp_path, model_cache):
-    """generator, two scorer replicas, advantage and learner, each its own process, over the broker."""
-    steps, run_id = 12, unique("proc")
-    result = run_up(kafka_broker, tmp_path, model_cache, steps, run_id, up_args=("--replicas", "scorer=2"))
-    assert "scorer-1 | " in result.stdout and "scorer-1: serving rollouts -> scored" in result.stdout, "prefixed logs"
-    backend = "vllm" if importlib.util.find_spec("vllm") else "transformers"  # 'auto', as a user gets it
-    assert f"generator-0: sampling with the {backend} backend" in result.stdout
-
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)], "each batch once"
-    first = sum(r["reward_mean"] for r in records[:3]) / 3
-    last = sum(r["reward_mean"] for r in records[-3:]) / 3
-    assert last > first + 0.15, (first, last)
-    scored = {k: m.lineage["scorer.replica"] for k, m in run_messages(kafka_config, "scored", run_id, steps).items()}
-    assert len(scored) == steps
-    assert set(scored.values()) == {"scorer-0", "scorer-1"}, "both scorer replicas did work"
-
-
-def test_a_critic_free_run_has_no_critic_anywhere(own_broker, make_config, tmp_path, model_cache):
-    """GRPO as processes over the broker: no service loads, trains, checkpoints or publishes a critic, and the
-    experience on the topic says which estimator made it."""
-    steps, run_id = 8, unique("grpo")
-    overrides = ["generation.backend=transformers"]
-    result = run_up(own_broker, tmp_path, model_cache, steps, run_id, overrides, config="grpo.yaml")
-    assert "advantage-0: grpo needs no critic; none is loaded" in result.stdout
-    assert "critic weights" not in result.stdout  # nobody loaded, nor was offered, a critic snapshot
-    run = tmp_path / "run"
-    assert {p.name.split("-v")[0] for p in (run / "weights").iterdir()} == {"actor"}
-    checkpoint = (run / "checkpoints" / (run / "checkpoints" / "LATEST").read_text().strip()) / "trainer.pt"
-    assert set(torch.load(checkpoint, weights_only=True)) >= {"actor", "actor_optimizer"}
-    assert not {"critic", "critic_optimizer"} & set(torch.load(checkpoint, weights_only=True))
-    assert sorted(p.name for p in (run / "final").iterdir()) == ["actor"]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
-    assert len(records) == steps and all("grad_norm_critic" not in r and "value_loss" not in r for r in records)
-    experience = list(run_messages(make_config(*own_broker), "experience", run_id, steps).values())
-    assert len(experience) == steps
-    for message in experience:
-        assert message.lineage["shaping.estimator"] == "grpo" and "critic.version" not in message.lineage
-        assert not message.values.any(), "values are zeros: there is no critic"
-        assert message.advantages.any()
-
-
-def test_a_lora_run_sends_adapters_and_samples_with_the_learners_log_probs(own_broker, tmp_path, model_cache):
-    """LoRA on the actor, as processes over the broker: snapshots hold the adapters alone, and the generator (vLLM
-    when installed, as a user gets it), which swaps them in at each version over its base weights, samples with the
-    log-probs the learner computes (float32)."""
+def test_streamppo_up_runs_every_role_as_processes_with_lora_on_the_vllm_generator(
+    own_broker, make_config, tmp_path, model_cache
+):
+    """`streamppo up` with two scorer replicas, each service its own process over the broker, the generator the one a
+    user gets (vLLM when installed). LoRA on the actor: snapshots hold the adapters alone, and the generator, which
+    swaps them in at each version over its base weights, samples with the log-probs the learner computes (float32)."""
     from safetensors.torch import load_file
 
-    steps, run_id = 6, unique("lora")
+    steps, run_id = 8, unique("lora")
     overrides = ["model.lora={rank: 8, alpha: 16}", "learner.actor_lr=3e-2"]
-    result = run_up(own_broker, tmp_path, model_cache, steps, run_id, overrides, config="grpo.yaml")
+    up_args = ("--replicas", "scorer=2")
+    result = run_up(own_broker, tmp_path, model_cache, steps, run_id, overrides, up_args, config="grpo.yaml")
+    assert "scorer-1 | " in result.stdout and "scorer-1: serving rollouts -> scored" in result.stdout, "prefixed logs"
     backend = "vllm" if importlib.util.find_spec("vllm") else "transformers"
     assert f"generator-0: sampling with the {backend} backend" in result.stdout
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)], "each batch once"
     assert [r["staleness"] for r in records] == [0.0] * steps, "each batch sampled by the adapters of its version"
     assert max(r["logprob_mismatch_max"] for r in records) < 1e-4, [r["logprob_mismatch_max"] for r in records]
     for snapshot in (run / "weights").glob("actor-*.safetensors"):
@@ -206,6 +169,9 @@ def test_a_lora_run_sends_adapters_and_samples_with_the_learners_log_probs(own_b
     assert any(t.abs().max() > 0 for k, t in adapters.items() if "lora_B" in k), "the adapters were trained"
     for version in range(1, steps):
         assert f"generator-0: actor weights v{version} loaded" in result.stdout
+    scored = run_messages(make_config(*own_broker), "scored", run_id, steps)
+    assert len(scored) == steps
+    assert {m.lineage["scorer.replica"] for m in scored.values()} == {"scorer-0", "scorer-1"}, "both scorers worked"
 
 
 def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path):
@@ -269,8 +235,6 @@ def test_broadcast_readers_see_every_partition_from_the_start_and_leave_no_group
 def test_a_refused_weight_announcement_does_not_block_the_real_one(make_config, kafka_broker):
     """A forged announcement of the next version (its file missing) must not make the real one look old."""
     import dataclasses
-
-    import torch
 
     from common.schema import encode, message_key
     from services.advantage import AdvantageService
@@ -700,12 +664,16 @@ def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_bro
         ("--replicas", "scorer=2"),
         ("pipeline.max_staleness=1", "learner.checkpoint_every=2", "pipeline.inline_max_bytes=2000"),
     )
+    # Every role dies at least once (the learner and a scorer twice), in a seeded order, at seeded moments.
     chance, killed = random.Random(7), []
+    roles = ["generator-0", "scorer-0", "scorer-1", "advantage-0", "learner-0"]
+    victims = roles + ["learner-0", "scorer-1"] + [chance.choice(roles) for _ in range(kills - len(roles) - 2)]
+    chance.shuffle(victims)
     try:
         deadline = time.monotonic() + 600
         while len(killed) < kills and up.poll() is None and time.monotonic() < deadline:
             time.sleep(chance.uniform(1.5, 4.0))
-            victim = chance.choice(["generator-0", "scorer-0", "scorer-1", "advantage-0", "learner-0"])
+            victim = victims[len(killed)]
             pattern = f"replica-id {victim} .*run.run_id={run_id}"
             if subprocess.run(["pkill", "-9", "-f", pattern]).returncode == 0:
                 killed.append(victim)
@@ -720,6 +688,7 @@ def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_bro
         assert re.search(rf"{victim} exited with code -9; restarting it in [0-9.]+ s", text), victim
     records = [json.loads(line) for line in metrics.open()]
     assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
+    assert [r["policy_version"] for r in records] == [float(v) for v in range(1, steps + 1)], "no update lost"
     assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
     assert all(r["staleness"] <= 1 for r in records)
     # A file is removed once its record is committed past; a kill may orphan one (written, never sent or removed).
