@@ -329,7 +329,8 @@ class WeightsSection(_Section):
     )
     digest: Literal["blake3", "sha256"] = Field(
         "blake3",
-        description="Digest of each snapshot, named in its announcement: blake3 (multi-threaded, ~8× faster here) "
+        description="Digest of each snapshot, named in its announcement: blake3 (multi-threaded, several times faster: "
+        "benchmarks/RESULTS.md, section 5) "
         "or sha256. Readers check either.",
     )
     full_every: int = Field(

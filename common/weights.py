@@ -8,12 +8,12 @@ final name; a file that was truncated or corrupted anyway fails its digest and i
 The data is gone over once on each side. The writer digests the tensors it hands to safetensors, in the file's
 order, behind the header it reads back: never a second pass over the file. The reader digests the file through a
 memory map, and the tensors it loads are views of the same pages: no copy between the file and the model. A digest
-is ``<algorithm>:<hex>``: ``blake3`` (all cores, ~11 GB/s here) by default, ``sha256`` (~1.4 GB/s) where a
-standard hash is required; both are always readable.
+is ``<algorithm>:<hex>``: ``blake3`` (multi-threaded, several times faster: ``benchmarks/RESULTS.md``, section 5)
+by default, ``sha256`` where a standard hash is required; both are always readable.
 
 Snapshots are not fsynced. One lost in a crash is written again by the learner, which announces its checkpointed
-weights at every start, and a torn one fails its digest; the fsync would cost more than the write (0.3 s for
-SmolLM2-135M in float32 on this machine's disk). Checkpoints, which nothing can rebuild, are fsynced.
+weights at every start, and a torn one fails its digest; the fsync would cost more than the write
+(``benchmarks/RESULTS.md``, section 5). Checkpoints, which nothing can rebuild, are fsynced.
 """
 
 from __future__ import annotations

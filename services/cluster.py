@@ -149,8 +149,8 @@ def child_environment(children: int, environ: dict[str, str] | None = None) -> d
     """The environment of every child: the machine's cores shared out among them, unless the user chose.
 
     Each torch process otherwise runs one thread per core, so N services on one machine run N × cores threads
-    that preempt each other mid-step: on 2 cores, a restarted scorer loading its models made the learner's
-    0.2 s update take 2.6 s (benchmarks/RESULTS.md, section 7). torchrun does the same for its ranks.
+    that preempt each other mid-step: a restarted scorer loading its models made the learner's update many times
+    slower (benchmarks/RESULTS.md, section 7). torchrun does the same for its ranks.
     """
     environ = dict(os.environ if environ is None else environ)
     share = max(1, (os.cpu_count() or 1) // max(children, 1))

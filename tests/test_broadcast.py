@@ -20,6 +20,8 @@ from common.models import load_actor
 from common.weights import WeightIntegrityError, load_state_into, snapshot_state
 from services.transport.local_broker import free_port
 
+pytestmark = pytest.mark.slow  # gloo groups and their timeouts
+
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 5.0
 

