@@ -19,3 +19,13 @@ def publish(bus, topic, *payloads, key=b"k", partition=None):
     for payload in payloads:
         producer.send(topic, payload, key=key, partition=partition)
     producer.flush()
+
+
+def run_settings(tmp_path, model_cache, steps: int, run_id: str) -> list[str]:
+    """The overrides of a test's run of ``steps`` under ``tmp_path/run``, with the session's model cache."""
+    return [
+        f"run.steps={steps}",
+        f"run.dir={tmp_path / 'run'}",
+        f"run.run_id={run_id}",
+        f"model.cache_dir={model_cache}",
+    ]

@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 from conftest import EXAMPLE, REPO
+from helpers import run_settings
 
 from common.schema import decode
 from services.cluster import stop_all
@@ -75,10 +76,7 @@ def cluster(tmp_path, model_cache, kafka_broker):
         # Faults of the transport and the learner: the generator samples with transformers (no engine start per
         # restart); test_kafka runs the processes with the vLLM generator.
         overrides = [
-            f"run.steps={steps}",
-            f"run.dir={tmp_path / 'run'}",
-            f"run.run_id={run_id}",
-            f"model.cache_dir={model_cache}",
+            *run_settings(tmp_path, model_cache, steps, run_id),
             "generation.backend=transformers",
             *kafka_broker,
             *more_overrides,

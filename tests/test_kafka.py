@@ -13,6 +13,7 @@ import uuid
 import pytest
 import torch
 from conftest import EXAMPLE, REPO
+from helpers import run_settings
 
 from common.schema import DeadLetter, SchemaError, decode
 from services.process import kafka_bus
@@ -43,14 +44,7 @@ def streamppo_command(*args: str, overrides: list[str] = (), config: str = "conf
 def up_command(kafka_broker, tmp_path, model_cache, steps, run_id, overrides, up_args, config, verbose) -> list[str]:
     """`streamppo up` on the test's broker for a run of ``steps`` under ``tmp_path/run``."""
     bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
-    settings = [
-        f"run.steps={steps}",
-        f"run.dir={tmp_path / 'run'}",
-        f"run.run_id={run_id}",
-        f"model.cache_dir={model_cache}",
-        *overrides,
-        *kafka_broker,
-    ]
+    settings = [*run_settings(tmp_path, model_cache, steps, run_id), *overrides, *kafka_broker]
     flags = ["-v"] if verbose else []
     return streamppo_command(*flags, "up", "--bootstrap", bootstrap, *up_args, overrides=settings, config=config)
 
@@ -598,10 +592,7 @@ def test_a_run_resumes_on_a_new_empty_broker_and_applies_each_version_once(tmp_p
     steps, run_id, port = 40, unique("loss"), free_port()
     broker = LocalBroker(port, log_path=tmp_path / "broker-1.log").start()
     overrides = [
-        f"run.steps={steps}",
-        f"run.dir={tmp_path / 'run'}",
-        f"run.run_id={run_id}",
-        f"model.cache_dir={model_cache}",
+        *run_settings(tmp_path, model_cache, steps, run_id),
         "generation.backend=transformers",
         "kafka.idempotent_producer=false",
         "kafka.connect_timeout_s=120",
