@@ -71,8 +71,10 @@ def _up(args) -> int:
     from common.config import load_config
     from services.cluster import parse_replicas, up
 
+    from services.preflight import check_run_inputs
+
     overrides = [*args.set, *(["run.resume=true"] if args.resume else [])]
-    load_config(args.config, overrides)  # fail here, once, rather than in every child
+    check_run_inputs(load_config(args.config, overrides))  # fail here, once, rather than in every child
     try:
         replicas = parse_replicas(args.replicas)
     except ValueError as exc:
@@ -279,10 +281,12 @@ def _dispatch(args) -> int:
 
     try:
         return args.handler(args)
-    except (ConfigError, TopicMismatch) as exc:
+    except (ConfigError, TopicMismatch, ModelLoadError, RewardError, DatasetError) as exc:
+        # What a setting names that cannot be had (a prompt file, a reward function, a model folder): a restart
+        # cannot cure it, and a supervisor must not try.
         print(f"streamppo: {exc}", file=sys.stderr)
         return exit_codes.CONFIG
-    except (ModelLoadError, RewardError, DatasetError, BrokerUnavailable) as exc:
+    except BrokerUnavailable as exc:
         print(f"streamppo: {exc}", file=sys.stderr)
         return exit_codes.ERROR
     except NoSpaceError as exc:

@@ -1,8 +1,9 @@
 """Exit codes of ``streamppo`` commands: what a supervisor (``streamppo up``, Kubernetes) may restart."""
 
 OK = 0
-ERROR = 1  # any other failure: a model that does not load, a broker that stays away, a crash
-CONFIG = 2  # a bad setting or argument: a restart cannot cure it
+ERROR = 1  # any other failure: a broker that stays away, a crash
+CONFIG = 2  # a bad setting or argument, or what one names that cannot be had (a prompt file, a reward function, a
+# model folder): a restart cannot cure it
 NO_SPACE = 3  # a disk without room for a checkpoint or snapshot: neither can a restart
 INTERRUPTED = 130
 

@@ -67,7 +67,7 @@ def test_cli_reports_a_missing_model_clearly(tmp_path):
         "--set",
         f"run.dir={tmp_path}/run",
     )
-    assert result.returncode == 1
+    assert result.returncode == 2, "a configuration error: no restart can cure it"
     assert "no-model" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -85,7 +85,7 @@ def test_cli_reports_a_broken_prompt_file(tmp_path, model_cache):
         "--set",
         f"run.dir={tmp_path}/run",
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "prompts.jsonl:2" in result.stderr
 
 
@@ -101,7 +101,7 @@ def test_cli_reports_a_bad_reward_function(tmp_path, model_cache):
         "--set",
         f"run.dir={tmp_path}/run",
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "common.rewards:nope" in result.stderr
 
 
@@ -228,7 +228,7 @@ def test_cli_reports_a_batch_larger_than_the_dataset(tmp_path, model_cache):
         "--set",
         "generation.backend=transformers",
     )
-    _one_line_error(result, 1, "data.batch_size 500", "120 prompts")
+    _one_line_error(result, 2, "data.batch_size 500", "120 prompts")
 
 
 def test_cli_reports_a_device_this_machine_lacks(tmp_path, model_cache):
@@ -246,7 +246,7 @@ def test_cli_reports_a_device_this_machine_lacks(tmp_path, model_cache):
         "--set",
         "generation.backend=transformers",
     )
-    _one_line_error(result, 1, f"onto {lacking}", "CUDA")
+    _one_line_error(result, 2, f"onto {lacking}", "CUDA")
 
 
 def test_cli_reports_a_malformed_bootstrap_before_loading_anything(tmp_path):
@@ -318,3 +318,56 @@ def test_cli_reports_an_unreachable_broker_briefly(tmp_path, model_cache):
     )
     _one_line_error(result, 1, "no Kafka broker reachable", "kafka.connect_timeout_s")
     assert len(result.stderr.strip().splitlines()) <= 3, result.stderr  # the wait, the error: no flood
+
+
+@pytest.mark.parametrize(
+    "setting, named",
+    [
+        ("data.prompts={tmp}/missing.jsonl", "missing.jsonl"),
+        ("reward.function=no_such_module:score", "no_such_module:score"),
+        ("model.critic={tmp}/no-critic", "no-critic"),
+    ],
+    ids=["prompt file", "reward function", "model folder"],
+)
+@pytest.mark.parametrize("command", ["run", "up"])
+def test_a_setting_that_names_what_cannot_be_had_fails_fast_with_exit_2(command, setting, named, tmp_path, model_cache):
+    """`up` checks the prompt file, the reward function and the models before it starts a broker or a service, and
+    stops with the code a supervisor does not restart; `run` (and each service alone) exits with the same code."""
+    import time
+
+    started = time.monotonic()
+    result = streamppo(
+        command,
+        "--config",
+        str(EXAMPLE / "config.yaml"),
+        "--set",
+        setting.format(tmp=tmp_path),
+        "--set",
+        f"run.dir={tmp_path}/run",
+        "--set",
+        f"model.cache_dir={model_cache}",
+        "--set",
+        "generation.backend=transformers",
+    )
+    _one_line_error(result, 2, named)
+    assert "local broker listening" not in result.stdout, "nothing was started"
+    assert time.monotonic() - started < 60
+
+
+def test_a_service_started_alone_exits_2_on_a_setting_that_names_what_cannot_be_had(tmp_path, model_cache):
+    """What `up` (or Kubernetes) sees of a service whose configuration cannot work: exit 2, not restarted."""
+    from services import exit_codes
+
+    result = streamppo(
+        "scorer",
+        "--config",
+        str(EXAMPLE / "config.yaml"),
+        "--bootstrap",
+        "127.0.0.1:9",
+        "--set",
+        "reward.function=no_such_module:score",
+        "--set",
+        f"model.cache_dir={model_cache}",
+    )
+    _one_line_error(result, exit_codes.CONFIG, "no_such_module:score")
+    assert 2 in exit_codes.PERMANENT

@@ -1,0 +1,32 @@
+"""What every service of a run would find wrong at its start, found once, before any is started: ``streamppo up``
+checks the prompt file (and that it holds a batch), the reward function or model, and the models' folders, and
+stops with exit code 2 naming the setting, instead of starting services that would each fail and be restarted.
+
+Each check is the one the service itself makes when it starts (the same loaders), so the two cannot disagree; a
+service that finds such an error anyway (its config changed, a file went away) exits 2 too, and ``up`` does not
+restart it.
+"""
+
+from __future__ import annotations
+
+from common.config import RunConfig
+
+__all__ = ["check_run_inputs"]
+
+
+def check_run_inputs(config: RunConfig) -> None:
+    """Raises :class:`~common.data.DatasetError`, :class:`~common.rewards.RewardError` or
+    :class:`~common.models.ModelLoadError`; builtin models are built into the cache now, once, as the services
+    would."""
+    from common.data import PromptSchedule, load_prompts
+    from common.models import resolve_model
+    from common.rewards import load_reward_function
+
+    prompts = load_prompts(config.data.prompts)
+    PromptSchedule(len(prompts), config.data.batch_size, config.data.shuffle, config.run.seed)
+    if config.reward.function is not None:
+        load_reward_function(config.reward.function)
+    m = config.model
+    models = [m.actor, m.reference, m.critic if config.algorithm.uses_critic else None, config.reward.model]
+    for spec in filter(None, models):
+        resolve_model(spec, m.cache_dir)
