@@ -70,7 +70,6 @@ def _status(args) -> int:
 def _up(args) -> int:
     from common.config import load_config
     from services.cluster import parse_replicas, up
-
     from services.preflight import check_run_inputs
 
     overrides = [*args.set, *(["run.resume=true"] if args.resume else [])]

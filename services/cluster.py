@@ -47,6 +47,7 @@ def _pump(name: str, stream) -> None:
 
 
 LOCAL_SESSION_TIMEOUT_MS, LOCAL_HEARTBEAT_MS = 1000, 250  # consumer sessions on the local broker
+RESUME = ["--set", "run.resume=true"]
 
 
 @dataclass
@@ -118,6 +119,10 @@ def up(
         for child in children.values():
             _spawn(child)
         while not interrupted:
+            replaced = [child.name for child in children.values() if _found_the_log_replaced(child)]
+            if replaced:
+                _resume_on_the_new_log(children, replaced)
+                continue
             for child in children.values():
                 code = _supervise(child, restart)
                 if code is not None:
@@ -166,6 +171,29 @@ def _spawn(child: _Child) -> None:
     )
     child.started, child.restart_at = time.monotonic(), None
     threading.Thread(target=_pump, args=(child.name, child.process.stdout), daemon=True).start()
+
+
+def _found_the_log_replaced(child: _Child) -> bool:
+    return child.restart_at is None and child.process is not None and child.process.poll() == exit_codes.LOG_REPLACED
+
+
+def _resume_on_the_new_log(children: dict[str, _Child], found_by: list[str]) -> None:
+    """The broker lost the run's log: stop every service and start each again in resume mode (the learner from its
+    checkpoint, the feeder from the step after it), as an operator would with ``up --resume``. The services make the
+    topics of the new log themselves, as every service does at its start."""
+    print(
+        f"{', '.join(found_by)} found the run's log gone (the broker lost its data); resuming every service from the "
+        "learner's checkpoint on the new log",
+        flush=True,
+    )
+    # A few seconds for the learner to checkpoint what it holds (a SIGTERM's work); nothing else of theirs is kept.
+    stop_all([child.process for child in children.values() if child.process is not None], timeout_s=3.0)
+    for child in children.values():
+        if RESUME[1] not in child.args:
+            child.args += RESUME
+        child.restarts = Restarts()
+        _spawn(child)
+    print("every service started again in resume mode", flush=True)
 
 
 def _supervise(child: _Child, restart: str) -> int | None:

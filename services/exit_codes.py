@@ -5,6 +5,7 @@ ERROR = 1  # any other failure: a broker that stays away, a crash
 CONFIG = 2  # a bad setting or argument, or what one names that cannot be had (a prompt file, a reward function, a
 # model folder): a restart cannot cure it
 NO_SPACE = 3  # a disk without room for a checkpoint or snapshot: neither can a restart
+LOG_REPLACED = 4  # the log the service worked on is gone (the broker lost its data): resume the run on the new log
 INTERRUPTED = 130
 
 PERMANENT = {CONFIG: "a configuration error", NO_SPACE: "no space left on a disk"}

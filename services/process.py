@@ -17,11 +17,12 @@ import time
 from kafka.errors import KafkaError
 
 from common.config import ConfigError, RunConfig
+from services import exit_codes
 from services.metrics import ServiceMetrics
-from services.roles import ROLES, pipeline_topics
+from services.roles import LOG_TOPIC, ROLES, pipeline_topics
 from services.runtime import ServiceRunner
 from services.service import ProcessGroup, Service
-from services.transport import Bus
+from services.transport import Bus, LogReplaced
 from services.transport.kafka import KafkaBus, KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ def kafka_bus(config: RunConfig, bootstrap: str | None = None, replace_wrong_top
         )
     )
     bus.create_topics(pipeline_topics(k.partitions), replace_wrong=replace_wrong_topics)
+    bus.log_identity(LOG_TOPIC, create=True)  # the topics and their identity are the run's log
     return bus
 
 
@@ -128,22 +130,28 @@ def serve_service(
     metrics = metrics or ServiceMetrics(role)
     stop = stop or _StopFlag(replica_id)
     service.observe(metrics.observe)
-    runner = None
+    runner, code = None, exit_codes.OK
     try:
         runner = ServiceRunner(service, bus or kafka_bus(config, bootstrap), metrics=metrics)
         log.info("%s: serving %s -> %s", replica_id, service.input_topic or "(nothing)", service.output_topic)
         _loop(runner, stop)
         if service.done():
             service.finish()
+    except LogReplaced as exc:
+        # Nothing more is read, sent or committed: the run resumes from the learner's checkpoint on the new log.
+        log.error("%s; stopping (exit %d): the run resumes from the learner's checkpoint", exc, exit_codes.LOG_REPLACED)
+        code = exit_codes.LOG_REPLACED
     finally:
         if runner is None:
             service.close()
+        elif code == exit_codes.LOG_REPLACED:
+            runner.abandon()
         else:
             _report_status(runner, "done" if service.done() else "stopped")
             runner.close()
             # One parseable line: where this replica's time went (benchmarks/ reads it).
             log.info("%s: time breakdown %s", replica_id, json.dumps({"role": role, **runner.time_breakdown()}))
-    return 0
+    return code
 
 
 def _report_status(runner: ServiceRunner, state: str | None = None) -> None:
@@ -177,4 +185,5 @@ def _loop(runner: ServiceRunner, stop: _StopFlag) -> None:
                 "%s: broker error (%s: %s); retrying in %.1fs", runner.replica_id, type(exc).__name__, exc, backoff
             )
             time.sleep(backoff)
-            backoff = min(backoff * 2, 30.0)
+            # Short: a broker that comes back (or a new one, whose log the next check finds replaced) is seen soon.
+            backoff = min(backoff * 2, 4.0)

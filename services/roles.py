@@ -17,12 +17,16 @@ from common.config import RunConfig
 from common.schema import TOPIC_MESSAGE
 from services.transport.base import TopicSpec, dlq_topic
 
-__all__ = ["ROLES", "STATUS_TOPIC", "WEIGHTS_TOPIC", "Role", "pipeline_topics"]
+__all__ = ["LOG_TOPIC", "ROLES", "STATUS_TOPIC", "WEIGHTS_TOPIC", "Role", "pipeline_topics"]
 
 # Weight announcements: read by every replica that loads weights (no consumer group), compacted by key.
 WEIGHTS_TOPIC = "weights"
 # Each replica's latest ReplicaStatus (common.schema), compacted by replica id: what `streamppo status` reads.
 STATUS_TOPIC = "status"
+# The log's identity: its first record, written when the run's topics are made (Bus.log_identity). A broker that
+# lost its data has no such topic; topics made again hold another identity. Either way a service that worked on the
+# old log stops (LogReplaced).
+LOG_TOPIC = "log-identity"
 
 
 @dataclass(frozen=True)
@@ -108,4 +112,5 @@ def pipeline_topics(partitions: int = 1) -> list[TopicSpec]:
         specs.append(TopicSpec(name, 1 if weights else partitions, compacted=weights, verify=weights))
         specs.append(TopicSpec(dlq_topic(name), 1))
     specs.append(TopicSpec(STATUS_TOPIC, 1, compacted=True))
+    specs.append(TopicSpec(LOG_TOPIC, 1, compacted=True))
     return specs

@@ -40,14 +40,21 @@ from common.schema import (
 from services.dedupe import RecentIds
 from services.metrics import ServiceMetrics
 from services.referenced_batches import ReferencedBatches
-from services.roles import STATUS_TOPIC, WEIGHTS_TOPIC
+from services.roles import LOG_TOPIC, STATUS_TOPIC, WEIGHTS_TOPIC
 from services.service import Dropped, InputError, Progress, Service
-from services.transport import Bus, Record, dlq_topic
+from services.transport import Bus, LogReplaced, Record, dlq_topic
 from services.weights_feed import WeightsFeed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ServiceRunner"]
+__all__ = ["LOG_CHECK_S", "ServiceRunner", "consumer_group"]
+
+LOG_CHECK_S = 2.0  # how often a replica checks that its log is still the one it started on
+
+
+def consumer_group(role: str, log: str) -> str:
+    """The consumer group of a role's replicas on one log: replicas share its partitions."""
+    return f"{role}.{log[:12]}"
 
 
 @dataclass(frozen=True)
@@ -71,9 +78,14 @@ class ServiceRunner:
         self.counters: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()  # per part of the loop, see time_breakdown()
         self.started = time.perf_counter()
+        # The log this replica works on, made its own if the topics have no identity yet. Its consumer group is
+        # the role's on this log: offsets committed on another log (a broker that lost its data, then old replicas
+        # that rejoined on the new one) are never read, and members of such a group never hold this one back.
+        self.bus, self.log = bus, bus.log_identity(LOG_TOPIC, create=True)
+        self.log_checked = time.monotonic()
         self.producer = bus.producer(self.replica_id)
         self.work = (
-            bus.consumer(service.input_topic, group=service.role, client_id=self.replica_id)
+            bus.consumer(service.input_topic, group=consumer_group(service.role, self.log), client_id=self.replica_id)
             if service.input_topic is not None
             else None
         )
@@ -110,6 +122,7 @@ class ServiceRunner:
         partition paused, so records of other partitions keep flowing: Kafka orders records within a partition
         only, and the batch the pipeline needs next may sit behind another partition's held one.
         """
+        self._check_log()
         did = self.weights is not None and self.weights.apply(timeout_s if self.held or self.work is None else 0.0)
         if self.work is None:
             return did
@@ -202,8 +215,22 @@ class ServiceRunner:
         self.last_progress = now
         return True
 
+    def _check_log(self) -> None:
+        """Every few seconds: is the log still the one this replica started on? Raises :class:`LogReplaced` when the
+        broker lost it (the identity is gone) or its topics were made again (another identity)."""
+        if time.monotonic() - self.log_checked < LOG_CHECK_S:
+            return
+        self.log_checked = time.monotonic()
+        now = self.bus.log_identity(LOG_TOPIC)
+        if now != self.log:
+            raise LogReplaced(
+                f"{self.replica_id}: the log it worked on ({self.log}) is gone (the log's identity is now "
+                f"{now or 'missing'}): the broker lost its data or its topics were made again"
+            )
+
     def _check_log_continuity(self) -> None:
-        """Say so, once, when input partitions' logs end below where they had reached: the broker lost them."""
+        """Raises :class:`LogReplaced` when input partitions' logs end below where they had reached: the broker lost
+        them."""
         shrunk = []
         for partition, end in sorted(self.work.log_ends().items()):
             reached = self.log_ends.get(partition, 0)
@@ -211,12 +238,9 @@ class ServiceRunner:
                 shrunk.append(f"{self.service.input_topic}[{partition}] {reached} -> {end}")
             self.log_ends[partition] = end
         if shrunk:
-            self.counters["log_resets"] += 1
-            log.error(
-                "%s: the broker lost its data (a new, empty broker?): log ends went back (%s). Stop the services and "
-                "start them again with --resume (streamppo up --resume) to continue from the learner's checkpoint",
-                self.replica_id,
-                ", ".join(shrunk),
+            raise LogReplaced(
+                f"{self.replica_id}: the broker lost its data (a new, empty broker?): log ends went back "
+                f"({', '.join(shrunk)})"
             )
 
     # status() keys, by outcome; the same outcomes label streamppo_batches_total.
@@ -316,13 +340,24 @@ class ServiceRunner:
 
     def _durable(self, force: bool = False) -> bool:
         offsets = {f"{r.topic}/{r.partition}": r.offset + 1 for r in self.uncommitted.values()}
-        return not offsets or self.service.make_durable(Progress(offsets, self.recent.to_list()), force)
+        return not offsets or self.service.make_durable(Progress(offsets, self.recent.to_list(), self.log), force)
 
     def _commit_deferred(self) -> None:
         for pending in self.uncommitted.values():
             self.work.commit(pending)
             self.referenced.release(pending)
         self.uncommitted.clear()
+
+    def abandon(self) -> None:
+        """Release what the runner holds without committing or sending anything: its log is gone
+        (:class:`LogReplaced`), and whatever it would write now would land on a log it did not make."""
+        self.service.close()
+        for client in (self.producer, self.work, self.weights):
+            if client is not None:
+                try:
+                    client.close()
+                except Exception as exc:  # a client of a lost broker may fail to close; nothing of it is needed
+                    log.debug("%s: closing a client of the lost log: %s", self.replica_id, exc)
 
     def close(self) -> None:
         if self._durable(force=True):

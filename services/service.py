@@ -53,6 +53,9 @@ class Progress:
     """``"topic/partition"`` → the next offset to read."""
     handled: list[str] = field(default_factory=list)
     """The batch ids handled last (oldest first, at most ``pipeline.dedupe_window``)."""
+    log: str | None = None
+    """The identity of the log the offsets were read from (:data:`services.roles.LOG_TOPIC`): they mean nothing on
+    another (a broker that lost its data), where the batch ids and steps say what was applied."""
 
 
 class ProcessGroup(ABC):

@@ -30,7 +30,12 @@ SCALED = {
     "scorer": {
         "replicas": 6,
         "resources": {"limits": {"nvidia.com/gpu": 1}},
-        "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 12},
+        "autoscaling": {
+            "enabled": True,
+            "minReplicas": 2,
+            "maxReplicas": 12,
+            "prometheusAddress": "http://prometheus-operated.monitoring:9090",
+        },
     },
     "generator": {"resources": {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}}, "nodeSelector": {"gpu": "h200"}},
     "learner": {"resources": {"limits": {"nvidia.com/gpu": 1}}, "extraArgs": ["--set", "learner.checkpoint_every=20"]},
@@ -105,8 +110,13 @@ def test_scaled_values_reach_the_manifests():
     assert scaled["spec"]["scaleTargetRef"]["name"] == deployments["scorer"]["metadata"]["name"]
     assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (2, 12)
     (trigger,) = scaled["spec"]["triggers"]
-    assert trigger["type"] == "kafka" and trigger["metadata"]["topic"] == "rollouts"
-    assert trigger["metadata"]["consumerGroup"] == "scorer", "the scorer's consumer group is its role name"
+    # The lag the scorers export: their group is named after the role and the log, so no fixed group name would do.
+    assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "4"
+    assert (
+        'streamppo_consumer_lag{role="scorer", namespace="ml", service="rl-streamppo-scorer"}'
+        in (trigger["metadata"]["query"])
+    )
+    assert trigger["metadata"]["serverAddress"] == "http://prometheus-operated.monitoring:9090"
     (monitor,) = by_kind(docs, "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prom" and monitor["spec"]["endpoints"][0]["port"] == "metrics"
     services = by_kind(docs, "Service")

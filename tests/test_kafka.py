@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import EXAMPLE, REPO
 from helpers import run_settings
+from kafka.errors import KafkaError
 
 from common.schema import DeadLetter, SchemaError, decode
 from services.process import kafka_bus
@@ -586,7 +587,10 @@ def test_a_weights_topic_the_broker_made_on_its_own_is_refused_by_services_and_r
 
 @pytest.mark.slow
 def test_a_run_resumes_on_a_new_empty_broker_and_applies_each_version_once(tmp_path, model_cache):
-    """The broker dies mid-run and an empty one takes its place: the services say so; `up --resume` finishes."""
+    """The stall an independent check found: the broker dies mid-run, an empty one takes its place, and the old
+    services live on it for a while before an operator stops them and runs `up --resume` on that same broker. Their
+    groups and offsets there belong to the lost log (groups are named after the log), so the resumed run reads the
+    new log from its start and finishes with every version applied exactly once."""
     from services.transport.local_broker import LocalBroker, free_port
 
     steps, run_id, port = 40, unique("loss"), free_port()
@@ -619,12 +623,9 @@ def test_a_run_resumes_on_a_new_empty_broker_and_applies_each_version_once(tmp_p
         while "the broker lost its data" not in (tmp_path / "up-1.log").read_text():
             assert time.monotonic() < deadline, (tmp_path / "up-1.log").read_text()[-3000:]
             time.sleep(0.5)
+        time.sleep(10)  # the old services (resumed by `up` on their own by now) work on the new broker a while
         os.killpg(first.pid, signal.SIGTERM)
         first.wait(timeout=180)
-        # A broker that the stopped services had joined may keep their group members for a while (the local
-        # broker keeps them until it restarts): resume on a broker no one has used, as after a real restart.
-        broker.stop()
-        broker = LocalBroker(port, log_path=tmp_path / "broker-3.log").start()
         checkpointed = lines()
         assert checkpointed < steps
         second = up("up-2.log", "--resume")
@@ -639,6 +640,87 @@ def test_a_run_resumes_on_a_new_empty_broker_and_applies_each_version_once(tmp_p
     assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
     resumed = (tmp_path / "up-2.log").read_text()
     assert f"publishing prompt batches {checkpointed}..{steps - 1}" in resumed, "the feeder skipped applied steps"
+
+
+def test_a_service_stops_on_a_replaced_log_and_makes_nothing_on_the_new_broker(make_config, tmp_path):
+    """The broker is replaced by an empty one: a running replica sends, commits and creates nothing there (clients
+    never make topics), and stops with LogReplaced once it sees the log's identity gone."""
+    from services.runtime import LOG_CHECK_S
+    from services.scorer import ScorerService
+    from services.transport import LogReplaced
+    from services.transport.local_broker import LocalBroker, free_port
+
+    port = free_port()
+    config = make_config(f"kafka.bootstrap=127.0.0.1:{port}", "kafka.idempotent_producer=false")
+    broker = LocalBroker(port, log_path=tmp_path / "broker-1.log").start()
+    try:
+        runner = ServiceRunner(ScorerService(config, unique("scorer")), kafka_bus(config))
+        runner.poll_once(0.2)
+        broker.stop()  # every record, offset and group is gone with it
+        broker = LocalBroker(port, log_path=tmp_path / "broker-2.log").start()
+        deadline, stopped = time.monotonic() + 60, None
+        while stopped is None and time.monotonic() < deadline:
+            try:
+                runner.poll_once(0.2)
+            except LogReplaced as exc:
+                stopped = exc
+            except KafkaError:
+                time.sleep(0.5)  # as the process runner does: the broker is coming back
+        assert stopped is not None and "is gone" in str(stopped), "the replica noticed within seconds"
+        assert time.monotonic() - (deadline - 60) < 30 + LOG_CHECK_S
+        runner.abandon()
+        probe = KafkaBus(KafkaSettings(broker.bootstrap, idempotent_producer=False))._metadata_probe()
+        assert probe.topics() == set(), "the old replica made no topic on the new broker"
+        probe.close()
+    finally:
+        broker.stop()
+
+
+@pytest.mark.slow
+def test_a_broker_replaced_mid_run_costs_seconds_and_no_operator(tmp_path, model_cache):
+    """The broker dies and an empty one takes its place; nobody acts. The services notice, `up` makes the topics
+    again and starts every service in resume mode, and the run ends with every version applied exactly once."""
+    from services.transport.local_broker import LocalBroker, free_port
+
+    steps, run_id, port = 24, unique("lost"), free_port()
+    broker = LocalBroker(port, log_path=tmp_path / "broker-1.log").start()
+    overrides = [
+        *run_settings(tmp_path, model_cache, steps, run_id),
+        "generation.backend=transformers",
+        "kafka.idempotent_producer=false",
+        "kafka.connect_timeout_s=120",
+    ]
+    metrics, output = tmp_path / "run" / "metrics.jsonl", tmp_path / "up.log"
+    args = streamppo_command("-v", "up", "--bootstrap", f"127.0.0.1:{port}", overrides=overrides)
+    with open(output, "w") as log:
+        up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def lines():
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    try:
+        deadline = time.monotonic() + 300
+        while lines() < 5:
+            assert time.monotonic() < deadline and up.poll() is None, output.read_text()[-3000:]
+            time.sleep(0.2)
+        broker.stop()
+        broker = LocalBroker(port, log_path=tmp_path / "broker-2.log").start()
+        back, before = time.monotonic(), lines()
+        while lines() <= before:
+            assert time.monotonic() < back + 300 and up.poll() is None, output.read_text()[-3000:]
+            time.sleep(0.2)
+        seconds = time.monotonic() - back
+        assert up.wait(timeout=600) == 0, output.read_text()[-3000:]
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+        broker.stop()
+    text = output.read_text()
+    print(f"\nfirst update {seconds:.1f} s after the new broker started, nobody acting")
+    assert "found the run's log gone" in text and "every service started again in resume mode" in text
+    records = [json.loads(line) for line in metrics.open()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
+    assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
 
 
 @pytest.mark.slow

@@ -117,7 +117,7 @@ class LearnerService(Service):
         self.trainer.load(folder)
         self.updates, self.dropped_stale = meta["updates"], meta["dropped_stale"]
         # "applied": the unbounded id list of checkpoints written before the window existed
-        self.progress = Progress(meta["offsets"], meta.get("handled", meta.get("applied", [])))
+        self.progress = Progress(meta["offsets"], meta.get("handled", meta.get("applied", [])), meta.get("log"))
         # A learner killed between its checkpoint and its metrics lines writes those lines now.
         self.metrics_log.restore(meta["records"])
         log.info(
@@ -227,8 +227,10 @@ class LearnerService(Service):
             return True
         if self.since_checkpoint < self.config.learner.checkpoint_every and not force:
             return False
-        offsets = {**(self.progress.offsets if self.progress else {}), **progress.offsets}
-        self.progress = Progress(offsets, progress.handled)
+        # Offsets of another log (the broker lost its data since the last checkpoint) are not carried over.
+        same_log = self.progress is not None and self.progress.log == progress.log
+        offsets = {**(self.progress.offsets if same_log else {}), **progress.offsets}
+        self.progress = Progress(offsets, progress.handled, progress.log)
         started = time.perf_counter()
         save_checkpoint(
             self.config.checkpoint_dir,
@@ -240,6 +242,7 @@ class LearnerService(Service):
                 "dropped_stale": self.dropped_stale,
                 "handled": self.progress.handled,
                 "offsets": self.progress.offsets,
+                "log": self.progress.log,
                 "records": self.unsaved_records,
             },
         )

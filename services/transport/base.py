@@ -14,11 +14,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-__all__ = ["Bus", "Consumer", "Producer", "Record", "TopicMismatch", "TopicSpec", "dlq_topic"]
+__all__ = ["Bus", "Consumer", "LogReplaced", "Producer", "Record", "TopicMismatch", "TopicSpec", "dlq_topic"]
 
 
 class TopicMismatch(RuntimeError):
     """An existing topic is not what the pipeline needs (e.g. a weights topic that is not compacted)."""
+
+
+class LogReplaced(RuntimeError):
+    """The log a service works on is gone: the broker lost its data, or its topics were made again by another run
+    start. Nothing more may be read, sent or committed; the run resumes from the learner's checkpoint."""
 
 
 def dlq_topic(topic: str) -> str:
@@ -97,12 +102,19 @@ class Bus(ABC):
         left as they are."""
 
     @abstractmethod
+    def log_identity(self, topic: str, create: bool = False) -> str | None:
+        """The identity of the log: the value of the first record of ``topic`` (one partition), which
+        ``create=True`` writes, a new one, when there is none. None when the topic does not exist or is empty (a
+        broker that lost its data). Everyone reads the first record, so writers that race agree on it."""
+
+    @abstractmethod
     def producer(self, client_id: str) -> Producer: ...
 
     @abstractmethod
     def consumer(self, topic: str, group: str | None, client_id: str) -> Consumer:
         """A consumer of ``topic`` in ``group`` (None: all partitions, no group), from the beginning of what the
-        group has not committed."""
+        group has not committed. Clients never make topics on their own: a topic that does not exist (on a broker
+        that lost its data) is not made by reading or writing it."""
 
     def close(self) -> None:
         pass

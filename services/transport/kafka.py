@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
@@ -62,8 +63,12 @@ class KafkaBus(Bus):
             "api_version_auto_timeout_ms": int(min(settings.connect_timeout_s, 10.0) * 1000),
             # kafka-python refuses network frames over 1 MB by default; a fetch carries up to max_message_bytes.
             "receive_message_max_bytes": settings.max_message_bytes + (1 << 20),
+            # A broker that lost its data must not make topics with its defaults because a client named one: the
+            # run's topics are made by create_topics alone, and a service that finds them gone stops.
+            "allow_auto_create_topics": False,
             **settings.security,
         }
+        self._identity_probe: KafkaConsumer | None = None
 
     def _retrying(self, what: str, connect):
         """Connect with back-off until ``connect_timeout_s``: a broker that is still starting is not an error."""
@@ -100,7 +105,7 @@ class KafkaBus(Bus):
         kept = [spec for spec in specs if spec.name in existing and spec.verify]
         if not missing and not kept:
             return
-        admin = self._retrying("admin", lambda: KafkaAdminClient(client_id="streamppo-admin", **self._common))
+        admin = self._retrying("admin", lambda: KafkaAdminClient(client_id="streamppo-admin", **self._admin_options()))
         try:
             wrong = self._wrong_topics(admin, kept, partitions)
             if wrong and not replace_wrong:
@@ -155,6 +160,15 @@ class KafkaBus(Bus):
                 )
         return wrong
 
+    def close(self) -> None:
+        if self._identity_probe is not None:
+            self._identity_probe.close()
+            self._identity_probe = None
+
+    def _admin_options(self) -> dict:
+        """The admin client makes topics on purpose; it takes no auto-creation switch."""
+        return {k: v for k, v in self._common.items() if k != "allow_auto_create_topics"}
+
     def _metadata_probe(self) -> KafkaConsumer:
         """A client for metadata requests only: the admin client's list_topics() also parses ACL fields that not
         every broker fills in the way kafka-python expects."""
@@ -172,6 +186,39 @@ class KafkaBus(Bus):
             time.sleep(0.2)
         raise TopicMismatch(f"topics {names} were deleted but still exist after {timeout_s:.0f} s")
 
+    def log_identity(self, topic: str, create: bool = False) -> str | None:
+        # One probe for the bus's life: a service asks every few seconds.
+        if self._identity_probe is None:
+            self._identity_probe = self._retrying("metadata", self._metadata_probe)
+        probe = self._identity_probe
+        if topic not in probe.topics():  # a fresh metadata request: a topic the broker lost is gone from it
+            return None
+        tp = TopicPartition(topic, 0)
+        probe.assign([tp])
+        probe.seek_to_beginning(tp)
+        first = self._first_record(probe, tp)
+        if first is None and create:
+            producer = KafkaProducer(acks="all", **self._common)
+            try:
+                identity = uuid.uuid4().hex.encode()  # its own key: compaction keeps every writer's record
+                producer.send(topic, identity, key=identity, partition=0).get(timeout=30)
+            finally:
+                producer.close()
+            probe.seek_to_beginning(tp)
+            first = self._first_record(probe, tp)
+        return first
+
+    @staticmethod
+    def _first_record(consumer: KafkaConsumer, tp: TopicPartition) -> str | None:
+        """The value of the partition's first record, or None once a fetch shows the partition empty."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for records in consumer.poll(timeout_ms=200, max_records=1).values():
+                return records[0].value.decode(errors="replace")
+            if consumer.highwater(tp) == 0:
+                return None
+        return None
+
     def producer(self, client_id: str) -> Producer:
         return _KafkaProducer(
             self._retrying(
@@ -181,6 +228,8 @@ class KafkaBus(Bus):
                     acks="all",
                     enable_idempotence=self.settings.idempotent_producer,
                     max_request_size=self.settings.max_message_bytes,
+                    # A send to a topic the broker does not have (it lost its data) fails in seconds, not a minute.
+                    max_block_ms=10_000,
                     **self._common,
                 ),
             )

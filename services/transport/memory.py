@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 import zlib
 from collections import defaultdict
 
@@ -39,6 +40,15 @@ class MemoryBus(Bus):
             return self._topics[name]
         except KeyError:
             raise KeyError(f"topic {name!r} does not exist") from None
+
+    def log_identity(self, topic: str, create: bool = False) -> str | None:
+        with self._lock:
+            if topic not in self._topics:
+                return None
+            log = self._topics[topic].partitions[0]
+            if not log and create:
+                self._append(topic, uuid.uuid4().hex.encode(), None, 0)
+            return log[0].value.decode() if log else None
 
     def producer(self, client_id: str) -> Producer:
         return _MemoryProducer(self)
