@@ -9,6 +9,7 @@ its counters and loaded weight versions; then the newest weight versions and the
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from common.schema import RUN_ID, TOPIC_MESSAGE, ReplicaStatus, SchemaError, WeightAnnouncement, decode
@@ -28,22 +29,31 @@ class PipelineStatus:
 
 
 def _read_all(bus: Bus, topic: str, timeout_s: float) -> list[Record]:
-    """Every record of ``topic`` from the beginning, read without joining a group."""
+    """Every record of ``topic`` from the beginning, read without joining a group: until a poll finds nothing more
+    and nothing left (the lag, from the fetch's high watermark), or ``timeout_s``."""
     consumer = bus.consumer(topic, None, "streamppo-status")
     records, empty, deadline = [], 0, time.monotonic() + timeout_s
     try:
-        while time.monotonic() < deadline and empty < 2:
-            batch = consumer.poll(0.5, max_records=10_000)
+        while time.monotonic() < deadline:
+            batch = consumer.poll(0.3, max_records=10_000)
             records += batch
-            empty = 0 if batch or consumer.lag() else empty + 1
+            # An empty topic's high watermark may not be known after its first poll: a second one says so.
+            if not batch and not consumer.lag() and (records or empty):
+                break
+            empty = 0 if batch else empty + 1
     finally:
         consumer.close()
     return records
 
 
 def read_status(bus: Bus, run_id: str, timeout_s: float = 20.0) -> PipelineStatus:
+    """The status, weights and dead-letter topics, read at once (one reader each, in threads): a call takes about
+    as long as reading the longest of them."""
+    topics = [STATUS_TOPIC, WEIGHTS_TOPIC, *(dlq_topic(topic) for topic in TOPIC_MESSAGE)]
+    with ThreadPoolExecutor(max_workers=len(topics)) as pool:
+        read = dict(zip(topics, pool.map(lambda topic: _read_all(bus, topic, timeout_s), topics)))
     status = PipelineStatus(run_id)
-    for record in _read_all(bus, STATUS_TOPIC, timeout_s):
+    for record in read[STATUS_TOPIC]:
         try:
             report = decode(record.value, expected=ReplicaStatus)
         except SchemaError:
@@ -51,7 +61,7 @@ def read_status(bus: Bus, run_id: str, timeout_s: float = 20.0) -> PipelineStatu
         current = status.replicas.get(report.replica)
         if report.run_id == run_id and (current is None or report.created_at >= current.created_at):
             status.replicas[report.replica] = report
-    for record in _read_all(bus, WEIGHTS_TOPIC, timeout_s):
+    for record in read[WEIGHTS_TOPIC]:
         try:
             announcement = decode(record.value, expected=WeightAnnouncement)
         except SchemaError:
@@ -60,7 +70,7 @@ def read_status(bus: Bus, run_id: str, timeout_s: float = 20.0) -> PipelineStatu
             newest = max(status.weights.get(announcement.model, -1), announcement.policy_version)
             status.weights[announcement.model] = newest
     for topic in TOPIC_MESSAGE:
-        status.dead_letters[dlq_topic(topic)] = len(_read_all(bus, dlq_topic(topic), timeout_s))
+        status.dead_letters[dlq_topic(topic)] = len(read[dlq_topic(topic)])
     return status
 
 
