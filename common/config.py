@@ -295,6 +295,26 @@ class PipelineSection(_Section):
         description="Batch ids each replica remembers to recognise re-deliveries "
         "(the learner keeps them in its checkpoint, so a checkpoint never grows with the run).",
     )
+    signing_key_env: str | None = Field(
+        None,
+        description="Name of the environment variable holding the run's signing key: every message a service "
+        "publishes is signed with it (HMAC-SHA256), and what is unsigned or signed with another key is refused. "
+        "Unset (and no signing_key_file): messages are not signed.",
+    )
+    signing_key_file: Path | None = Field(None, description="File whose content is the run's signing key.")
+
+    @model_validator(mode="after")
+    def _one_key_source(self):
+        if self.signing_key_env is not None and self.signing_key_file is not None:
+            raise ValueError("set at most one of pipeline.signing_key_env and pipeline.signing_key_file")
+        return self
+
+    def signing_key(self) -> bytes | None:
+        """The run's signing key, read now (ConfigError naming the variable or file when it cannot be); None when
+        messages are not signed. Never logged."""
+        if self.signing_key_env is None and self.signing_key_file is None:
+            return None
+        return _secret(self.signing_key_env, self.signing_key_file, "pipeline signing key").encode()
 
 
 class BroadcastSection(_Section):

@@ -15,13 +15,14 @@ __all__ = ["check_run_inputs"]
 
 
 def check_run_inputs(config: RunConfig) -> None:
-    """Raises :class:`~common.data.DatasetError`, :class:`~common.rewards.RewardError` or
-    :class:`~common.models.ModelLoadError`; builtin models are built into the cache now, once, as the services
-    would."""
+    """Raises :class:`~common.config.ConfigError`, :class:`~common.data.DatasetError`,
+    :class:`~common.rewards.RewardError` or :class:`~common.models.ModelLoadError`; builtin models are built into
+    the cache now, once, as the services would."""
     from common.data import PromptSchedule, load_prompts
     from common.models import resolve_model
     from common.rewards import load_reward_function
 
+    config.pipeline.signing_key()  # a key named but not there is a ConfigError
     prompts = load_prompts(config.data.prompts)
     PromptSchedule(len(prompts), config.data.batch_size, config.data.shuffle, config.run.seed)
     if config.reward.function is not None:

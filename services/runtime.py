@@ -37,6 +37,7 @@ from common.schema import (
     message_key,
     message_partition,
 )
+from common.signing import Signer
 from services.dedupe import RecentIds
 from services.metrics import ServiceMetrics
 from services.referenced_batches import ReferencedBatches
@@ -107,6 +108,8 @@ class ServiceRunner:
         self.uncommitted: dict[int, Record] = {}  # per partition: the newest record handled but not yet committed
         config = service.config
         self.referenced = ReferencedBatches(BatchStore(config.batch_store), config.pipeline.inline_max_bytes)
+        key = config.pipeline.signing_key()
+        self.signer = Signer(key) if key is not None else None
         # The batch ids this replica handled; a service that restores state (the learner) gives back the ids its
         # state covers, so a batch applied before a crash, but not committed, is recognised when it comes again.
         restored = service.restored()
@@ -259,6 +262,8 @@ class ServiceRunner:
     def _produce(self, messages: list[Message]) -> None:
         topic = self.service.output_topic
         for message in messages:
+            if self.signer is not None:
+                self.signer.sign(message)
             payload, by_reference = self.referenced.record_value(message)
             self.counters["sent_by_reference"] += by_reference
             partition = message_partition(message, self.producer.partitions(topic))
@@ -383,6 +388,10 @@ class ServiceRunner:
                 message = self.referenced.fetch(record, message, expected)
         except (SchemaError, BatchStoreError) as exc:
             self._dead_letter(record, str(exc))
+            return None
+        if self.signer is not None and not self.signer.verify(message):
+            self.counters["unsigned"] += 1
+            self._dead_letter(record, f"{message.SCHEMA} {message.batch_id} is unsigned or signed with another key")
             return None
         if message.lineage.get(RUN_ID) != self.service.run_id:
             self._count("other_run")

@@ -196,3 +196,15 @@ def test_a_critic_free_run_has_no_critic_anywhere(make_config, caplog):
         assert message.advantages.any()
     announced = {m.model for m in read_messages(bus, "weights")}
     assert announced == {"actor"}
+
+
+def test_a_signed_run_trains_as_an_unsigned_one(make_config, tmp_path, monkeypatch):
+    """With a signing key every message is signed and checked, and the run is the same, step for step."""
+    monkeypatch.setenv("RUN_SIGNING_KEY", "a key")
+    rewards = []
+    for name, key in (("plain", []), ("signed", ["pipeline.signing_key_env=RUN_SIGNING_KEY"])):
+        config = make_config("run.steps=3", "data.eval_prompts=0", f"run.dir={tmp_path / name}", *key)
+        summary = run_embedded(config, progress=False)
+        assert summary.dead_letters == 0
+        rewards.append([json.loads(line)["reward_mean"] for line in (config.run.dir / "metrics.jsonl").open()])
+    assert rewards[0] == rewards[1] and len(rewards[0]) == 3

@@ -424,3 +424,69 @@ def test_inline_batches_must_fit_a_record(make_config):
 
     with pytest.raises(ConfigError, match="inline_max_bytes"):
         make_config("kafka.max_message_bytes=1048576", "pipeline.inline_max_bytes=1048576")
+
+
+def test_with_a_signing_key_a_forged_prompt_batch_and_a_forged_snapshot_are_refused(bus, make_config, monkeypatch):
+    """A writer with access to the topics and the weight store, but not the run's key: its prompt batch of an in-run
+    step, and its snapshot announced with a recomputed digest, are dead letters; the real ones go through."""
+    import dataclasses
+
+    from common.signing import Signer
+    from common.weights import WeightStore
+
+    monkeypatch.setenv("RUN_SIGNING_KEY", "the run's own key")
+    config = make_config(
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=4",
+        "learner.mini_batch_size=4",
+        "pipeline.max_staleness=1",
+        "pipeline.signing_key_env=RUN_SIGNING_KEY",
+    )
+    feeder = FeederService(config)
+    real = feeder.batch(0)
+    forged = dataclasses.replace(real, prompt_text=["forged", "forged"], lineage=dict(real.lineage))
+    publish(bus, "prompts", encode(forged))  # first in its partition, where the real batch 0 follows
+    ServiceRunner(feeder, bus)  # publishes the run's batches, signed
+    generator = GeneratorService(config)
+    runner = ServiceRunner(generator, bus)
+    while runner.poll_once():
+        pass
+    assert runner.counters["unsigned"] == 1 and runner.counters["dead_letters"] == 1
+    letter = decode(read_all(bus, "prompts.dlq")[0])
+    assert "unsigned or signed with another key" in letter.error
+    rollouts = [decode(v) for v in read_all(bus, "rollouts")]
+    assert {r.step for r in rollouts} == {0, 1} and "forged" not in rollouts[0].prompt_text, "the real batch 0"
+
+    # A forged snapshot: its own weights, a digest computed for them, an announcement signed with another key.
+    real_v1 = {a.model: a for a in announce_v1(config)}
+    forger = LearnerService(config)
+    with torch.no_grad():
+        for p in forger.trainer.actor.parameters():
+            p.mul_(-1.0)
+    forged_store = WeightStore(config.run.dir / "forged")
+    snapshot = forged_store.save_state("actor", 1, forger.trainer.full_state("actor"))
+    fake = dataclasses.replace(
+        real_v1["actor"],
+        uri=snapshot.uri,
+        digest=snapshot.digest,
+        chain=list(snapshot.chain),
+        lineage=dict(real_v1["actor"].lineage),
+    )
+    Signer(b"another key").sign(fake)
+    publish(bus, "weights", encode(fake))
+    runner.poll_once()
+    assert generator.policy_version == 0 and runner.counters["unsigned"] == 2, "the forgery is refused"
+    Signer(b"the run's own key").sign(real_v1["actor"])
+    publish(bus, "weights", encode(real_v1["actor"]))
+    runner.poll_once()
+    assert generator.policy_version == 1, "the run's own v1 is loaded"
+
+
+def test_a_signing_key_that_cannot_be_read_is_a_configuration_error(make_config, monkeypatch):
+    from common.config import ConfigError
+
+    monkeypatch.delenv("NO_SUCH_KEY", raising=False)
+    config = make_config("pipeline.signing_key_env=NO_SUCH_KEY")
+    with pytest.raises(ConfigError, match="environment variable NO_SUCH_KEY is not set"):
+        ServiceRunner(FeederService(config), MemoryBus())
