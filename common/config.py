@@ -367,6 +367,12 @@ class KafkaSection(_Section):
     """How the services reach Kafka when they run as processes (``--bootstrap`` overrides ``bootstrap``)."""
 
     bootstrap: str | None = Field(None, description="HOST:PORT[,HOST:PORT]")
+    namespace: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]{1,180}$",
+        description="Prefix of the run's topics and consumer groups (<namespace>.prompts, ...): runs of other "
+        "namespaces on one cluster share nothing. Default: run.run_id.",
+    )
     partitions: int = Field(4, gt=0, description="Partitions of the data topics when streamppo creates them.")
     max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
     session_timeout_ms: int = Field(
@@ -541,6 +547,11 @@ class RunConfig(_Section):
                 "several ranks writes sharded full snapshots; set weights.full_every=1"
             )
         return self
+
+    @property
+    def namespace(self) -> str:
+        """What the run's topics and consumer groups are prefixed with on the broker."""
+        return self.kafka.namespace or self.run.run_id
 
     @property
     def weight_store(self) -> Path:

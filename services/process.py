@@ -24,6 +24,7 @@ from services.runtime import ServiceRunner
 from services.service import ProcessGroup, Service
 from services.transport import Bus, LogReplaced
 from services.transport.kafka import KafkaBus, KafkaSettings
+from services.transport.namespaced import NamespacedBus
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +38,16 @@ def default_replica_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
-def kafka_bus(config: RunConfig, bootstrap: str | None = None, replace_wrong_topics: bool = False) -> KafkaBus:
-    """The Kafka bus the config describes, with every pipeline topic created.
+def kafka_bus(config: RunConfig, bootstrap: str | None = None, replace_wrong_topics: bool = False) -> NamespacedBus:
+    """The Kafka bus the config describes, in the run's namespace (``kafka.namespace``, by default the run id), with
+    every pipeline topic created.
 
     A weights topic that is not what the pipeline needs (a new broker made it with its defaults) is refused
     (``TopicMismatch``), or with ``replace_wrong_topics`` (``streamppo topics``, ``streamppo up``) replaced.
     """
     k = config.kafka
     bootstrap = _bootstrap(config, bootstrap)
-    bus = KafkaBus(
+    kafka = KafkaBus(
         KafkaSettings(
             bootstrap=bootstrap,
             max_message_bytes=k.max_message_bytes,
@@ -57,6 +59,7 @@ def kafka_bus(config: RunConfig, bootstrap: str | None = None, replace_wrong_top
             security=k.client_options(),
         )
     )
+    bus = NamespacedBus(kafka, config.namespace)
     bus.create_topics(pipeline_topics(k.partitions), replace_wrong=replace_wrong_topics)
     bus.log_identity(LOG_TOPIC, create=True)  # the topics and their identity are the run's log
     return bus

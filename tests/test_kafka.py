@@ -81,7 +81,8 @@ def run_up(kafka_broker, tmp_path, model_cache, steps, run_id, overrides=(), up_
 def run_messages(config, topic, run_id, count, timeout_s=60.0) -> dict:
     """The messages of run ``run_id`` on ``topic``, by batch id, once ``count`` are there (other tests' garbage on
     the shared topics is skipped)."""
-    audit = kafka_bus(config).consumer(topic, None, "audit")
+    of_the_run = config.model_copy(update={"run": config.run.model_copy(update={"run_id": run_id})})  # its namespace
+    audit = kafka_bus(of_the_run).consumer(topic, None, "audit")
     found, deadline = {}, time.monotonic() + timeout_s
     while len(found) < count and time.monotonic() < deadline:
         for record in audit.poll(0.5, max_records=1000):
@@ -203,9 +204,10 @@ def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path
         probe = KafkaConsumer(bootstrap_servers=broker.bootstrap)
         try:
             existing = probe.topics()
-            for spec in pipeline_topics(3):
-                assert spec.name in existing, spec.name
-                assert len(probe.partitions_for_topic(spec.name)) == spec.partitions, spec.name
+            for spec in pipeline_topics(3):  # in the run's namespace, its run id by default
+                name = f"vowels.{spec.name}"
+                assert name in existing, name
+                assert len(probe.partitions_for_topic(name)) == spec.partitions, name
         finally:
             probe.close()
 
@@ -220,7 +222,7 @@ def test_broadcast_readers_see_every_partition_from_the_start_and_leave_no_group
     groups = set()
     for _ in range(2):  # a restarted replica reads everything again, from the beginning
         reader = bus.consumer(topic, None, client)
-        assert reader.consumer.config["group_id"] is None, "assigned its partitions, joined no group"
+        assert reader.consumer.consumer.config["group_id"] is None, "assigned its partitions, joined no group"
         assert sorted(drain(reader, 12)) == sorted(f"v{i}".encode() for i in range(12))
         groups |= {group for group, *_ in admin.list_consumer_groups()}  # while it reads (Apache Kafka lists them)
         reader.close()
@@ -558,10 +560,11 @@ def test_a_weights_topic_the_broker_made_on_its_own_is_refused_by_services_and_r
     from services.transport.local_broker import LocalBroker
 
     with LocalBroker(log_path=tmp_path / "broker.log") as broker:
-        # What a new, empty broker does when a client first names `weights`: a topic with its own defaults.
-        KafkaBus(KafkaSettings(broker.bootstrap, idempotent_producer=False)).create_topics([TopicSpec("weights", 4)])
+        # What a broker does when a client names a topic it lacks (if the client allows it): a topic of its defaults.
         config = make_config(f"kafka.bootstrap={broker.bootstrap}", "kafka.idempotent_producer=false")
-        with pytest.raises(TopicMismatch, match="topic weights has 4 partition.s. and cleanup.policy=delete"):
+        weights = f"{config.namespace}.weights"
+        KafkaBus(KafkaSettings(broker.bootstrap, idempotent_producer=False)).create_topics([TopicSpec(weights, 4)])
+        with pytest.raises(TopicMismatch, match=f"topic {weights} has 4 partition.s. and cleanup.policy=delete"):
             kafka_bus(config)  # what every service does at its start
         result = subprocess.run(
             [
@@ -581,7 +584,7 @@ def test_a_weights_topic_the_broker_made_on_its_own_is_refused_by_services_and_r
             timeout=120,
         )
         assert result.returncode == 0, result.stderr[-2000:]
-        assert "replacing topic weights has 4 partition(s)" in result.stderr
+        assert f"replacing topic {weights} has 4 partition(s)" in result.stderr
         kafka_bus(config).close()  # accepted now: one partition, compacted
 
 
@@ -721,6 +724,40 @@ def test_a_broker_replaced_mid_run_costs_seconds_and_no_operator(tmp_path, model
     records = [json.loads(line) for line in metrics.open()]
     assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
     assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
+
+
+@pytest.mark.slow
+def test_runs_on_one_broker_share_nothing_at_once_or_one_after_another(own_broker, tmp_path, model_cache):
+    """Two runs at the same time on one broker, then a third after them: each in its own namespace (its run id), so
+    no run consumes another's input, and each applies every version once."""
+    steps = 6
+
+    def run(name):
+        folder = tmp_path / name
+        folder.mkdir()
+        run_id = unique(name)
+        return (
+            run_id,
+            folder,
+            *start_up(own_broker, folder, model_cache, steps, run_id, overrides=("data.eval_prompts=0",)),
+        )
+
+    def finished(run_id, folder, up, output, metrics):
+        assert up.wait(timeout=600) == 0, output.read_text()[-3000:]
+        records = [json.loads(line) for line in metrics.open()]
+        assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
+        assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
+        assert not re.search(r"skipping \w+ \S+ of run", output.read_text()), "no record of another run came here"
+
+    together = [run("first"), run("second")]
+    try:
+        for started in together:
+            finished(*started)
+        finished(*run("after"))
+    finally:
+        for _, _, up, _, _ in together:
+            if up.poll() is None:
+                os.killpg(up.pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
