@@ -95,6 +95,20 @@ def run_messages(config, topic, run_id, count, timeout_s=60.0) -> dict:
     return found
 
 
+def up_on_a_broker_of_its_own(tmp_path, model_cache, steps, run_id, port, log_name, *up_args):
+    """`streamppo -v up` in the background on the broker at ``port`` (one the test kills and replaces), its output in
+    ``tmp_path/log_name``; the services wait up to 2 minutes for a broker that is away."""
+    overrides = [
+        *run_settings(tmp_path, model_cache, steps, run_id),
+        "generation.backend=transformers",
+        "kafka.idempotent_producer=false",
+        "kafka.connect_timeout_s=120",
+    ]
+    args = streamppo_command("-v", "up", "--bootstrap", f"127.0.0.1:{port}", *up_args, overrides=overrides)
+    with open(tmp_path / log_name, "w") as log:
+        return subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def unique(name):
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
@@ -598,18 +612,10 @@ def test_a_run_resumes_on_a_new_empty_broker_and_applies_each_version_once(tmp_p
 
     steps, run_id, port = 40, unique("loss"), free_port()
     broker = LocalBroker(port, log_path=tmp_path / "broker-1.log").start()
-    overrides = [
-        *run_settings(tmp_path, model_cache, steps, run_id),
-        "generation.backend=transformers",
-        "kafka.idempotent_producer=false",
-        "kafka.connect_timeout_s=120",
-    ]
     metrics = tmp_path / "run" / "metrics.jsonl"
 
-    def up(log_name, *extra):
-        args = streamppo_command("-v", "up", "--bootstrap", f"127.0.0.1:{port}", *extra, overrides=overrides)
-        log = open(tmp_path / log_name, "w")
-        return subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    def up(log_name, *up_args):
+        return up_on_a_broker_of_its_own(tmp_path, model_cache, steps, run_id, port, log_name, *up_args)
 
     def lines():
         return len(metrics.read_text().splitlines()) if metrics.exists() else 0
@@ -687,16 +693,8 @@ def test_a_broker_replaced_mid_run_costs_seconds_and_no_operator(tmp_path, model
 
     steps, run_id, port = 24, unique("lost"), free_port()
     broker = LocalBroker(port, log_path=tmp_path / "broker-1.log").start()
-    overrides = [
-        *run_settings(tmp_path, model_cache, steps, run_id),
-        "generation.backend=transformers",
-        "kafka.idempotent_producer=false",
-        "kafka.connect_timeout_s=120",
-    ]
     metrics, output = tmp_path / "run" / "metrics.jsonl", tmp_path / "up.log"
-    args = streamppo_command("-v", "up", "--bootstrap", f"127.0.0.1:{port}", overrides=overrides)
-    with open(output, "w") as log:
-        up = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    up = up_on_a_broker_of_its_own(tmp_path, model_cache, steps, run_id, port, "up.log")
 
     def lines():
         return len(metrics.read_text().splitlines()) if metrics.exists() else 0
