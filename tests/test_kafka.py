@@ -163,7 +163,7 @@ def test_streamppo_up_runs_every_role_as_processes_with_lora_on_the_vllm_generat
     swaps them in at each version over its base weights, samples with the log-probs the learner computes (float32)."""
     from safetensors.torch import load_file
 
-    steps, run_id = 8, unique("lora")
+    steps, run_id = 6, unique("lora")
     overrides = ["model.lora={rank: 8, alpha: 16}", "learner.actor_lr=3e-2"]
     up_args = ("--replicas", "scorer=2")
     result = run_up(own_broker, tmp_path, model_cache, steps, run_id, overrides, up_args, config="grpo.yaml")
@@ -603,14 +603,15 @@ def test_a_weights_topic_the_broker_made_on_its_own_is_refused_by_services_and_r
 
 
 @pytest.mark.slow
-def test_a_run_resumes_on_a_new_empty_broker_and_applies_each_version_once(tmp_path, model_cache):
-    """The stall an independent check found: the broker dies mid-run, an empty one takes its place, and the old
-    services live on it for a while before an operator stops them and runs `up --resume` on that same broker. Their
-    groups and offsets there belong to the lost log (groups are named after the log), so the resumed run reads the
-    new log from its start and finishes with every version applied exactly once."""
+def test_a_broker_replaced_mid_run_costs_seconds_and_no_operator_and_resume_finishes_it(tmp_path, model_cache):
+    """The broker dies and an empty one takes its place. Nobody acting, the services notice, `up` starts every
+    service again in resume mode and the run goes on. Then the stall an independent check found: services that lived
+    on the new broker a while are stopped by an operator, who runs `up --resume` on that same broker; groups and
+    offsets there belong to the logs they were made on (groups are named after the log), and the run finishes with
+    every version applied exactly once."""
     from services.transport.local_broker import LocalBroker, free_port
 
-    steps, run_id, port = 40, unique("loss"), free_port()
+    steps, run_id, port = 24, unique("loss"), free_port()
     broker = LocalBroker(port, log_path=tmp_path / "broker-1.log").start()
     metrics = tmp_path / "run" / "metrics.jsonl"
 
@@ -628,11 +629,12 @@ def test_a_run_resumes_on_a_new_empty_broker_and_applies_each_version_once(tmp_p
             time.sleep(0.2)
         broker.stop()  # every record, offset and group is gone with it
         broker = LocalBroker(port, log_path=tmp_path / "broker-2.log").start()
-        deadline = time.monotonic() + 120
-        while "the broker lost its data" not in (tmp_path / "up-1.log").read_text():
-            assert time.monotonic() < deadline, (tmp_path / "up-1.log").read_text()[-3000:]
-            time.sleep(0.5)
-        time.sleep(10)  # the old services (resumed by `up` on their own by now) work on the new broker a while
+        back, before = time.monotonic(), lines()
+        while lines() <= before:
+            assert time.monotonic() < back + 300 and first.poll() is None, (tmp_path / "up-1.log").read_text()[-3000:]
+            time.sleep(0.2)
+        print(f"\nfirst update {time.monotonic() - back:.1f} s after the new broker started, nobody acting")
+        time.sleep(5)  # the services work on the new broker a while
         os.killpg(first.pid, signal.SIGTERM)
         first.wait(timeout=180)
         checkpointed = lines()
@@ -644,6 +646,8 @@ def test_a_run_resumes_on_a_new_empty_broker_and_applies_each_version_once(tmp_p
             if process is not None and process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
         broker.stop()
+    automatic = (tmp_path / "up-1.log").read_text()
+    assert "found the run's log gone" in automatic and "every service started again in resume mode" in automatic
     records = [json.loads(line) for line in metrics.open()]
     assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
     assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
@@ -686,49 +690,10 @@ def test_a_service_stops_on_a_replaced_log_and_makes_nothing_on_the_new_broker(m
 
 
 @pytest.mark.slow
-def test_a_broker_replaced_mid_run_costs_seconds_and_no_operator(tmp_path, model_cache):
-    """The broker dies and an empty one takes its place; nobody acts. The services notice, `up` makes the topics
-    again and starts every service in resume mode, and the run ends with every version applied exactly once."""
-    from services.transport.local_broker import LocalBroker, free_port
-
-    steps, run_id, port = 24, unique("lost"), free_port()
-    broker = LocalBroker(port, log_path=tmp_path / "broker-1.log").start()
-    metrics, output = tmp_path / "run" / "metrics.jsonl", tmp_path / "up.log"
-    up = up_on_a_broker_of_its_own(tmp_path, model_cache, steps, run_id, port, "up.log")
-
-    def lines():
-        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
-
-    try:
-        deadline = time.monotonic() + 300
-        while lines() < 5:
-            assert time.monotonic() < deadline and up.poll() is None, output.read_text()[-3000:]
-            time.sleep(0.2)
-        broker.stop()
-        broker = LocalBroker(port, log_path=tmp_path / "broker-2.log").start()
-        back, before = time.monotonic(), lines()
-        while lines() <= before:
-            assert time.monotonic() < back + 300 and up.poll() is None, output.read_text()[-3000:]
-            time.sleep(0.2)
-        seconds = time.monotonic() - back
-        assert up.wait(timeout=600) == 0, output.read_text()[-3000:]
-    finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-        broker.stop()
-    text = output.read_text()
-    print(f"\nfirst update {seconds:.1f} s after the new broker started, nobody acting")
-    assert "found the run's log gone" in text and "every service started again in resume mode" in text
-    records = [json.loads(line) for line in metrics.open()]
-    assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
-    assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
-
-
-@pytest.mark.slow
 def test_runs_on_one_broker_share_nothing_at_once_or_one_after_another(own_broker, tmp_path, model_cache):
     """Two runs at the same time on one broker, then a third after them: each in its own namespace (its run id), so
     no run consumes another's input, and each applies every version once."""
-    steps = 6
+    steps = 4
 
     def run(name):
         folder = tmp_path / name
