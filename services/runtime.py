@@ -79,6 +79,8 @@ class ServiceRunner:
         self.counters: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()  # per part of the loop, see time_breakdown()
         self.started = time.perf_counter()
+        key = service.config.pipeline.signing_key()  # before anything joins the bus: a missing key is a config error
+        self.signer = Signer(key) if key is not None else None
         # The log this replica works on, made its own if the topics have no identity yet. Its consumer group is
         # the role's on this log: offsets committed on another log (a broker that lost its data, then old replicas
         # that rejoined on the new one) are never read, and members of such a group never hold this one back.
@@ -108,8 +110,6 @@ class ServiceRunner:
         self.uncommitted: dict[int, Record] = {}  # per partition: the newest record handled but not yet committed
         config = service.config
         self.referenced = ReferencedBatches(BatchStore(config.batch_store), config.pipeline.inline_max_bytes)
-        key = config.pipeline.signing_key()
-        self.signer = Signer(key) if key is not None else None
         # The batch ids this replica handled; a service that restores state (the learner) gives back the ids its
         # state covers, so a batch applied before a crash, but not committed, is recognised when it comes again.
         restored = service.restored()
