@@ -3,8 +3,9 @@
 Starts a local Kafka-protocol broker (unless ``--bootstrap`` names one), then the replicas of every role in
 ``ROLES`` as child processes (``streamppo <role>``), each with its output prefixed by its name, and waits until
 every replica of the roles that end the run has finished. A child that exits with an error is restarted after a
-back-off (``--restart on-failure``, the default, as Kubernetes would) or stops the run (``--restart never``);
-Ctrl-C stops the run. Then every child gets SIGTERM, and the broker stops last.
+back-off (``--restart on-failure``, the default, as Kubernetes would) or stops the run (``--restart never``); one
+that found the run's log gone (exit 4: the broker lost its data) makes ``up`` start every child again in resume
+mode. Ctrl-C stops the run. Then every child gets SIGTERM, and the broker stops last.
 """
 
 from __future__ import annotations
