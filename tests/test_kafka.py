@@ -229,6 +229,88 @@ def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path
             probe.close()
 
 
+def leave_mid_rebalance(bootstrap: str, topic: str, group: str) -> None:
+    """Two plain kafka-python members of ``group`` take ``topic``'s partitions and commit offset 1 on each; then the
+    follower leaves, and the leader leaves while the group rebalances. On the local broker (tansu) that wedges the
+    group: it keeps naming the departed leader, and no member gets a partition again."""
+    from kafka import KafkaConsumer
+    from kafka.structs import OffsetAndMetadata
+
+    def member(name):
+        consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap.split(","),
+            group_id=group,
+            client_id=name,
+            enable_auto_commit=False,
+            session_timeout_ms=6000,  # Apache Kafka's least (group.min.session.timeout.ms)
+            heartbeat_interval_ms=1000,
+        )
+        consumer.subscribe([topic])
+        return consumer
+
+    leader = member("leader")
+    deadline = time.monotonic() + 30
+    while not leader.assignment() and time.monotonic() < deadline:
+        leader.poll(timeout_ms=200)
+    follower = member("follower")
+    while not (leader.assignment() and follower.assignment()) and time.monotonic() < deadline:
+        leader.poll(timeout_ms=100)
+        follower.poll(timeout_ms=100)
+    assert leader.assignment() and follower.assignment(), "two members share the partitions"
+    for consumer in (leader, follower):
+        consumer.commit({tp: OffsetAndMetadata(1, "", -1) for tp in consumer.assignment()})
+    follower.close()
+    leader.poll(timeout_ms=50)  # the leader begins the rebalance the follower's leaving started ...
+    leader.close()  # ... and leaves in the middle of it
+
+
+def test_a_group_whose_leader_left_mid_rebalance_deals_out_its_partitions_again(request, kafka_broker):
+    """Plain clients, no streamppo code: the local broker's group bug (see ``_WedgeWatch``). Expected to fail there;
+    a broker release that fixes it shows up as XPASS, and then the workaround may go."""
+    from kafka import KafkaConsumer
+
+    if "kafka.idempotent_producer=false" in kafka_broker:  # the local broker's mark
+        request.applymarker(pytest.mark.xfail(reason="tansu keeps naming a departed leader", strict=False))
+    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
+    topic, group = unique("wedge"), unique("group")
+    KafkaBus(KafkaSettings(bootstrap)).create_topics([TopicSpec(topic, 4)])
+    leave_mid_rebalance(bootstrap, topic, group)
+    newcomer = KafkaConsumer(bootstrap_servers=bootstrap.split(","), group_id=group, enable_auto_commit=False)
+    newcomer.subscribe([topic])
+    deadline = time.monotonic() + 12  # Apache Kafka assigns an empty group's newcomer in about 3 s
+    while not newcomer.assignment() and time.monotonic() < deadline:
+        newcomer.poll(timeout_ms=200)
+    assigned = newcomer.assignment()
+    newcomer.close()
+    assert len(assigned) == 4, "the only member of the group holds every partition"
+
+
+def test_a_replica_leaves_a_wedged_group_for_a_new_one_with_its_committed_offsets(kafka_broker):
+    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
+    local = "kafka.idempotent_producer=false" in kafka_broker
+    sessions = {"session_timeout_ms": 1000, "heartbeat_interval_ms": 250} if local else {}  # as `up` sets there
+    bus = KafkaBus(KafkaSettings(bootstrap, idempotent_producer=not local, **sessions))
+    topic, group = unique("wedge"), unique("group")
+    bus.create_topics([TopicSpec(topic, 4)])
+    producer = bus.producer("test")
+    for i in range(8):  # two records per partition
+        producer.send(topic, f"v{i}".encode(), partition=i % 4)
+    producer.flush()
+    leave_mid_rebalance(bootstrap, topic, group)  # the first record of each partition is committed
+    replica = bus.consumer(topic, group, "replica")
+    records = []
+    deadline = time.monotonic() + 90
+    while len(records) < 4 and time.monotonic() < deadline:
+        records += replica.poll(0.5, max_records=10)
+    assert sorted(r.value for r in records) == [b"v4", b"v5", b"v6", b"v7"], "what was committed is not read again"
+    if local:  # the broker wedged the group, and the replica moved on (Apache Kafka does not wedge it)
+        assert replica.group == f"{group}~1"
+        late = bus.consumer(topic, group, "late")  # a replica that starts later joins the group in use
+        assert late.group == f"{group}~1"
+        late.close()
+    replica.close()
+
+
 def test_broadcast_readers_see_every_partition_from_the_start_and_leave_no_group(bus, kafka_config):
     from kafka import KafkaAdminClient
 

@@ -237,28 +237,35 @@ class KafkaBus(Bus):
 
     def consumer(self, topic: str, group: str | None, client_id: str) -> Consumer:
         s = self.settings
-        kafka_consumer = self._retrying(
-            "consumer",
-            lambda: KafkaConsumer(
-                client_id=client_id,
-                group_id=group,
-                enable_auto_commit=False,
-                auto_offset_reset="earliest",
-                session_timeout_ms=s.session_timeout_ms,
-                heartbeat_interval_ms=s.heartbeat_interval_ms,
-                max_poll_interval_ms=s.max_poll_interval_ms,
-                fetch_max_bytes=s.max_message_bytes,
-                fetch_max_wait_ms=s.fetch_max_wait_ms,
-                max_partition_fetch_bytes=s.max_message_bytes,
-                partition_assignment_strategy=s.partition_assignment,
-                **self._common,
-            ),
-        )
+
+        def connect(group_id: str | None) -> KafkaConsumer:
+            return self._retrying(
+                "consumer",
+                lambda: KafkaConsumer(
+                    client_id=client_id,
+                    group_id=group_id,
+                    enable_auto_commit=False,
+                    auto_offset_reset="earliest",
+                    session_timeout_ms=s.session_timeout_ms,
+                    heartbeat_interval_ms=s.heartbeat_interval_ms,
+                    max_poll_interval_ms=s.max_poll_interval_ms,
+                    fetch_max_bytes=s.max_message_bytes,
+                    fetch_max_wait_ms=s.fetch_max_wait_ms,
+                    max_partition_fetch_bytes=s.max_message_bytes,
+                    partition_assignment_strategy=s.partition_assignment,
+                    **self._common,
+                ),
+            )
+
         if group is None:
+            kafka_consumer = connect(None)
             kafka_consumer.assign(self._partitions(kafka_consumer, topic))
-        else:
-            kafka_consumer.subscribe([topic])
-        return _KafkaConsumer(kafka_consumer, topic, group)
+            return _KafkaConsumer(kafka_consumer, topic, None)
+        groups = _GroupGenerations(self, topic, group)
+        kafka_consumer = connect(groups.current())
+        kafka_consumer.subscribe([topic])
+        wedged_after_s = max(3 * s.session_timeout_ms / 1000, WEDGED_AFTER_S)
+        return _KafkaConsumer(kafka_consumer, topic, groups.name, _WedgeWatch(groups, connect, wedged_after_s))
 
     def _partitions(self, consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:
         """Every partition of ``topic``, once the broker's metadata names them (it may lag a topic's creation)."""
@@ -270,6 +277,114 @@ class KafkaBus(Bus):
             if time.monotonic() > deadline:
                 raise BrokerUnavailable(f"topic {topic!r} has no partitions on {self.settings.bootstrap}")
             time.sleep(0.2)
+
+
+WEDGED_AFTER_S = 10.0  # the least time without an assignment, over several joins, that counts as a wedged group
+WEDGED_JOINS = 3  # joins that completed, and never became an assignment, in that time
+
+
+class _GroupGenerations:
+    """A consumer group and the groups its members moved to when it wedged: ``<group>``, ``<group>~1``, ...
+
+    A group moved to gets the committed offsets of the one it replaces before anyone joins it, so the newest
+    generation with committed offsets is the one in use: that is where a new member joins, and nothing committed is
+    read again.
+    """
+
+    def __init__(self, bus: KafkaBus, topic: str, base: str):
+        self.bus, self.topic, self.base, self.generation = bus, topic, base, 0
+
+    @property
+    def name(self) -> str:
+        return self.base if self.generation == 0 else f"{self.base}~{self.generation}"
+
+    def current(self) -> str:
+        while self._committed(f"{self.base}~{self.generation + 1}"):
+            self.generation += 1
+        return self.name
+
+    def move_on(self) -> str:
+        """Move to the next generation, giving it this one's committed offsets (where no member did first)."""
+        offsets = self._committed(self.name)
+        self.generation += 1
+        probe = self._probe(self.name)
+        try:
+            partitions = self.bus._partitions(probe, self.topic)
+            if not any(probe.committed(tp) is not None for tp in partitions):
+                probe.assign(partitions)
+                starts = probe.beginning_offsets(partitions)
+                probe.commit(
+                    {tp: OffsetAndMetadata(offsets.get(tp.partition, starts[tp]), "", -1) for tp in partitions}
+                )
+        finally:
+            probe.close()
+        return self.name
+
+    def _committed(self, group: str) -> dict[int, int]:
+        probe = self._probe(group)
+        try:
+            committed = {tp.partition: probe.committed(tp) for tp in self.bus._partitions(probe, self.topic)}
+        finally:
+            probe.close()
+        return {partition: offset for partition, offset in committed.items() if offset is not None}
+
+    def _probe(self, group: str) -> KafkaConsumer:
+        """A client of ``group`` that never joins it: it reads and writes the group's committed offsets only."""
+        return self.bus._retrying(
+            "consumer", lambda: KafkaConsumer(group_id=group, enable_auto_commit=False, **self.bus._common)
+        )
+
+
+class _WedgeWatch:
+    """Notices a consumer group that has members but never deals out its partitions, and moves to a new one.
+
+    The local broker (tansu 0.6) has a group bug: when a group's follower leaves and then its leader leaves
+    mid-rebalance, it keeps naming the departed leader in every JoinGroup response, its SyncGroup answers "rebalance
+    in progress" for ever, and no member (nor a new one, nor a new member id) gets a partition again
+    (``tests/test_kafka.py`` reproduces it with plain clients). Only another group name escapes it. The sign: joins
+    keep completing but no assignment follows, for longer than a few sessions. A member that waits for a busy one
+    to rejoin (a legitimate long rebalance) completes no join meanwhile, and one with no partition because the
+    group has more members than partitions has a stable assignment: neither is taken for the wedge.
+    """
+
+    def __init__(self, groups: _GroupGenerations, connect, wedged_after_s: float):
+        self.groups, self.connect, self.wedged_after_s = groups, connect, wedged_after_s
+        self.unassigned_since: float | None = None
+        self.joins, self.last_generation = 0, None
+
+    def check(self, consumer: KafkaConsumer, topic: str) -> KafkaConsumer:
+        """``consumer``, or a consumer of the group's next generation when it is wedged."""
+        if consumer.assignment():
+            self.unassigned_since = None
+            return consumer
+        now = time.monotonic()
+        # kafka-python 2.3 counts no joins; its coordinator makes a new generation object on every completed join.
+        generation = consumer._coordinator._generation
+        if self.unassigned_since is None:
+            self.unassigned_since, self.joins, self.last_generation = now, 0, generation
+        elif generation is not self.last_generation:
+            self.joins, self.last_generation = self.joins + 1, generation
+        if now - self.unassigned_since < self.wedged_after_s or self.joins < WEDGED_JOINS:
+            return consumer
+        wedged = self.groups.name
+        try:
+            consumer.close()
+        except KafkaError as exc:
+            log.debug("leaving the wedged group %s: %s", wedged, exc)
+        moved_to = self.groups.move_on()
+        log.warning(
+            "consumer group %s has given no partition of %s for %.0f s over %d joins (a broker bug: it names a "
+            "departed leader); moving to group %s, with the committed offsets",
+            wedged,
+            topic,
+            now - self.unassigned_since,
+            self.joins,
+            moved_to,
+        )
+        self.unassigned_since = None
+        fresh = self.connect(moved_to)
+        fresh.subscribe([topic])
+        return fresh
 
 
 class _KafkaProducer(Producer):
@@ -295,11 +410,14 @@ class _KafkaProducer(Producer):
 
 
 class _KafkaConsumer(Consumer):
-    def __init__(self, consumer: KafkaConsumer, topic: str, group: str | None):
-        self.consumer, self.topic, self.group = consumer, topic, group
+    def __init__(self, consumer: KafkaConsumer, topic: str, group: str | None, wedge: _WedgeWatch | None = None):
+        self.consumer, self.topic, self.group, self.wedge = consumer, topic, group, wedge
         self.buffer: list[Record] = []
 
     def poll(self, timeout_s: float = 0.0, max_records: int = 1) -> list[Record]:
+        if self.wedge is not None:
+            self.consumer = self.wedge.check(self.consumer, self.topic)
+            self.group = self.wedge.groups.name
         if not self.buffer:
             # Never 0 ms: with a zero timeout kafka-python can keep sending fetches without ever reading one back.
             batches = self.consumer.poll(timeout_ms=max(int(timeout_s * 1000), 10), max_records=max_records)
