@@ -495,7 +495,7 @@ def bench_scaling(batches: int = 24) -> dict:
     from common.config import load_config
     from services.feeder import FeederService
     from services.generator import GeneratorService
-    from services.process import kafka_bus
+    from services.run_bus import kafka_bus
 
     model = smollm2_sized_model()
     rows = {}

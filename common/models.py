@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -34,22 +33,10 @@ __all__ = [
     "load_critic",
     "load_reward_model",
     "load_tokenizer",
-    "quiet_transformers",
     "resolve_model",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def quiet_transformers() -> None:
-    """Silence transformers' per-model load reports, advisory warnings and progress bars (the CLI calls this).
-
-    The environment variables are inherited by child processes (vLLM's engine), which read them at import.
-    """
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 class ModelLoadError(RuntimeError):

@@ -15,8 +15,6 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 __all__ = ["NoSpaceError", "fsync_dir", "fsync_file", "state_nbytes", "write_or_explain"]
 
 _MB = 1 << 20
@@ -28,6 +26,8 @@ class NoSpaceError(OSError):
 
 def state_nbytes(state) -> int:
     """Bytes of the tensors in a nested state (dicts, lists, tuples of tensors and plain values)."""
+    import torch  # here: the module is also used where nothing else needs torch (`streamppo status`)
+
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()
     if isinstance(state, dict):

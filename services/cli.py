@@ -44,7 +44,7 @@ def _serve(args) -> int:
 
 def _topics(args) -> int:
     from common.config import load_config
-    from services.process import kafka_bus
+    from services.run_bus import kafka_bus
 
     config = load_config(args.config, args.set)
     bus = kafka_bus(config, args.bootstrap, replace_wrong_topics=True)  # creates (or replaces) what is missing
@@ -55,12 +55,20 @@ def _topics(args) -> int:
 
 def _status(args) -> int:
     from common.config import load_config
-    from services.process import kafka_bus
+    from services.roles import LOG_TOPIC
+    from services.run_bus import kafka_bus
     from services.status import format_status, read_status
 
     config = load_config(args.config, args.set)
-    bus = kafka_bus(config, args.bootstrap)
+    bus = kafka_bus(config, args.bootstrap, make=False)  # a reader: it makes no topics
     try:
+        if bus.log_identity(LOG_TOPIC) is None:
+            print(
+                f"streamppo: no log of run {config.run.run_id!r} (namespace {config.namespace!r}) on this broker: "
+                "the run has not started, or the broker lost its data",
+                file=sys.stderr,
+            )
+            return exit_codes.ERROR
         print(format_status(read_status(bus, config.run.run_id)))
     finally:
         bus.close()
@@ -255,14 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _configure_logging(verbose: bool) -> None:
-    from common.models import quiet_transformers
-
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # transformers logs a load report and progress bars for every model, vLLM every engine step; the services log
-    # what matters themselves. vLLM reads its level from the environment when it is imported (in the generator).
-    quiet_transformers()
+    # transformers logs a load report, advisory warnings and progress bars for every model, vLLM every engine step;
+    # the services log what matters themselves. Both read these when they are imported, which a command that loads
+    # no model (status, topics) never does; child processes (vLLM's engine) inherit them.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     if not verbose:  # kafka-python logs every failed connection attempt; the services report broker trouble once
         logging.getLogger("kafka").setLevel(logging.CRITICAL)
@@ -270,6 +279,21 @@ def _configure_logging(verbose: bool) -> None:
 
 def _dispatch(args) -> int:
     """Run the command's handler; the errors a user can fix become one line on stderr and an exit code."""
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        return exit_codes.INTERRUPTED
+    except Exception as exc:
+        code = _exit_code_of(exc)
+        if code is None:
+            raise
+        print(f"streamppo: {exc.strerror if code == exit_codes.NO_SPACE else exc}", file=sys.stderr)
+        return code
+
+
+def _exit_code_of(exc: Exception) -> int | None:
+    """The exit code of an error a user can fix, None for any other. Imported here, on an error only: the modules
+    load torch, which a command such as ``status`` otherwise never needs (seconds)."""
     from common.config import ConfigError
     from common.data import DatasetError
     from common.models import ModelLoadError
@@ -278,21 +302,15 @@ def _dispatch(args) -> int:
     from services.transport import TopicMismatch
     from services.transport.kafka import BrokerUnavailable
 
-    try:
-        return args.handler(args)
-    except (ConfigError, TopicMismatch, ModelLoadError, RewardError, DatasetError) as exc:
+    if isinstance(exc, (ConfigError, TopicMismatch, ModelLoadError, RewardError, DatasetError)):
         # What a setting names that cannot be had (a prompt file, a reward function, a model folder): a restart
         # cannot cure it, and a supervisor must not try.
-        print(f"streamppo: {exc}", file=sys.stderr)
         return exit_codes.CONFIG
-    except BrokerUnavailable as exc:
-        print(f"streamppo: {exc}", file=sys.stderr)
+    if isinstance(exc, BrokerUnavailable):
         return exit_codes.ERROR
-    except NoSpaceError as exc:
-        print(f"streamppo: {exc.strerror}", file=sys.stderr)
+    if isinstance(exc, NoSpaceError):
         return exit_codes.NO_SPACE
-    except KeyboardInterrupt:
-        return exit_codes.INTERRUPTED
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

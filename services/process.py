@@ -19,16 +19,15 @@ from kafka.errors import KafkaError
 from common.config import ConfigError, RunConfig
 from services import exit_codes
 from services.metrics import ServiceMetrics
-from services.roles import LOG_TOPIC, ROLES, pipeline_topics
+from services.roles import ROLES
+from services.run_bus import bootstrap_of, kafka_bus
 from services.runtime import ServiceRunner
 from services.service import ProcessGroup, Service
 from services.transport import Bus, LogReplaced
-from services.transport.kafka import KafkaBus, KafkaSettings
-from services.transport.namespaced import NamespacedBus
 
 log = logging.getLogger(__name__)
 
-__all__ = ["default_replica_id", "kafka_bus", "serve", "serve_service"]
+__all__ = ["default_replica_id", "serve", "serve_service"]
 
 STATUS_EVERY_S = 30.0
 STALL_WARNING_S = 120.0
@@ -36,45 +35,6 @@ STALL_WARNING_S = 120.0
 
 def default_replica_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
-
-
-def kafka_bus(config: RunConfig, bootstrap: str | None = None, replace_wrong_topics: bool = False) -> NamespacedBus:
-    """The Kafka bus the config describes, in the run's namespace (``kafka.namespace``, by default the run id), with
-    every pipeline topic created.
-
-    A weights topic that is not what the pipeline needs (a new broker made it with its defaults) is refused
-    (``TopicMismatch``), or with ``replace_wrong_topics`` (``streamppo topics``, ``streamppo up``) replaced.
-    """
-    k = config.kafka
-    bootstrap = _bootstrap(config, bootstrap)
-    kafka = KafkaBus(
-        KafkaSettings(
-            bootstrap=bootstrap,
-            max_message_bytes=k.max_message_bytes,
-            session_timeout_ms=k.session_timeout_ms,
-            heartbeat_interval_ms=k.heartbeat_interval_ms,
-            idempotent_producer=k.idempotent_producer,
-            fetch_max_wait_ms=k.fetch_max_wait_ms,
-            connect_timeout_s=k.connect_timeout_s,
-            security=k.client_options(),
-        )
-    )
-    bus = NamespacedBus(kafka, config.namespace)
-    bus.create_topics(pipeline_topics(k.partitions), replace_wrong=replace_wrong_topics)
-    bus.log_identity(LOG_TOPIC, create=True)  # the topics and their identity are the run's log
-    return bus
-
-
-def _bootstrap(config: RunConfig, given: str | None) -> str:
-    """The broker list to use (``--bootstrap``, else ``kafka.bootstrap``), checked for its form."""
-    bootstrap = given or config.kafka.bootstrap
-    if not bootstrap:
-        raise ConfigError("no Kafka broker given: pass --bootstrap HOST:PORT or set kafka.bootstrap")
-    for server in bootstrap.split(","):
-        host, sep, port = server.strip().rpartition(":")
-        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-            raise ConfigError(f"bootstrap {bootstrap!r}: expected HOST:PORT, or several separated by commas")
-    return bootstrap
 
 
 class _StopFlag:
@@ -94,7 +54,7 @@ def serve(
     role: str, config: RunConfig, bootstrap: str | None, replica_id: str | None = None, metrics_port: int | None = None
 ) -> int:
     replica_id = replica_id or default_replica_id(role)
-    bootstrap = _bootstrap(config, bootstrap)  # before the models load
+    bootstrap = bootstrap_of(config, bootstrap)  # before the models load
     group = ROLES[role].service_class().process_group(config)
     if group is not None and (code := group.launch()) is not None:
         return code  # this process launched and supervised the group's processes

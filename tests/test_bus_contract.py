@@ -40,7 +40,7 @@ def contract(request):
     if request.param == "memory":
         yield Contract(MemoryBus(), settle_s=0.0)
         return
-    from services.process import kafka_bus
+    from services.run_bus import kafka_bus
 
     bus = kafka_bus(request.getfixturevalue("make_config")(*request.getfixturevalue("kafka_broker")))
     yield Contract(bus, settle_s=2.0)

@@ -14,7 +14,7 @@ from helpers import run_settings
 
 from common.schema import decode
 from services.cluster import stop_all
-from services.process import kafka_bus
+from services.run_bus import kafka_bus
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from helpers import run_settings
 from kafka.errors import KafkaError
 
 from common.schema import DeadLetter, SchemaError, decode
-from services.process import kafka_bus
+from services.run_bus import kafka_bus
 from services.runtime import ServiceRunner
 from services.transport import TopicSpec
 from services.transport.kafka import BrokerUnavailable, KafkaBus, KafkaSettings
@@ -584,24 +584,12 @@ def test_streamppo_status_shows_what_each_replica_waits_for(make_config, kafka_b
     held_gauge = runner.metrics.registry.get_sample_value("streamppo_held_records", {"role": "generator"})
     assert held_gauge == 1, "exported as a metric too"
     bootstrap = config.kafka.bootstrap
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "status",
-            "--config",
-            str(EXAMPLE / "config.yaml"),
-            "--bootstrap",
-            bootstrap,
-            "--set",
-            f"run.run_id={run_id}",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+
+    def status(of_run):
+        command = streamppo_command("status", "--bootstrap", bootstrap, overrides=[f"run.run_id={of_run}"])
+        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    result = status(run_id)
     runner.close()
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
@@ -612,6 +600,13 @@ def test_streamppo_status_shows_what_each_replica_waits_for(make_config, kafka_b
     assert "newest weights: none" in out
     dlq = dict(item.rsplit(" ", 1) for item in out.split("dead letters: ")[1].strip().split(", "))
     assert int(dlq["prompts.dlq"]) >= 1
+    # A run that never started: said so, and nothing made for it (a reader makes no log).
+    never = unique("never")
+    result = status(never)
+    assert result.returncode == 1 and f"no log of run {never!r}" in result.stderr, result.stderr[-2000:]
+    probe = KafkaBus(KafkaSettings(bootstrap))._metadata_probe()
+    assert not [topic for topic in probe.topics() if topic.startswith(never)]
+    probe.close()
 
 
 def test_announcements_of_a_replaced_learner_are_ignored(make_config, kafka_broker):

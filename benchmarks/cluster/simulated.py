@@ -36,7 +36,8 @@ from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
 from services.learner.trainer import Experience
-from services.process import kafka_bus, serve_service
+from services.process import serve_service
+from services.run_bus import kafka_bus
 from services.scorer import ScorerService
 
 VOCAB = 47  # builtin:tiny-char-llama's: stand-in token ids are ones its models can look up

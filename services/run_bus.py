@@ -1,0 +1,57 @@
+"""The run's bus: the Kafka bus a config describes, in the run's namespace, with the run's topics.
+
+Kept apart from the services' process code so that a command that only reads the bus (``streamppo status``,
+``topics``) loads no model library.
+"""
+
+from __future__ import annotations
+
+from common.config import ConfigError, RunConfig
+from services.roles import LOG_TOPIC, pipeline_topics
+from services.transport.kafka import KafkaBus, KafkaSettings
+from services.transport.namespaced import NamespacedBus
+
+__all__ = ["bootstrap_of", "kafka_bus"]
+
+
+def kafka_bus(
+    config: RunConfig, bootstrap: str | None = None, replace_wrong_topics: bool = False, make: bool = True
+) -> NamespacedBus:
+    """The Kafka bus the config describes, in the run's namespace (``kafka.namespace``, by default the run id), with
+    every pipeline topic created (unless ``make`` is False: a reader such as ``streamppo status`` makes no log).
+
+    A weights topic that is not what the pipeline needs (a new broker made it with its defaults) is refused
+    (``TopicMismatch``), or with ``replace_wrong_topics`` (``streamppo topics``, ``streamppo up``) replaced.
+    """
+    k = config.kafka
+    bootstrap = bootstrap_of(config, bootstrap)
+    kafka = KafkaBus(
+        KafkaSettings(
+            bootstrap=bootstrap,
+            max_message_bytes=k.max_message_bytes,
+            session_timeout_ms=k.session_timeout_ms,
+            heartbeat_interval_ms=k.heartbeat_interval_ms,
+            idempotent_producer=k.idempotent_producer,
+            fetch_max_wait_ms=k.fetch_max_wait_ms,
+            connect_timeout_s=k.connect_timeout_s,
+            security=k.client_options(),
+        )
+    )
+    bus = NamespacedBus(kafka, config.namespace)
+    if not make:
+        return bus
+    bus.create_topics(pipeline_topics(k.partitions), replace_wrong=replace_wrong_topics)
+    bus.log_identity(LOG_TOPIC, create=True)  # the topics and their identity are the run's log
+    return bus
+
+
+def bootstrap_of(config: RunConfig, given: str | None) -> str:
+    """The broker list to use (``--bootstrap``, else ``kafka.bootstrap``), checked for its form."""
+    bootstrap = given or config.kafka.bootstrap
+    if not bootstrap:
+        raise ConfigError("no Kafka broker given: pass --bootstrap HOST:PORT or set kafka.bootstrap")
+    for server in bootstrap.split(","):
+        host, sep, port = server.strip().rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"bootstrap {bootstrap!r}: expected HOST:PORT, or several separated by commas")
+    return bootstrap
