@@ -5,7 +5,7 @@ Starts a local Kafka-protocol broker (unless ``--bootstrap`` names one), then th
 every replica of the roles that end the run has finished. A child that exits with an error is restarted after a
 back-off (``--restart on-failure``, the default, as Kubernetes would) or stops the run (``--restart never``); one
 that found the run's log gone (exit 4: the broker lost its data) makes ``up`` start every child again in resume
-mode. Ctrl-C stops the run. Then every child gets SIGTERM, and the broker stops last.
+mode. Ctrl-C stops the run: every child gets SIGTERM (a second Ctrl-C kills them), and the broker stops last.
 """
 
 from __future__ import annotations
@@ -108,18 +108,20 @@ def up(
             broker.stop()
         return topics.returncode
 
-    interrupted = False
+    signals = 0
 
     def on_signal(signum, frame):
-        nonlocal interrupted
-        interrupted = True
+        nonlocal signals
+        signals += 1
+        if signals == 2:
+            print("stopping now: every service is killed (a batch in hand is delivered again)", flush=True)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
         for child in children.values():
             _spawn(child)
-        while not interrupted:
+        while not signals:
             replaced = [child.name for child in children.values() if _found_the_log_replaced(child)]
             if replaced:
                 _resume_on_the_new_log(children, replaced)
@@ -133,22 +135,26 @@ def up(
             time.sleep(0.5)
         return exit_codes.INTERRUPTED
     finally:
-        stop_all([child.process for child in children.values() if child.process is not None])
+        if signals:
+            print("stopping every service (Ctrl-C again to kill them at once)", flush=True)
+        stop_all([child.process for child in children.values() if child.process is not None], hurry=lambda: signals > 1)
         if broker is not None:
             broker.stop()
 
 
-def stop_all(processes: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
+def stop_all(processes: list[subprocess.Popen], timeout_s: float = 60.0, hurry=lambda: False) -> None:
     """SIGTERM to every process still running (each finishes its batch in hand), then wait; kill what outlives
-    ``timeout_s``."""
+    ``timeout_s``, or everything once ``hurry()`` says so (a second Ctrl-C)."""
     for process in processes:
         if process.poll() is None:
             process.terminate()
-    for process in processes:
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    deadline = time.monotonic() + timeout_s
+    while any(process.poll() is None for process in processes):
+        if time.monotonic() > deadline or hurry():
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+        time.sleep(0.05)
 
 
 def child_environment(children: int, environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -9,3 +9,6 @@ LOG_REPLACED = 4  # the log the service worked on is gone (the broker lost its d
 INTERRUPTED = 130
 
 PERMANENT = {CONFIG: "a configuration error", NO_SPACE: "no space left on a disk"}
+# What a process's own supervisor (the learner's rank launcher) passes on instead of restarting it: the answer is the
+# run's (resume on the new log) or the user's to give.
+PASSED_ON = {LOG_REPLACED, *PERMANENT}

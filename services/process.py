@@ -1,8 +1,11 @@
 """One service replica as its own process over Kafka: ``streamppo <role>`` for every role in ``ROLES``.
 
 SIGTERM (or Ctrl-C) lets the batch in hand finish, be produced and committed, then exits 0; a batch not yet
-started stays uncommitted and is re-delivered to another replica. A replica whose service is done (the feeder once
-it has published, the learner after ``run.steps`` updates) finishes and exits 0.
+started stays uncommitted and is re-delivered to another replica. A replica that is only waiting (for input, for
+weights, for a broker that is away) stops at once. What the broker must do at the end (the last status report,
+the commit, leaving the group) gets ``STOP_BROKER_S``: a broker that does not answer by then is left, and the
+uncommitted input is delivered again. A replica whose service is done (the feeder once it has published, the learner
+after ``run.steps`` updates) finishes and exits 0.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
+from contextlib import contextmanager
 
 from kafka.errors import KafkaError
 
@@ -31,23 +36,31 @@ __all__ = ["default_replica_id", "serve", "serve_service"]
 
 STATUS_EVERY_S = 30.0
 STALL_WARNING_S = 120.0
+STOP_BROKER_S = 5.0  # what a stopping replica waits for the broker, at most
 
 
 def default_replica_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
 
+class _Stop(Exception):
+    """Raised by a signal into a replica that is only waiting: nothing of a batch is in hand."""
+
+
 class _StopFlag:
-    """Set by SIGTERM or SIGINT: the loop stops after the batch in hand."""
+    """Set by SIGTERM or SIGINT: the loop stops after the batch in hand, or at once while it only waits."""
 
     def __init__(self, replica_id: str):
         self.replica_id, self.set = replica_id, False
+        self.runner: ServiceRunner | None = None  # while it polls: see _request
         signal.signal(signal.SIGTERM, self._request)
         signal.signal(signal.SIGINT, self._request)
 
     def _request(self, signum, frame) -> None:
         log.info("%s: signal %d, stopping after the batch in hand", self.replica_id, signum)
         self.set = True
+        if self.runner is not None and not self.runner.processing:
+            raise _Stop  # e.g. out of a metadata request to a broker that is away, which can block for minutes
 
 
 def serve(
@@ -68,7 +81,14 @@ def serve(
         except OSError as exc:
             raise ConfigError(f"--metrics-port {metrics_port}: cannot serve metrics there: {exc.strerror}") from None
         log.info("%s: metrics on :%d/metrics", replica_id, metrics_port)
-    return serve_service(ROLES[role].create(config, replica_id), config, bootstrap, metrics, stop, group=group)
+    try:
+        return serve_service(ROLES[role].create(config, replica_id), config, bootstrap, metrics, stop, group=group)
+    except Exception as exc:
+        gone = group.peer_gone(exc) if group is not None else None
+        if gone is None:
+            raise
+        log.error("%s: %s; exiting", replica_id, gone)
+        return exit_codes.ERROR
 
 
 def serve_service(
@@ -110,11 +130,36 @@ def serve_service(
         elif code == exit_codes.LOG_REPLACED:
             runner.abandon()
         else:
-            _report_status(runner, "done" if service.done() else "stopped")
-            runner.close()
+            runner.settle()  # the learner's checkpoint, however long the disk takes
+            with _broker_deadline(replica_id, code):
+                _report_status(runner, "done" if service.done() else "stopped")
+                runner.disconnect()
             # One parseable line: where this replica's time went (benchmarks/ reads it).
             log.info("%s: time breakdown %s", replica_id, json.dumps({"role": role, **runner.time_breakdown()}))
     return code
+
+
+@contextmanager
+def _broker_deadline(replica_id: str, code: int):
+    """Exit with ``code`` if the block (the broker's part of stopping) is not done within ``STOP_BROKER_S``: every
+    call of kafka-python to a broker that is away may block for its own timeouts, several in a row."""
+
+    def give_up() -> None:
+        log.warning(
+            "%s: the broker did not answer within %.0f s of stopping; exiting without it (the input not committed is "
+            "delivered again)",
+            replica_id,
+            STOP_BROKER_S,
+        )
+        os._exit(code)
+
+    timer = threading.Timer(STOP_BROKER_S, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _report_status(runner: ServiceRunner, state: str | None = None) -> None:
@@ -135,18 +180,24 @@ def _loop(runner: ServiceRunner, stop: _StopFlag) -> None:
     """Poll until the service is done or a signal asks to stop; broker errors are retried with back-off."""
     backoff = 0.5
     next_status = time.monotonic()
-    while not stop.set and not runner.service.done():
-        if time.monotonic() >= next_status:
-            next_status = time.monotonic() + STATUS_EVERY_S
-            _report_status(runner)
-        try:
-            runner.poll_once(timeout_s=0.5)
-            backoff = 0.5
-        except KafkaError as exc:
-            # The batch in hand was not committed and comes back once the broker does.
-            log.warning(
-                "%s: broker error (%s: %s); retrying in %.1fs", runner.replica_id, type(exc).__name__, exc, backoff
-            )
-            time.sleep(backoff)
-            # Short: a broker that comes back (or a new one, whose log the next check finds replaced) is seen soon.
-            backoff = min(backoff * 2, 4.0)
+    stop.runner = runner  # from here a signal cuts a wait short
+    try:
+        while not stop.set and not runner.service.done():
+            if time.monotonic() >= next_status:
+                next_status = time.monotonic() + STATUS_EVERY_S
+                _report_status(runner)
+            try:
+                runner.poll_once(timeout_s=0.5)
+                backoff = 0.5
+            except KafkaError as exc:
+                # The batch in hand was not committed and comes back once the broker does.
+                log.warning(
+                    "%s: broker error (%s: %s); retrying in %.1fs", runner.replica_id, type(exc).__name__, exc, backoff
+                )
+                time.sleep(backoff)
+                # Short: a broker that comes back (or a new one, whose log the next check finds replaced) is seen soon.
+                backoff = min(backoff * 2, 4.0)
+    except _Stop:
+        pass
+    finally:
+        stop.runner = None

@@ -114,6 +114,8 @@ class ServiceRunner:
         # state covers, so a batch applied before a crash, but not committed, is recognised when it comes again.
         restored = service.restored()
         self.recent = RecentIds(config.pipeline.dedupe_window, restored.handled if restored else ())
+        self.processing = False  # True while an input is processed: a stop request waits for it (see _process)
+        self.settled: bool | None = None  # see settle()
         self._produce(service.start())
 
     # ------------------------------------------------------------------ one step
@@ -160,12 +162,22 @@ class ServiceRunner:
         self._process(record, message)
         return True
 
+    @contextmanager
+    def _uninterrupted(self):
+        """A stop request waits for the block: the compute of the batch in hand and its durable state. (The rest,
+        producing and committing, may be cut short: the input then comes again, see _process.)"""
+        self.processing = True
+        try:
+            yield
+        finally:
+            self.processing = False
+
     def _process(self, record: Record, message: BatchMessage) -> None:
         self.last_progress = time.monotonic()
         started = time.perf_counter()
         outcome = "processed"
         try:
-            with self._timed("compute"):
+            with self._timed("compute"), self._uninterrupted():
                 outputs = self.service.process(message)
         except InputError as exc:
             self._dead_letter(record, f"cannot process batch {message.batch_id}: {exc}")
@@ -182,10 +194,18 @@ class ServiceRunner:
             self.recent.add(message.batch_id)
         # Durable state first, then its outputs: a learner's checkpoint precedes the announcement of its weights.
         self._defer_commit(record)
-        with self._timed("checkpoint"):
+        with self._timed("checkpoint"), self._uninterrupted():
             durable = self._durable()
-        with self._timed("produce"):
-            self._produce(outputs)
+        try:
+            with self._timed("produce"):
+                self._produce(outputs)
+        except BaseException:
+            # Not all its outputs may be out (a broker error, a stop): it must be read again, not be committed with
+            # a later record of its partition. (A learner's checkpoint already covers it: it comes again as a
+            # duplicate, and the learner announces its weights again when it starts.)
+            self.uncommitted.pop(record.partition, None)
+            self.work.rewind(record)
+            raise
         with self._timed("commit"):
             if durable:
                 self._commit_deferred()
@@ -365,9 +385,22 @@ class ServiceRunner:
                     log.debug("%s: closing a client of the lost log: %s", self.replica_id, exc)
 
     def close(self) -> None:
-        if self._durable(force=True):
+        """:meth:`settle`, then :meth:`disconnect`."""
+        self.settle()
+        self.disconnect()
+
+    def settle(self) -> None:
+        """The part of closing that needs no broker: the service's state made durable (a learner's checkpoint),
+        its engines and files released."""
+        if self.settled is None:
+            self.settled = self._durable(force=True)
+            self.service.close()
+
+    def disconnect(self) -> None:
+        """The broker's part of closing, after :meth:`settle`: commit what the durable state covers, close the
+        clients (a group member leaves its group)."""
+        if self.settled:
             self._commit_deferred()
-        self.service.close()
         self.producer.close()
         if self.work is not None:
             self.work.close()

@@ -76,6 +76,11 @@ class ProcessGroup(ABC):
     def follow(self, service: Service) -> None:
         """In a following process: run what the leader leads, until it is done."""
 
+    def peer_gone(self, exc: BaseException) -> str | None:
+        """One line that says which process saw another one go, if that is all ``exc`` says (the failure itself is
+        reported where it happened); else None."""
+        return None
+
 
 class Service(ABC):
     """One replica of a role (:data:`services.roles.ROLES`). The lifecycle, as every runner drives it:

@@ -223,3 +223,27 @@ def test_the_scorer_and_advantage_passes_by_token_budget_match_one_pass(tiny_mod
     assert len(micro_batches(exp.prompt_lengths, exp.response_lengths, torch.arange(len(mask)), 24)) > 2
     assert torch.allclose(whole * mask, budget * mask, atol=1e-5)
     assert torch.allclose(values_whole * mask, values_budget * mask, atol=1e-5)
+
+
+def test_the_rank_launcher_says_each_failure_in_a_line_and_passes_on_the_leader_s_answer(make_config, tmp_path, capfd):
+    """Rank 0 exits 4 (the log replaced): the launcher says so in a line per rank, and the learner's supervisor passes
+    4 on (``up`` then resumes the run) rather than restarting the ranks (which would find the same log gone)."""
+    import signal
+
+    from services.learner.ranks import LearnerRanks
+
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '0':\n    sys.exit(4)\ntime.sleep(60)\n")
+    ranks = LearnerRanks(make_config("learner.parallel.strategy=fsdp", "learner.parallel.processes=2"))
+    command = [sys.executable, "-m", "services.learner.launcher", "--standalone", "--nproc-per-node=2", str(script)]
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        code = ranks._supervise(command)
+    finally:
+        signal.signal(signal.SIGTERM, handlers[0])
+        signal.signal(signal.SIGINT, handlers[1])
+    err = capfd.readouterr().err
+    assert code == 4, err
+    assert "learner rank 0 ended: exit code 4" in err and "learner rank 1 ended: killed by SIGTERM" in err, err
+    assert err.count("learner rank 0 ended") == 1, "the ranks ran once: not restarted"
+    assert "Traceback" not in err and "ChildFailedError" not in err, err

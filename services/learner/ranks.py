@@ -4,7 +4,8 @@ With ``learner.parallel.processes`` > 1, ``streamppo learner`` runs that many ra
 machine under torch's launcher (``torch.distributed.run``); rank 0 leads (the service's lifecycle, the bus) and the
 others follow it (:mod:`.parallel`). When a rank dies the launcher stops the others and exits; all ranks are
 then started again by a new launcher (they resume from the last checkpoint), as :mod:`services.restarts` says, after
-which the error is left to a supervisor (``streamppo up``, Kubernetes). The launcher's own restarts are not used:
+which the error is left to a supervisor (``streamppo up``, Kubernetes); rank 0's own answer (the log replaced, a
+configuration error) is passed on as its exit code and not restarted. The launcher's own restarts are not used:
 with gloo, ranks it restarts in place cannot connect to each other (torch 2.13). SIGTERM and SIGINT are passed on
 to the launcher, which passes them to the ranks: rank 0 finishes its batch and checkpoints, and nothing restarts.
 """
@@ -19,6 +20,7 @@ import sys
 import time
 
 from common.config import RunConfig
+from services import exit_codes
 from services.restarts import RestartPolicy, Restarts
 from services.service import ProcessGroup, Service
 
@@ -41,7 +43,7 @@ class LearnerRanks(ProcessGroup):
             [
                 sys.executable,
                 "-m",
-                "torch.distributed.run",
+                "services.learner.launcher",  # torch's launcher, reporting failed ranks in a line each
                 "--standalone",
                 f"--nproc-per-node={self.processes}",
                 "--max-restarts=0",
@@ -56,6 +58,14 @@ class LearnerRanks(ProcessGroup):
 
     def follow(self, service: Service) -> None:
         service.ranks.follow(service.trainer)
+
+    def peer_gone(self, exc: BaseException) -> str | None:
+        # gloo's error when the other end of a collective died (torch 2.13: a RuntimeError naming the connection).
+        text = str(exc)
+        if isinstance(exc, RuntimeError) and ("closed by peer" in text or "reset by peer" in text):
+            detail = text.split(". ")[0].rsplit("] ", 1)[-1]
+            return f"rank {os.environ.get('RANK', '?')}: another rank is gone ({detail})"
+        return None
 
     def _supervise(self, command: list[str]) -> int:
         # Each rank's share of the cores (the launcher would set 1 and say so).
@@ -76,7 +86,8 @@ class LearnerRanks(ProcessGroup):
             started = time.monotonic()
             child = subprocess.Popen(command, env=env)
             code = child.wait()
-            if code == 0 or stopping:
+            # The run's own answer (e.g. the log replaced) is passed on, not restarted.
+            if code == 0 or stopping or code in exit_codes.PASSED_ON:
                 return code
             delay = restarts.after_exit(code, time.monotonic() - started)
             if delay is None:

@@ -209,15 +209,16 @@ class KafkaBus(Bus):
         return first
 
     @staticmethod
-    def _first_record(consumer: KafkaConsumer, tp: TopicPartition) -> str | None:
-        """The value of the partition's first record, or None once a fetch shows the partition empty."""
-        deadline = time.monotonic() + 10
+    def _first_record(consumer: KafkaConsumer, tp: TopicPartition, timeout_s: float = 10.0) -> str | None:
+        """The value of the partition's first record, or None once a fetch shows the partition empty. A broker that
+        does not answer (it is away) raises: that is not an empty log, and no service may take it for one."""
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for records in consumer.poll(timeout_ms=200, max_records=1).values():
                 return records[0].value.decode(errors="replace")
             if consumer.highwater(tp) == 0:
                 return None
-        return None
+        raise KafkaTimeoutError(f"no answer to a fetch of {tp.topic} within {timeout_s:.0f} s")
 
     def producer(self, client_id: str) -> Producer:
         return _KafkaProducer(
@@ -442,6 +443,12 @@ class _KafkaConsumer(Consumer):
         tp = TopicPartition(self.topic, partition)
         if tp in self.consumer.assignment():
             self.consumer.resume(tp)
+
+    def rewind(self, record: Record) -> None:
+        tp = TopicPartition(self.topic, record.partition)
+        self.buffer = [r for r in self.buffer if r.partition != record.partition]
+        if tp in self.consumer.assignment():
+            self.consumer.seek(tp, record.offset)
 
     def commit(self, record: Record) -> None:
         if self.group is None:
