@@ -735,21 +735,45 @@ def test_a_broker_replaced_mid_run_costs_seconds_and_no_operator_and_resume_fini
     assert f"publishing prompt batches {checkpointed}..{steps - 1}" in resumed, "the feeder skipped applied steps"
 
 
-def test_a_service_stops_on_a_replaced_log_and_makes_nothing_on_the_new_broker(make_config, tmp_path):
-    """The broker is replaced by an empty one: a running replica sends, commits and creates nothing there (clients
-    never make topics), and stops with LogReplaced once it sees the log's identity gone."""
+def test_a_service_stops_on_a_replaced_log_and_makes_nothing_on_the_new_broker(make_config, tmp_path, model_cache):
+    """The broker goes away, then an empty one takes its place. While it is only away, a replica retries and does not
+    take it for a lost log, and a replica stopped then exits in seconds (it does not wait for the broker's timeouts).
+    On the empty one a running replica sends, commits and creates nothing (clients never make topics), and stops
+    with LogReplaced once it sees the log's identity gone."""
+    from services.process import STOP_BROKER_S
     from services.runtime import LOG_CHECK_S
     from services.scorer import ScorerService
     from services.transport import LogReplaced
+    from services.transport.kafka import ANSWER_TIMEOUT_S
     from services.transport.local_broker import LocalBroker, free_port
 
     port = free_port()
-    config = make_config(f"kafka.bootstrap=127.0.0.1:{port}", "kafka.idempotent_producer=false")
+    settings = [f"kafka.bootstrap=127.0.0.1:{port}", "kafka.idempotent_producer=false"]
+    config = make_config(*settings)
     broker = LocalBroker(port, log_path=tmp_path / "broker-1.log").start()
+    stopped_by_signal = tmp_path / "scorer.log"
+    command = streamppo_command(
+        "-v", "scorer", overrides=[*run_settings(tmp_path, model_cache, 2, unique("away")), *settings]
+    )
+    with open(stopped_by_signal, "w") as out:
+        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     try:
         runner = ServiceRunner(ScorerService(config, unique("scorer")), kafka_bus(config))
         runner.poll_once(0.2)
+        deadline = time.monotonic() + 120
+        while "serving rollouts" not in stopped_by_signal.read_text():
+            assert time.monotonic() < deadline and process.poll() is None, stopped_by_signal.read_text()[-3000:]
+            time.sleep(0.2)
         broker.stop()  # every record, offset and group is gone with it
+        away = time.monotonic()
+        while time.monotonic() < away + LOG_CHECK_S + ANSWER_TIMEOUT_S + 2:  # an identity check gets no answer
+            try:
+                runner.poll_once(0.2)
+            except KafkaError:
+                time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, stopped_by_signal.read_text()[-3000:]
+        assert f"the broker did not answer within {STOP_BROKER_S:.0f} s of stopping" in stopped_by_signal.read_text()
         broker = LocalBroker(port, log_path=tmp_path / "broker-2.log").start()
         deadline, stopped = time.monotonic() + 60, None
         while stopped is None and time.monotonic() < deadline:
@@ -766,6 +790,8 @@ def test_a_service_stops_on_a_replaced_log_and_makes_nothing_on_the_new_broker(m
         assert probe.topics() == set(), "the old replica made no topic on the new broker"
         probe.close()
     finally:
+        if process.poll() is None:
+            process.kill()
         broker.stop()
 
 

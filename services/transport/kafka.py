@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 __all__ = ["BrokerUnavailable", "KafkaBus", "KafkaSettings"]
 
 
+ANSWER_TIMEOUT_S = 5.0  # how long a log identity check waits for the broker's answer (it takes milliseconds)
+
+
 class BrokerUnavailable(ConnectionError):
     """The broker could not be reached within the connect timeout."""
 
@@ -191,7 +194,7 @@ class KafkaBus(Bus):
         if self._identity_probe is None:
             self._identity_probe = self._retrying("metadata", self._metadata_probe)
         probe = self._identity_probe
-        if topic not in probe.topics():  # a fresh metadata request: a topic the broker lost is gone from it
+        if topic not in self._topics(probe):  # a fresh metadata request: a topic the broker lost is gone from it
             return None
         tp = TopicPartition(topic, 0)
         probe.assign([tp])
@@ -209,7 +212,24 @@ class KafkaBus(Bus):
         return first
 
     @staticmethod
-    def _first_record(consumer: KafkaConsumer, tp: TopicPartition, timeout_s: float = 10.0) -> str | None:
+    def _topics(consumer: KafkaConsumer, timeout_s: float = ANSWER_TIMEOUT_S) -> set[str]:
+        """Every topic's name, from a fresh metadata request. ``KafkaConsumer.topics()`` waits for the answer without
+        a limit (kafka-python 2.3), for as long as the broker is away; this raises after ``timeout_s``."""
+        client, cluster = consumer._client, consumer._client.cluster
+        stash, cluster.need_all_topic_metadata = cluster.need_all_topic_metadata, True
+        try:
+            future = cluster.request_update()
+            client.poll(timeout_ms=timeout_s * 1000, future=future)
+        finally:
+            cluster.need_all_topic_metadata = stash
+        if not future.is_done:
+            raise KafkaTimeoutError(f"no answer to a metadata request within {timeout_s:.0f} s")
+        if future.failed():
+            raise future.exception
+        return set(cluster.topics())
+
+    @staticmethod
+    def _first_record(consumer: KafkaConsumer, tp: TopicPartition, timeout_s: float = ANSWER_TIMEOUT_S) -> str | None:
         """The value of the partition's first record, or None once a fetch shows the partition empty. A broker that
         does not answer (it is away) raises: that is not an empty log, and no service may take it for one."""
         deadline = time.monotonic() + timeout_s
