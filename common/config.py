@@ -289,6 +289,13 @@ class PipelineSection(_Section):
         "else for this long dead-letters the held record furthest ahead, so that what sits behind it in its "
         "partition can flow. Above the longest update a run can take.",
     )
+    held_per_partition: int = Field(
+        4,
+        gt=0,
+        description="Input records a service keeps aside per partition while it is not ready for them (a prompt "
+        "batch waiting for newer weights, experience of a later step), reading on past them; with this many, the "
+        "partition is paused. Input is committed only below the oldest record kept aside.",
+    )
     dedupe_window: int = Field(
         4096,
         gt=0,

@@ -16,6 +16,7 @@ rules"):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -60,7 +61,7 @@ def consumer_group(role: str, log: str) -> str:
 
 @dataclass(frozen=True)
 class _Held:
-    """An input record the service is not ready for, kept (uncommitted, its partition paused) since ``since``."""
+    """An input record the service is not ready for, kept aside (uncommitted) since ``since``."""
 
     record: Record
     message: BatchMessage
@@ -104,7 +105,7 @@ class ServiceRunner:
             if service.weight_models
             else None
         )
-        self.held: dict[int, _Held] = {}  # per paused partition
+        self.held: list[_Held] = []  # kept aside, see poll_once
         self.last_progress = time.monotonic()  # when input was last handled (see _release_stuck)
         self.log_ends: dict[int, int] = {}  # per input partition: the highest end offset seen
         self.uncommitted: dict[int, Record] = {}  # per partition: the newest record handled but not yet committed
@@ -123,18 +124,20 @@ class ServiceRunner:
     def poll_once(self, timeout_s: float = 0.0) -> bool:
         """Apply new weights, then handle at most one input record. Returns whether anything was done.
 
-        A record the service is not ready for (a prompt batch waiting for newer weights) is held and its
-        partition paused, so records of other partitions keep flowing: Kafka orders records within a partition
-        only, and the batch the pipeline needs next may sit behind another partition's held one.
+        A record the service is not ready for (a prompt batch waiting for newer weights, experience of a later
+        step) is kept aside, uncommitted, and reading goes on past it: the batch the pipeline needs next may sit
+        behind it, in its partition or another's (Kafka orders records within a partition only). Input is committed
+        only below the oldest record kept aside in its partition; with ``pipeline.held_per_partition`` kept aside,
+        a partition is paused until one is processed. The ready record of the earliest step goes first.
         """
         self._check_log()
         did = self.weights is not None and self.weights.apply(timeout_s if self.held or self.work is None else 0.0)
         if self.work is None:
             return did
-        ready = [held for held in self.held.values() if self.service.ready_for(held.message)]
+        ready = [held for held in self.held if self.service.ready_for(held.message)]
         if ready:
             held = min(ready, key=lambda held: held.message.step)
-            del self.held[held.record.partition]
+            self.held.remove(held)
             self.work.resume(held.record.partition)
             self._process(held.record, held.message)
             return True
@@ -156,8 +159,9 @@ class ServiceRunner:
             self._commit(record)
             return True
         if not self.service.ready_for(message):
-            self.held[record.partition] = _Held(record, message, time.monotonic())
-            self.work.pause(record.partition)
+            self.held.append(_Held(record, message, time.monotonic()))
+            if len(self._held_in(record.partition)) >= self.service.config.pipeline.held_per_partition:
+                self.work.pause(record.partition)
             return True
         self._process(record, message)
         return True
@@ -227,10 +231,10 @@ class ServiceRunner:
         now = time.monotonic()
         if not self.held or now - self.last_progress < limit:
             return False
-        stuck = max(self.held.values(), key=lambda held: (held.message.step, -held.since))
+        stuck = max(self.held, key=lambda held: (held.message.step, -held.since))
         if now - stuck.since < limit:
             return False
-        del self.held[stuck.record.partition]
+        self.held.remove(stuck)
         self.work.resume(stuck.record.partition)
         why = self.service.waiting_for(stuck.message) or "held"
         self._dead_letter(stuck.record, f"held {now - stuck.since:.0f} s ({why}) while no input could be processed")
@@ -317,14 +321,14 @@ class ServiceRunner:
             return "waiting for input"
         now = time.monotonic()
         return "; ".join(
-            f"{self.service.input_topic}[{partition}] for {now - held.since:.0f} s: "
+            f"{self.service.input_topic}[{held.record.partition}] for {now - held.since:.0f} s: "
             f"{self.service.waiting_for(held.message) or 'holding a message'}"
-            for partition, held in sorted(self.held.items())
+            for held in sorted(self.held, key=lambda held: (held.record.partition, held.record.offset))
         )
 
     def held_seconds(self) -> float:
         """How long the oldest held record has waited (0 if none)."""
-        return max((time.monotonic() - held.since for held in self.held.values()), default=0.0)
+        return max((time.monotonic() - held.since for held in self.held), default=0.0)
 
     def publish_status(self, state: str | None = None) -> ReplicaStatus:
         """Say what this replica is doing on the status topic (and in the held-input gauges); returns the report.
@@ -361,17 +365,32 @@ class ServiceRunner:
     def _defer_commit(self, record: Record) -> None:
         # Offsets commit per partition: a later record's commit would also commit an earlier, not yet durable one,
         # so every input record of the partition waits with it.
-        self.uncommitted[record.partition] = record
+        pending = self.uncommitted.get(record.partition)
+        if pending is None or record.offset > pending.offset:
+            self.uncommitted[record.partition] = record
+
+    def _held_in(self, partition: int) -> list[_Held]:
+        return [held for held in self.held if held.record.partition == partition]
+
+    def _done_below(self, pending: Record) -> int:
+        """The offset below which the partition of ``pending`` (handled) is done: past ``pending``, unless a
+        record before it is kept aside."""
+        return min([pending.offset + 1, *(held.record.offset for held in self._held_in(pending.partition))])
 
     def _durable(self, force: bool = False) -> bool:
-        offsets = {f"{r.topic}/{r.partition}": r.offset + 1 for r in self.uncommitted.values()}
+        offsets = {f"{r.topic}/{r.partition}": self._done_below(r) for r in self.uncommitted.values()}
         return not offsets or self.service.make_durable(Progress(offsets, self.recent.to_list(), self.log), force)
 
     def _commit_deferred(self) -> None:
-        for pending in self.uncommitted.values():
-            self.work.commit(pending)
-            self.referenced.release(pending)
-        self.uncommitted.clear()
+        for partition, pending in list(self.uncommitted.items()):
+            below = self._done_below(pending)
+            if below > 0:
+                # Committing a record commits its partition up to it: the last one done, not past what is aside.
+                done = pending if below == pending.offset + 1 else dataclasses.replace(pending, offset=below - 1)
+                self.work.commit(done)
+                self.referenced.release(done)
+            if below == pending.offset + 1:
+                del self.uncommitted[partition]
 
     def abandon(self) -> None:
         """Release what the runner holds without committing or sending anything: its log is gone

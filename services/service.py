@@ -91,7 +91,7 @@ class Service(ABC):
        resumed weights, the feeder publishes the prompt batches).
     3. The loop, one step at a time:
        - :meth:`on_weights` for the newest announcement of each of :attr:`weight_models`;
-       - :meth:`ready_for` for an input message; False holds it (uncommitted, its partition paused) and
+       - :meth:`ready_for` for an input message; False keeps it aside (uncommitted; reading goes on past it) and
          :meth:`waiting_for` says why;
        - :meth:`process`: one input message to the output messages (or :class:`InputError`: dead-lettered, or
          :class:`Dropped`: not used, counted);

@@ -305,9 +305,11 @@ def test_the_learners_kl_coefficient_reaches_the_advantage_service(config):
     assert np.allclose(experience.token_rewards, shaped, atol=1e-6)
 
 
-def test_a_held_record_that_blocks_its_partition_is_dead_lettered_after_the_bound(bus, make_config):
-    """A forged prompt batch of a later step (inside the run) at the head of a partition holds the real one behind
-    it; once nothing could be processed for hold_timeout_s it goes to the DLQ and the real batch flows."""
+def test_a_record_kept_aside_blocks_neither_its_partition_nor_the_run_and_is_never_committed_past(bus, make_config):
+    """A prompt batch of a later step (inside the run: forged, or read ahead) at the head of a partition waits for
+    weights that do not come. The real batch behind it is sampled at once; input is committed only below the one
+    kept aside, so a replica that takes over reads it again; once nothing could be processed for hold_timeout_s it
+    goes to the DLQ and the partition is committed past it."""
     config = make_config(
         "data.batch_size=2",
         "generation.n=2",
@@ -318,15 +320,22 @@ def test_a_held_record_that_blocks_its_partition_is_dead_lettered_after_the_boun
     runner = ServiceRunner(GeneratorService(config, "generator"), bus)
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(30)), encode(feeder.batch(0)))  # one key: one partition, in order
-    assert runner.poll_once() and runner.held, "step 30 waits for actor v30, and step 0 is behind it"
-    assert not runner.poll_once() and read_all(bus, "rollouts") == []
-    time.sleep(0.6)
-    assert runner.poll_once()  # the bound has passed: step 30 is dead-lettered
-    (letter,) = [decode(v) for v in read_all(bus, "prompts.dlq")]
-    assert "held" in letter.error and "waits for actor v30" in letter.error
-    assert runner.poll_once()
+    assert runner.poll_once() and [held.message.step for held in runner.held] == [30], "step 30 waits for actor v30"
+    assert runner.poll_once(), "reading goes on past it"
     (rollouts,) = [decode(v) for v in read_all(bus, "rollouts")]
     assert rollouts.step == 0
+    runner.close()  # commits what it can: below step 30
+    successor = ServiceRunner(GeneratorService(config, "generator-b"), bus)
+    assert successor.poll_once() and [held.message.step for held in successor.held] == [30], "not committed past"
+    assert successor.poll_once() and successor.counters["processed"] == 1, "step 0 again: committed below 30"
+    assert not successor.poll_once()
+    time.sleep(0.6)
+    assert successor.poll_once()  # the bound has passed with nothing to do: step 30 is dead-lettered
+    (letter,) = [decode(v) for v in read_all(bus, "prompts.dlq")]
+    assert "held" in letter.error and "waits for actor v30" in letter.error
+    successor.close()
+    last = ServiceRunner(GeneratorService(config, "generator-c"), bus)
+    assert not last.poll_once() and not last.held, "committed past both"
 
 
 # ---------------------------------------------------------------------------------- partitions and large batches
