@@ -124,6 +124,9 @@ def serve_service(
         # Nothing more is read, sent or committed: the run resumes from the learner's checkpoint on the new log.
         log.error("%s; stopping (exit %d): the run resumes from the learner's checkpoint", exc, exit_codes.LOG_REPLACED)
         code = exit_codes.LOG_REPLACED
+    except BaseException:
+        code = exit_codes.ERROR  # what the process exits with if the broker's part of closing runs out of time
+        raise
     finally:
         if runner is None:
             service.close()

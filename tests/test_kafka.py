@@ -515,7 +515,7 @@ def test_prompt_batches_that_can_never_be_sampled_do_not_block_their_partitions(
     producer = kafka_bus(config).producer("test")
     for key in keys:
         forged = feeder.batch(0)
-        forged.step = 10**9
+        forged.step, forged.batch_id = 10**9, unique("forged")  # (with the real id, read after it: a duplicate)
         producer.send("prompts", encode(forged), key=key)
     ahead = feeder.batch(2)
     ahead.batch_id = unique("forged")
