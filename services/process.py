@@ -131,7 +131,8 @@ def serve_service(
         if runner is None:
             service.close()
         elif code == exit_codes.LOG_REPLACED:
-            runner.abandon()
+            with _broker_deadline(replica_id, code, seconds=1.0):  # clients of a lost broker may block as they close
+                runner.abandon()
         else:
             runner.settle()  # the learner's checkpoint, however long the disk takes
             with _broker_deadline(replica_id, code):
@@ -143,20 +144,20 @@ def serve_service(
 
 
 @contextmanager
-def _broker_deadline(replica_id: str, code: int):
-    """Exit with ``code`` if the block (the broker's part of stopping) is not done within ``STOP_BROKER_S``: every
-    call of kafka-python to a broker that is away may block for its own timeouts, several in a row."""
+def _broker_deadline(replica_id: str, code: int, seconds: float = STOP_BROKER_S):
+    """Exit with ``code`` if the block (the broker's part of stopping) is not done within ``seconds``: every call of
+    kafka-python to a broker that is away may block for its own timeouts, several in a row."""
 
     def give_up() -> None:
         log.warning(
             "%s: the broker did not answer within %.0f s of stopping; exiting without it (the input not committed is "
             "delivered again)",
             replica_id,
-            STOP_BROKER_S,
+            seconds,
         )
         os._exit(code)
 
-    timer = threading.Timer(STOP_BROKER_S, give_up)
+    timer = threading.Timer(seconds, give_up)
     timer.daemon = True
     timer.start()
     try:
