@@ -116,6 +116,7 @@ class ServiceRunner:
         restored = service.restored()
         self.recent = RecentIds(config.pipeline.dedupe_window, restored.handled if restored else ())
         self.processing = False  # True while an input is processed: a stop request waits for it (see _process)
+        self.unsent: tuple[Record, list[Message], bool] | None = None  # outputs whose sending failed (see _process)
         self.settled: bool | None = None  # see settle()
         self._produce(service.start())
 
@@ -131,6 +132,9 @@ class ServiceRunner:
         a partition is paused until one is processed. The ready record of the earliest step goes first.
         """
         self._check_log()
+        if self.unsent is not None:
+            self._send_unsent()
+            return True
         did = self.weights is not None and self.weights.apply(timeout_s if self.held or self.work is None else 0.0)
         if self.work is None:
             return did
@@ -204,11 +208,10 @@ class ServiceRunner:
             with self._timed("produce"):
                 self._produce(outputs)
         except BaseException:
-            # Not all its outputs may be out (a broker error, a stop): it must be read again, not be committed with
-            # a later record of its partition. (A learner's checkpoint already covers it: it comes again as a
-            # duplicate, and the learner announces its weights again when it starts.)
-            self.uncommitted.pop(record.partition, None)
-            self.work.rewind(record)
+            # Not all its outputs may be out (a broker error, a stop): they are sent again before anything else
+            # (_send_unsent), and its input is not committed until they are. Processing it again instead would
+            # apply a learner's update twice: its checkpoint may already hold it.
+            self.unsent = (record, outputs, durable)
             raise
         with self._timed("commit"):
             if durable:
@@ -219,6 +222,18 @@ class ServiceRunner:
         tokens = message.response_tokens_total or sum(output.response_tokens_total for output in outputs)
         self._count(outcome, message.rows, seconds, tokens)
         self.metrics.lag.labels(self.service.role).set(self.work.lag())
+
+    def _send_unsent(self) -> None:
+        """Send the outputs whose sending failed (raises again while the broker is away), then commit their input."""
+        record, outputs, durable = self.unsent
+        with self._timed("produce"):
+            self._produce(outputs)
+        self.unsent = None
+        self.counters["produced"] += len(outputs)
+        log.info("%s: outputs of %s[%d]@%d sent again", self.replica_id, record.topic, record.partition, record.offset)
+        if durable:
+            with self._timed("commit"):
+                self._commit_deferred()
 
     def _release_stuck(self) -> bool:
         """Dead-letter the held record furthest ahead once nothing could be processed for ``hold_timeout_s``.
@@ -412,6 +427,8 @@ class ServiceRunner:
         """The part of closing that needs no broker: the service's state made durable (a learner's checkpoint),
         its engines and files released."""
         if self.settled is None:
+            if self.unsent is not None:  # its outputs are not out: its input must come again
+                self.uncommitted.pop(self.unsent[0].partition, None)
             self.settled = self._durable(force=True)
             self.service.close()
 

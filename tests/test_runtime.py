@@ -122,6 +122,41 @@ def test_input_is_committed_only_after_the_output_is_produced(bus, config):
     assert isinstance(rollouts, RolloutBatch) and rollouts.batch_id.endswith("00000000")
 
 
+def test_outputs_that_failed_to_go_out_are_sent_again_before_anything_else_and_only_then_committed(bus, config):
+    """A broker error while sending (a fault the in-memory bus cannot have: injected) loses no output and processes
+    nothing twice: the same outputs are sent again, then the input is committed."""
+    from kafka.errors import KafkaTimeoutError
+
+    class FailingOnce:
+        def __init__(self, producer):
+            self.producer, self.failed = producer, False
+
+        def send(self, topic, value, key=None, partition=None):
+            if topic == "rollouts" and not self.failed:
+                self.failed = True
+                raise KafkaTimeoutError("the broker did not answer")
+            self.producer.send(topic, value, key, partition)
+
+        def __getattr__(self, name):
+            return getattr(self.producer, name)
+
+    feeder = FeederService(config)
+    publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)))
+    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    runner.producer = FailingOnce(runner.producer)
+    with pytest.raises(KafkaTimeoutError):
+        runner.poll_once()
+    assert read_all(bus, "rollouts") == []
+    assert runner.poll_once() and len(read_all(bus, "rollouts")) == 1, "the same outputs, sent again"
+    runner.poll_once()  # batch 1: kept aside until actor v1
+    runner.close()
+    successor = ServiceRunner(GeneratorService(config, "generator-b"), bus)
+    successor.poll_once()
+    assert [held.message.step for held in successor.held] == [1], "batch 0 was committed once its outputs were out"
+    (rollouts,) = [decode(v) for v in read_all(bus, "rollouts")]
+    assert rollouts.step == 0
+
+
 def test_the_generator_holds_a_batch_until_the_weights_allow_it(bus, config):
     generator = GeneratorService(config)  # max_staleness = 0
     runner = ServiceRunner(generator, bus)

@@ -83,10 +83,6 @@ class Consumer(ABC):
     def resume(self, partition: int) -> None: ...
 
     @abstractmethod
-    def rewind(self, record: Record) -> None:
-        """Read ``record`` (and what follows it in its partition) again: its outputs did not all go out."""
-
-    @abstractmethod
     def lag(self) -> int:
         """Records in the assigned partitions not yet consumed by this member."""
 

@@ -464,12 +464,6 @@ class _KafkaConsumer(Consumer):
         if tp in self.consumer.assignment():
             self.consumer.resume(tp)
 
-    def rewind(self, record: Record) -> None:
-        tp = TopicPartition(self.topic, record.partition)
-        self.buffer = [r for r in self.buffer if r.partition != record.partition]
-        if tp in self.consumer.assignment():
-            self.consumer.seek(tp, record.offset)
-
     def commit(self, record: Record) -> None:
         if self.group is None:
             return

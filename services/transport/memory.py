@@ -168,11 +168,6 @@ class _MemoryConsumer(Consumer):
         with self.bus._lock:
             self.paused.discard(partition)
 
-    def rewind(self, record: Record) -> None:
-        with self.bus._lock:
-            if record.partition in self.positions:
-                self.positions[record.partition] = min(self.positions[record.partition], record.offset)
-
     def log_ends(self) -> dict[int, int]:
         with self.bus._lock:
             self._sync_assignment()

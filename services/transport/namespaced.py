@@ -77,9 +77,6 @@ class _Consumer(Consumer):
     def resume(self, partition: int) -> None:
         self.consumer.resume(partition)
 
-    def rewind(self, record: Record) -> None:
-        self.consumer.rewind(dataclasses.replace(record, topic=self.bus.name(record.topic)))
-
     def lag(self) -> int:
         return self.consumer.lag()
 
