@@ -149,12 +149,12 @@ def stop_all(processes: list[subprocess.Popen], timeout_s: float = 60.0, hurry=l
         if process.poll() is None:
             process.terminate()
     deadline = time.monotonic() + timeout_s
-    while any(process.poll() is None for process in processes):
-        if time.monotonic() > deadline or hurry():
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
+    while any(process.poll() is None for process in processes) and time.monotonic() < deadline and not hurry():
         time.sleep(0.05)
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def child_environment(children: int, environ: dict[str, str] | None = None) -> dict[str, str]:

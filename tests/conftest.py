@@ -2,6 +2,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import is_local_broker
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Under pytest-xdist each worker, and every process it starts, gets its share of the cores: torch's threads spin while
@@ -139,7 +140,7 @@ def own_broker(kafka_broker, tmp_path):
     then waits for a batch no replica reads; ``streamppo status`` shows it). On a fresh local broker, and on
     Apache Kafka, it was not seen.
     """
-    if "kafka.idempotent_producer=false" not in kafka_broker:  # the local broker's mark, see kafka_broker
+    if not is_local_broker(kafka_broker):
         yield kafka_broker
         return
     from services.transport.local_broker import LocalBroker

@@ -1,4 +1,4 @@
-"""Helpers the test modules share: reading and writing a bus's topics."""
+"""Helpers the test modules share: reading and writing a bus's topics, the test broker's overrides."""
 
 from common.schema import decode
 
@@ -29,3 +29,13 @@ def run_settings(tmp_path, model_cache, steps: int, run_id: str) -> list[str]:
         f"run.run_id={run_id}",
         f"model.cache_dir={model_cache}",
     ]
+
+
+def broker_address(kafka_broker: list[str]) -> str:
+    """The bootstrap address in the ``kafka_broker`` fixture's overrides."""
+    return next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
+
+
+def is_local_broker(kafka_broker: list[str]) -> bool:
+    """Whether the ``kafka_broker`` fixture's broker is the local one (tansu): its overrides turn idempotence off."""
+    return "kafka.idempotent_producer=false" in kafka_broker

@@ -13,7 +13,7 @@ import uuid
 import pytest
 import torch
 from conftest import EXAMPLE, REPO
-from helpers import run_settings
+from helpers import broker_address, is_local_broker, run_settings
 from kafka.errors import KafkaError
 
 from common.schema import DeadLetter, SchemaError, decode
@@ -44,7 +44,7 @@ def streamppo_command(*args: str, overrides: list[str] = (), config: str = "conf
 
 def up_command(kafka_broker, tmp_path, model_cache, steps, run_id, overrides, up_args, config, verbose) -> list[str]:
     """`streamppo up` on the test's broker for a run of ``steps`` under ``tmp_path/run``."""
-    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
+    bootstrap = broker_address(kafka_broker)
     settings = [*run_settings(tmp_path, model_cache, steps, run_id), *overrides, *kafka_broker]
     flags = ["-v"] if verbose else []
     return streamppo_command(*flags, "up", "--bootstrap", bootstrap, *up_args, overrides=settings, config=config)
@@ -269,9 +269,9 @@ def test_a_group_whose_leader_left_mid_rebalance_deals_out_its_partitions_again(
     a broker release that fixes it shows up as XPASS, and then the workaround may go."""
     from kafka import KafkaConsumer
 
-    if "kafka.idempotent_producer=false" in kafka_broker:  # the local broker's mark
+    if is_local_broker(kafka_broker):
         request.applymarker(pytest.mark.xfail(reason="tansu keeps naming a departed leader", strict=False))
-    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
+    bootstrap = broker_address(kafka_broker)
     topic, group = unique("wedge"), unique("group")
     KafkaBus(KafkaSettings(bootstrap)).create_topics([TopicSpec(topic, 4)])
     leave_mid_rebalance(bootstrap, topic, group)
@@ -286,8 +286,8 @@ def test_a_group_whose_leader_left_mid_rebalance_deals_out_its_partitions_again(
 
 
 def test_a_replica_leaves_a_wedged_group_for_a_new_one_with_its_committed_offsets(kafka_broker):
-    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1]
-    local = "kafka.idempotent_producer=false" in kafka_broker
+    bootstrap = broker_address(kafka_broker)
+    local = is_local_broker(kafka_broker)
     sessions = {"session_timeout_ms": 1000, "heartbeat_interval_ms": 250} if local else {}  # as `up` sets there
     bus = KafkaBus(KafkaSettings(bootstrap, idempotent_producer=not local, **sessions))
     topic, group = unique("wedge"), unique("group")

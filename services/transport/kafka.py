@@ -172,10 +172,11 @@ class KafkaBus(Bus):
         """The admin client makes topics on purpose; it takes no auto-creation switch."""
         return {k: v for k, v in self._common.items() if k != "allow_auto_create_topics"}
 
-    def _metadata_probe(self) -> KafkaConsumer:
-        """A client for metadata requests only: the admin client's list_topics() also parses ACL fields that not
-        every broker fills in the way kafka-python expects."""
-        return KafkaConsumer(client_id="streamppo-admin", enable_auto_commit=False, **self._common)
+    def _metadata_probe(self, group_id: str | None = None) -> KafkaConsumer:
+        """A client for metadata requests only (the admin client's list_topics() also parses ACL fields that not
+        every broker fills in the way kafka-python expects), or with ``group_id`` for a group's committed offsets: it
+        never joins the group."""
+        return KafkaConsumer(client_id="streamppo-admin", group_id=group_id, enable_auto_commit=False, **self._common)
 
     def _wait_until_gone(self, names: list[str], timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -350,10 +351,7 @@ class _GroupGenerations:
         return {partition: offset for partition, offset in committed.items() if offset is not None}
 
     def _probe(self, group: str) -> KafkaConsumer:
-        """A client of ``group`` that never joins it: it reads and writes the group's committed offsets only."""
-        return self.bus._retrying(
-            "consumer", lambda: KafkaConsumer(group_id=group, enable_auto_commit=False, **self.bus._common)
-        )
+        return self.bus._retrying("metadata", lambda: self.bus._metadata_probe(group))
 
 
 class _WedgeWatch:
@@ -373,7 +371,7 @@ class _WedgeWatch:
         self.unassigned_since: float | None = None
         self.joins, self.last_generation = 0, None
 
-    def check(self, consumer: KafkaConsumer, topic: str) -> KafkaConsumer:
+    def check(self, consumer: KafkaConsumer) -> KafkaConsumer:
         """``consumer``, or a consumer of the group's next generation when it is wedged."""
         if consumer.assignment():
             self.unassigned_since = None
@@ -397,14 +395,14 @@ class _WedgeWatch:
             "consumer group %s has given no partition of %s for %.0f s over %d joins (a broker bug: it names a "
             "departed leader); moving to group %s, with the committed offsets",
             wedged,
-            topic,
+            self.groups.topic,
             now - self.unassigned_since,
             self.joins,
             moved_to,
         )
         self.unassigned_since = None
         fresh = self.connect(moved_to)
-        fresh.subscribe([topic])
+        fresh.subscribe([self.groups.topic])
         return fresh
 
 
@@ -437,7 +435,7 @@ class _KafkaConsumer(Consumer):
 
     def poll(self, timeout_s: float = 0.0, max_records: int = 1) -> list[Record]:
         if self.wedge is not None:
-            self.consumer = self.wedge.check(self.consumer, self.topic)
+            self.consumer = self.wedge.check(self.consumer)
             self.group = self.wedge.groups.name
         if not self.buffer:
             # Never 0 ms: with a zero timeout kafka-python can keep sending fetches without ever reading one back.
