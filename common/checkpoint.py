@@ -33,7 +33,7 @@ def save_checkpoint(
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    name = f"ckpt-{version:08d}"
+    name = _new_name(directory, version)
     tmp = directory / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -59,12 +59,24 @@ def save_checkpoint(
     return final
 
 
+def _new_name(directory: Path, version: int) -> str:
+    """``ckpt-<version>``, or ``ckpt-<version>.<n>`` for another checkpoint of the version LATEST points at (input
+    consumed without an update): the checkpoint in use is never removed before its successor is in place."""
+    pointer = directory / "LATEST"
+    latest = pointer.read_text().strip() if pointer.is_file() else None
+    name, n = f"ckpt-{version:08d}", 0
+    while latest is not None and name <= latest and latest.startswith(f"ckpt-{version:08d}"):
+        n += 1
+        name = f"ckpt-{version:08d}.{n:04d}"
+    return name
+
+
 def latest_checkpoint_version(directory: Path) -> int | None:
     """The version of the newest complete checkpoint in ``directory`` (read from its name), or None."""
     pointer = Path(directory) / "LATEST"
     if not pointer.is_file():
         return None
-    return int(pointer.read_text().strip().removeprefix("ckpt-"))
+    return int(pointer.read_text().strip().removeprefix("ckpt-").split(".")[0])
 
 
 def load_latest_checkpoint(directory: Path) -> tuple[Path, dict] | None:

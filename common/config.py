@@ -7,6 +7,7 @@ are errors that name the field (``learner.actor_lr: Input should be greater than
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Literal
@@ -38,7 +39,7 @@ class _Section(BaseModel):
 class RunSection(_Section):
     dir: Path = Field(Path("runs/default"), description="Run directory: metrics, weight store, final model.")
     seed: int = 0
-    steps: int = Field(20, gt=0, description="PPO updates to run (one per prompt batch).")
+    steps: int = Field(20, gt=0, description="PPO updates to run (each on learner.groups_per_update groups).")
     run_id: str = Field("run", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="Prefix of every batch_id.")
     resume: bool = Field(
         False,
@@ -147,6 +148,14 @@ class GenerationSection(_Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    streaming: bool = Field(
+        False,
+        description="Admit prompt batches continuously and send groups on as they are sampled (each prompt's n "
+        "responses by the weights loaded then), instead of one record per prompt batch.",
+    )
+    groups_per_record: int = Field(
+        1, gt=0, description="With streaming: groups (of one prompt batch) sampled together and sent as one record."
+    )
 
 
 class RewardSection(_Section):
@@ -198,6 +207,18 @@ class AlgorithmSection(_Section):
 
     score_clip: float | None = Field(None, gt=0)
     missing_eos_penalty: float | None = Field(None, description="Subtracted from the score of truncated responses.")
+    dynamic_sampling: bool = Field(
+        False,
+        description="Drop groups whose scores are all equal (zero advantage: they teach nothing) at the advantage "
+        "stage, and keep sampling until every update has learner.groups_per_update informative groups (DAPO). Needs "
+        "a group estimator.",
+    )
+    max_sampling_factor: float = Field(
+        3.0,
+        ge=1,
+        description="With dynamic_sampling: at most this many times the groups the updates need are sampled (the "
+        "feeder publishes that many prompt batches); a run that uses them all ends early and says so.",
+    )
 
 
 class ParallelOptions(_Section):
@@ -227,6 +248,12 @@ class ParallelOptions(_Section):
 
 
 class LearnerSection(_Section):
+    groups_per_update: int | None = Field(
+        None,
+        gt=0,
+        description="Groups (a prompt's n responses) one update trains on, taken as they arrive, oldest version "
+        "first; default: data.batch_size (one prompt batch per update).",
+    )
     ppo_epochs: int = Field(2, gt=0)
     mini_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step.")
     micro_batch_size: int | None = Field(None, gt=0, description="Sequences per forward pass; default: the mini-batch.")
@@ -299,8 +326,9 @@ class PipelineSection(_Section):
     dedupe_window: int = Field(
         4096,
         gt=0,
-        description="Batch ids each replica remembers to recognise re-deliveries "
-        "(the learner keeps them in its checkpoint, so a checkpoint never grows with the run).",
+        description="Idempotency keys each replica remembers to recognise re-deliveries: prompt batch ids, and past "
+        "the generator one key per group (the learner keeps them in its checkpoint, so a checkpoint never grows with "
+        "the run). Keep it above the groups a crash can bring back: those in flight and since the last checkpoint.",
     )
     signing_key_env: str | None = Field(
         None,
@@ -478,11 +506,11 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _batch_sizes_fit(self):
-        rollouts = self.data.batch_size * self.generation.n
+        rollouts = self.groups_per_update * self.generation.n
         if self.learner.mini_batch_size > rollouts:
             raise ValueError(
-                f"learner.mini_batch_size ({self.learner.mini_batch_size}) exceeds the responses per step "
-                f"(data.batch_size × generation.n = {rollouts})"
+                f"learner.mini_batch_size ({self.learner.mini_batch_size}) exceeds the responses per update "
+                f"(learner.groups_per_update, default data.batch_size, × generation.n = {rollouts})"
             )
         micro = self.learner.micro_batch_size
         if micro is not None and self.learner.mini_batch_size % micro:
@@ -516,6 +544,23 @@ class RunConfig(_Section):
             raise ValueError(
                 f"algorithm.estimator {estimator.name} compares the responses to one prompt: "
                 f"generation.n must be at least 2 (it is {self.generation.n})"
+            )
+        if self.algorithm.dynamic_sampling and not estimator.needs_groups:
+            raise ValueError(
+                f"algorithm.dynamic_sampling drops groups whose scores are all equal, which a group estimator gives "
+                f"no advantage; algorithm.estimator {estimator.name} is not one (its advantages do not come from the "
+                "group)"
+            )
+        if self._explicit("algorithm.max_sampling_factor") and not self.algorithm.dynamic_sampling:
+            raise ValueError("algorithm.max_sampling_factor is set, but only algorithm.dynamic_sampling reads it")
+        if self._explicit("generation.groups_per_record") and not self.generation.streaming:
+            raise ValueError("generation.groups_per_record is set, but only generation.streaming reads it")
+        if not self.generation.streaming and self.groups_per_update % self.data.batch_size:
+            raise ValueError(
+                f"learner.groups_per_update ({self.groups_per_update}) is not a multiple of data.batch_size "
+                f"({self.data.batch_size}): without generation.streaming a prompt batch is sampled whole, by one "
+                "policy, and the groups of a batch split across updates would be trained past max_staleness; stream, "
+                "or make updates of whole prompt batches"
             )
         return self
 
@@ -554,6 +599,20 @@ class RunConfig(_Section):
                 "several ranks writes sharded full snapshots; set weights.full_every=1"
             )
         return self
+
+    @property
+    def groups_per_update(self) -> int:
+        """Groups (prompts, each with its ``generation.n`` responses) one learner update trains on."""
+        return self.learner.groups_per_update or self.data.batch_size
+
+    @property
+    def prompt_batches(self) -> int:
+        """Prompt batches the feeder publishes: enough groups for ``run.steps`` updates, times
+        ``algorithm.max_sampling_factor`` with dynamic sampling (groups without signal are not trained)."""
+        groups = self.run.steps * self.groups_per_update
+        if self.algorithm.dynamic_sampling:
+            groups = math.ceil(groups * self.algorithm.max_sampling_factor)
+        return -(-groups // self.data.batch_size)
 
     @property
     def namespace(self) -> str:

@@ -34,6 +34,7 @@ __all__ = [
     "explained_variance",
     "gae",
     "group_mean_std",
+    "groups_without_signal",
     "grpo",
     "kl_estimate",
     "last_token_index",
@@ -334,6 +335,21 @@ def group_mean_std(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[tor
     single = size == 1
     mean, std = torch.where(single, 0.0, mean), torch.where(single, 1.0, std)
     return mean[inverse], std[inverse], size[inverse]
+
+
+def groups_without_signal(scores: torch.Tensor, group_index: torch.Tensor, tolerance: float = 1e-6) -> torch.Tensor:
+    """Which responses belong to a group whose scores are all equal: a group baseline gives every one of them zero
+    advantage, so the group teaches nothing (DAPO's dynamic sampling drops such groups).
+
+    Args:
+        scores: ``(N,)``, the scores the estimator sees (penalised and clipped).
+        group_index: ``(N,)``; equal ones form a group.
+        tolerance: the largest standard deviation that counts as equal scores.
+    Returns:
+        ``(N,)`` bool; a group of one is never without signal (its advantage is its score).
+    """
+    _, std, size = group_mean_std(scores, group_index)
+    return (size > 1) & (std <= tolerance)
 
 
 def _outcome(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

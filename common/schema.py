@@ -62,6 +62,15 @@ LEARNER_EPOCH = "learner.epoch"
 # Lineage of an actor announcement whose snapshot holds LoRA adapters: "lora", and the base model they adapt.
 ADAPTER = "actor.adapter"
 ADAPTER_BASE = "actor.base"
+# Lineage key of a weight announcement: the groups the learner has used up (trained, or dropped: stale or without
+# signal). Generators admit prompt batches by it (bounded staleness counted in groups).
+LEARNER_GROUPS_DONE = "learner.groups_done"
+
+
+def group_key(step: int, index: int) -> str:
+    """The idempotency key of one group (a prompt's ``n`` responses): the prompt's step and row in its batch. A
+    group is trained once however the records that carry it are cut."""
+    return f"{step}/{index}"
 
 
 class SchemaError(ValueError):
@@ -127,7 +136,7 @@ def array(dtype: str, *dims: str, doc: str):
 
 # (lengths field, padded width dimension) pairs: a length may not exceed the width it measures.
 _LENGTHS = (("prompt_lengths", "P"), ("response_lengths", "T"))
-_TOKENS = ("prompt_tokens", "response_tokens", "prompt_index", "group_index")
+_TOKENS = ("prompt_tokens", "response_tokens", "prompt_index", "group_index", "no_signal_groups")
 
 
 @dataclass
@@ -185,6 +194,10 @@ class BatchMessage(Message):
     def rows(self) -> int:
         """Sequences in the batch: prompts, or responses downstream of the generator."""
         raise NotImplementedError
+
+    def idempotency_keys(self) -> list[str]:
+        """What a consumer remembers having handled: the batch id, or (past the generator) each group's key."""
+        return [self.batch_id]
 
     @property
     def response_tokens_total(self) -> int:
@@ -268,6 +281,29 @@ class RolloutBatch(BatchMessage):
     def response_tokens_total(self) -> int:
         return int(self.response_lengths.sum())
 
+    def groups(self) -> list[int]:
+        """The rows of the prompt batch whose groups this record carries (ascending)."""
+        return sorted({int(g) for g in self.group_index})
+
+    def idempotency_keys(self) -> list[str]:
+        return [group_key(self.step, g) for g in self.groups()] or [self.batch_id]
+
+    def without_groups(self, keys: set[str]) -> RolloutBatch:
+        """A copy without the groups whose keys are in ``keys`` (e.g. those handled already)."""
+        return self.take_rows(np.array([group_key(self.step, int(g)) not in keys for g in self.group_index], bool))
+
+    def take_rows(self, keep: np.ndarray) -> RolloutBatch:
+        """A copy with the responses where ``keep`` (``(N,)`` bool) is True; every other field as it is."""
+        fields = {}
+        for f in dataclasses.fields(self):
+            value, wire = getattr(self, f.name), f.metadata["wire"]
+            if isinstance(wire, Array) and wire.dims[:1] == ("N",):
+                value = value[keep]
+            elif isinstance(wire, StringList) and wire.dim == "N":
+                value = [v for v, k in zip(value, keep) if k]
+            fields[f.name] = value
+        return type(self)(**fields)
+
 
 @dataclass
 class ScoredBatch(RolloutBatch):
@@ -280,10 +316,22 @@ class ScoredBatch(RolloutBatch):
     ref_logprobs: np.ndarray = array("float32", "N", "T", doc="log π_ref(token) at sampling temperature; 0 at padding.")
 
 
+def _experience_v2_to_v3(raw: dict) -> dict:
+    """Version 2 had no dynamic sampling: no group was dropped for want of signal."""
+    return raw | {"no_signal_groups": {"dtype": "int64", "shape": [0], "data": b""}}
+
+
+def _experience_v1_to_v3(raw: dict) -> dict:
+    return _experience_v2_to_v3(_unlabelled_v1_to_v2(raw))
+
+
 @dataclass
 class ExperienceBatch(ScoredBatch):
     SCHEMA: ClassVar[str] = "experience"
     DOC: ClassVar[str] = "Scored rollouts with critic values, KL-shaped token rewards, and raw (unwhitened) GAE."
+    # Version 3 added no_signal_groups (dynamic sampling).
+    VERSION: ClassVar[int] = 3
+    UPGRADES: ClassVar[dict] = {1: _experience_v1_to_v3, 2: _experience_v2_to_v3}
 
     values: np.ndarray = array(
         "float32", "N", "T", doc="Critic V(s_t) for the state before each response token; 0 at padding."
@@ -294,6 +342,26 @@ class ExperienceBatch(ScoredBatch):
     )
     advantages: np.ndarray = array("float32", "N", "T", doc="GAE advantages, not whitened.")
     returns: np.ndarray = array("float32", "N", "T", doc="GAE returns, advantages + values.")
+    no_signal_groups: np.ndarray = array(
+        "int64",
+        "G",
+        doc="Rows of the prompt batch whose groups the advantage stage dropped (algorithm.dynamic_sampling): all "
+        "their scores were equal, so all their advantages zero. Their responses are not in this record.",
+    )
+
+    def groups_accounted(self) -> list[int]:
+        """The groups this record settles: those it carries and those it says were dropped for want of signal."""
+        return sorted({*self.groups(), *(int(g) for g in self.no_signal_groups)})
+
+    def idempotency_keys(self) -> list[str]:
+        return [group_key(self.step, g) for g in self.groups_accounted()] or [self.batch_id]
+
+    def without_groups(self, keys: set[str]) -> ExperienceBatch:
+        trimmed = super().without_groups(keys)
+        trimmed.no_signal_groups = np.array(
+            [g for g in self.no_signal_groups if group_key(self.step, int(g)) not in keys], dtype=np.int64
+        )
+        return trimmed
 
 
 def chain_link(digest: str, uri: str) -> str:

@@ -64,7 +64,7 @@ _STATISTICS = (
     Statistic("logprob_mismatch_max", "largest such gap of a token"),
     Statistic(
         "staleness",
-        "versions between the learner and the policy that sampled the batch",
+        "mean versions between the learner and the policy that sampled each sequence",
         summary=True,
         plot="staleness",
         legend="versions behind",
@@ -90,11 +90,15 @@ _STATISTICS = (
     Statistic("grad_norm_critic", "critic's gradient norm before clipping", True),
     # The learner's bookkeeping of the update.
     Statistic("step", "updates applied, this one included"),
-    Statistic("batch_id", "the experience batch trained on"),
+    Statistic("groups", "the keys (step/row) of the groups trained on"),
+    Statistic("batch_ids", "the experience records that brought them"),
     Statistic("time", "seconds since the learner started"),
     Statistic("train_seconds", "seconds this update took"),
     Statistic("sequences", "responses in the batch"),
-    Statistic("dropped_stale", "batches dropped so far as too stale or impossible"),
+    Statistic("dropped_stale", "groups dropped so far as too stale or from an impossible version"),
+    Statistic("no_signal_groups", "groups dropped so far for want of signal (algorithm.dynamic_sampling)"),
+    Statistic("staleness_max", "versions between the learner and the oldest policy that sampled a sequence"),
+    Statistic("staleness_counts", "groups trained at each staleness ({versions: groups})"),
 )
 LEARNER_STATISTICS: dict[str, Statistic] = {statistic.name: statistic for statistic in _STATISTICS}
 

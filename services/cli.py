@@ -28,8 +28,8 @@ def _run(args) -> int:
     summary = run_embedded(config, progress=not args.no_progress)
     print(
         f"done: {summary.steps} steps in {summary.wall_seconds:.0f}s; mean reward {summary.reward_start:.3f} -> "
-        f"{summary.reward_end:.3f}; KL {summary.kl_end:.4f}; dropped stale {summary.dropped_stale}; "
-        f"dead letters {summary.dead_letters}\nrun directory: {summary.run_dir}"
+        f"{summary.reward_end:.3f}; KL {summary.kl_end:.4f}; groups dropped: stale {summary.dropped_stale}, "
+        f"no signal {summary.no_signal_groups}; dead letters {summary.dead_letters}\nrun directory: {summary.run_dir}"
     )
     return 0
 

@@ -1,4 +1,4 @@
-"""A bounded memory of the batch ids already handled: how re-deliveries are recognised.
+"""A bounded memory of the idempotency keys already handled (batch ids, group keys): how re-deliveries are recognised.
 
 Delivery is at-least-once, so a batch can come back (after a crash before its commit, or produced twice by two
 replicas of a stage). A duplicate arrives close to the original in practice; one that comes back more than

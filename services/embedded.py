@@ -36,7 +36,8 @@ class PipelineStalled(RuntimeError):
 class RunSummary:
     run_dir: str
     steps: int
-    dropped_stale: int
+    dropped_stale: int  # groups, too stale (or of an impossible version) to train on
+    no_signal_groups: int  # groups dropped by dynamic sampling
     dead_letters: int
     summary_window: int  # updates averaged for reward_start / reward_end / kl_end (common.report.summarise)
     reward_start: float
@@ -107,13 +108,18 @@ def run_embedded(config: RunConfig, progress: bool = True, bus: MemoryBus | None
             if service not in running:  # created, never given a runner
                 service.close()
 
-    records = load_metrics(run_dir)  # the run summary and `streamppo report` average the same windows
-    figures = summarise(records)
-    window = figures["metrics"]
+    try:
+        records = load_metrics(run_dir)  # the run summary and `streamppo report` average the same windows
+    except ValueError:  # no update (dynamic sampling that found no signal in any prompt batch)
+        records = []
+    figures = summarise(records) if records else {"window": 0, "metrics": {}}
+    nothing = {"first": float("nan"), "last": float("nan")}
+    window = {key: figures["metrics"].get(key, nothing) for key in ("reward_mean", "kl")}
     summary = RunSummary(
         run_dir=str(run_dir),
         steps=len(records),
-        dropped_stale=sum(r.counters["dropped"] for r in runners),
+        dropped_stale=records[-1]["dropped_stale"] if records else 0,
+        no_signal_groups=records[-1].get("no_signal_groups", 0) if records else 0,
         dead_letters=sum(r.counters["dead_letters"] for r in runners),
         summary_window=figures["window"],
         reward_start=window["reward_mean"]["first"],

@@ -8,10 +8,13 @@ rules"):
 - a record that fails to decode or validate goes to ``<topic>.dlq`` with the error and its source offset, and is
   committed past: bad input never stops a service and is never silently dropped;
 - outputs are produced and flushed *before* the input is committed (at-least-once);
-- a batch id already handled by this replica is committed past without being processed again (one memory, which a
-  service that checkpoints keeps with its state: :class:`~services.service.Progress`);
+- a record whose idempotency keys (its batch id, or past the generator its groups' keys) this replica handled
+  already is committed past without being processed again, one with some of them is processed without them (one
+  memory, which a service that checkpoints keeps with its state: :class:`~services.service.Progress`);
 - weight announcements are read by every replica (no group): :class:`~services.weights_feed.WeightsFeed`;
-- batches too large for a record travel by reference: :class:`~services.referenced_batches.ReferencedBatches`.
+- batches too large for a record travel by reference: :class:`~services.referenced_batches.ReferencedBatches`;
+- a streaming service (``Service.streams``) has several inputs in flight: each is committed once its last outputs are
+  out, never past the oldest one in flight.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from services.dedupe import RecentIds
 from services.metrics import ServiceMetrics
 from services.referenced_batches import ReferencedBatches
 from services.roles import LOG_TOPIC, STATUS_TOPIC, WEIGHTS_TOPIC
-from services.service import Dropped, InputError, Progress, Service
+from services.service import Collected, Dropped, InputError, Progress, Service
 from services.transport import Bus, LogReplaced, Record, dlq_topic
 from services.weights_feed import WeightsFeed
 
@@ -52,6 +55,7 @@ log = logging.getLogger(__name__)
 __all__ = ["LOG_CHECK_S", "ServiceRunner", "consumer_group"]
 
 LOG_CHECK_S = 2.0  # how often a replica checks that its log is still the one it started on
+STREAM_POLL_S = 0.01  # how long a streaming service's runner waits, with work in hand, before collecting again
 
 
 def consumer_group(role: str, log: str) -> str:
@@ -106,6 +110,9 @@ class ServiceRunner:
             else None
         )
         self.held: list[_Held] = []  # kept aside, see poll_once
+        self.in_flight: dict[str, _Held] = {}  # a streaming service's inputs not done, by batch id (see _admit)
+        self.uncollected: list[Collected] = []  # a streaming service's outputs not yet sent (see _collect)
+        self.stream_tokens: Counter[str] = Counter()  # response tokens sent so far per input in flight
         self.last_progress = time.monotonic()  # when input was last handled (see _release_stuck)
         self.log_ends: dict[int, int] = {}  # per input partition: the highest end offset seen
         self.uncommitted: dict[int, Record] = {}  # per partition: the newest record handled but not yet committed
@@ -138,28 +145,42 @@ class ServiceRunner:
         did = self.weights is not None and self.weights.apply(timeout_s if self.held or self.work is None else 0.0)
         if self.work is None:
             return did
+        if not self.service.streams:
+            return self._take_input(timeout_s, self._process) or did
+        did = self._collect() or did
+        # While work is in hand, come back soon for its outputs rather than waiting on input.
+        wait = 0.0 if did else min(timeout_s, STREAM_POLL_S) if self.in_flight else timeout_s
+        if self.service.room() > 0:
+            return self._take_input(wait, self._admit) or did
+        if not did:
+            time.sleep(wait)
+        return did
+
+    def _take_input(self, timeout_s: float, handle) -> bool:
+        """Hand one input record to ``handle(record, message)``: the ready held record of the earliest step, else
+        the next record read (kept aside if the service is not ready for it). Returns whether anything was done."""
         ready = [held for held in self.held if self.service.ready_for(held.message)]
         if ready:
             held = min(ready, key=lambda held: held.message.step)
             self.held.remove(held)
             self.work.resume(held.record.partition)
-            self._process(held.record, held.message)
+            handle(held.record, held.message)
             return True
         if self._release_stuck():
             return True
         records = self.work.poll(0.0 if self.held else timeout_s, max_records=1)
         self._check_log_continuity()
         if not records:
-            return did
+            return False
         record = records[0]
         with self._timed("decode"):
             message = self._accept(record, TOPIC_MESSAGE[record.topic])
         if message is None:
             self._commit(record)
             return True
-        if message.batch_id in self.recent:
+        message = self._unhandled_part(message)
+        if message is None:
             self._count("duplicate")
-            log.info("%s: batch %s already handled; skipping the re-delivery", self.replica_id, message.batch_id)
             self._commit(record)
             return True
         if not self.service.ready_for(message):
@@ -167,8 +188,80 @@ class ServiceRunner:
             if len(self._held_in(record.partition)) >= self.service.config.pipeline.held_per_partition:
                 self.work.pause(record.partition)
             return True
-        self._process(record, message)
+        handle(record, message)
         return True
+
+    # ------------------------------------------------------------------ a streaming service
+
+    def _admit(self, record: Record, message: BatchMessage) -> None:
+        """Give a streaming service one more input; it stays uncommitted until its last outputs are out."""
+        self.last_progress = time.monotonic()
+        if message.batch_id in self.in_flight:  # delivered again while its first delivery is in hand
+            self._count("duplicate")
+            self._commit(record)  # never past the first delivery, which is in flight
+            return
+        try:
+            with self._timed("compute"), self._uninterrupted():
+                self.service.admit(message)
+        except InputError as exc:
+            self._dead_letter(record, f"cannot process batch {message.batch_id}: {exc}")
+            self._commit(record)
+            return
+        self.in_flight[message.batch_id] = _Held(record, message, time.monotonic())
+
+    def _collect(self) -> bool:
+        """Send what the streaming service has ready (first what failed to go out before); an input whose last
+        outputs are out is committed. Returns whether anything was sent."""
+        if not self.uncollected:
+            started = time.perf_counter()
+            with self._timed("compute"), self._uninterrupted():
+                self.uncollected = list(self.service.collect())
+            outputs = [output for item in self.uncollected for output in item.outputs]
+            for output in outputs:  # this stage's compute, as _process records it: the call's, shared out
+                output.lineage[f"seconds.{self.service.role}"] = round(
+                    (time.perf_counter() - started) / len(outputs), 4
+                )
+        did = bool(self.uncollected)
+        while self.uncollected:
+            item = self.uncollected[0]
+            with self._timed("produce"):
+                self._produce(item.outputs)  # raises while the broker is away: sent again at the next poll
+            self.uncollected.pop(0)
+            self.last_progress = time.monotonic()
+            self.counters["produced"] += len(item.outputs)
+            self.stream_tokens[item.batch_id] += sum(o.response_tokens_total for o in item.outputs)
+            if item.done:
+                self._finish(item.batch_id)
+        return did
+
+    def _finish(self, batch_id: str) -> None:
+        held = self.in_flight.pop(batch_id)
+        for key in held.message.idempotency_keys():
+            self.recent.add(key)
+        tokens = self.stream_tokens.pop(batch_id, 0)
+        self._count("processed", held.message.rows, time.monotonic() - held.since, tokens)
+        self._commit(held.record)
+        self.metrics.lag.labels(self.service.role).set(self.work.lag())
+
+    def _unhandled_part(self, message: BatchMessage) -> BatchMessage | None:
+        """``message`` less what this replica handled already (by idempotency key: the batch id, or past the
+        generator each group's), or None when that is all of it: a re-delivery, or groups sampled again after a
+        generator died with part of its prompt batch sent."""
+        keys = message.idempotency_keys()
+        handled = {key for key in keys if key in self.recent}
+        if not handled:
+            return message
+        if len(handled) == len(keys):
+            log.info("%s: batch %s already handled; skipping the re-delivery", self.replica_id, message.batch_id)
+            return None
+        log.info(
+            "%s: batch %s: %d of its %d groups already handled; handling the rest",
+            self.replica_id,
+            message.batch_id,
+            len(handled),
+            len(keys),
+        )
+        return message.without_groups(handled)
 
     @contextmanager
     def _uninterrupted(self):
@@ -199,7 +292,8 @@ class ServiceRunner:
         for output in outputs:
             output.lineage[f"seconds.{self.service.role}"] = round(time.perf_counter() - started, 4)
         if outcome == "processed":  # a dropped record must not make the real batch of its id look re-delivered
-            self.recent.add(message.batch_id)
+            for key in message.idempotency_keys():
+                self.recent.add(key)
         # Durable state first, then its outputs: a learner's checkpoint precedes the announcement of its weights.
         self._defer_commit(record)
         with self._timed("checkpoint"), self._uninterrupted():
@@ -219,7 +313,8 @@ class ServiceRunner:
         seconds = time.perf_counter() - started
         self.counters["produced"] += len(outputs)
         # Response tokens handled: those read downstream, those generated by the generator.
-        tokens = message.response_tokens_total or sum(output.response_tokens_total for output in outputs)
+        made = (output.response_tokens_total for output in outputs if isinstance(output, BatchMessage))
+        tokens = message.response_tokens_total or sum(made)
         self._count(outcome, message.rows, seconds, tokens)
         self.metrics.lag.labels(self.service.role).set(self.work.lag())
 
@@ -329,7 +424,8 @@ class ServiceRunner:
     def status(self) -> dict:
         """Counters plus the consumer lag (records in this replica's partitions not yet consumed)."""
         lag = self.work.lag() if self.work is not None else 0
-        return {**self.counters, "lag": lag, "held": len(self.held), "busy_s": round(sum(self.seconds.values()), 1)}
+        busy = round(sum(self.seconds.values()), 1)
+        return {**self.counters, "lag": lag, "held": len(self.held), "in_flight": len(self.in_flight), "busy_s": busy}
 
     def waiting_for(self) -> str:
         if not self.held:
@@ -389,8 +485,9 @@ class ServiceRunner:
 
     def _done_below(self, pending: Record) -> int:
         """The offset below which the partition of ``pending`` (handled) is done: past ``pending``, unless a
-        record before it is kept aside."""
-        return min([pending.offset + 1, *(held.record.offset for held in self._held_in(pending.partition))])
+        record before it is kept aside or (a streaming service's) in flight."""
+        aside = [*self.held, *self.in_flight.values()]
+        return min([pending.offset + 1, *(h.record.offset for h in aside if h.record.partition == pending.partition)])
 
     def _durable(self, force: bool = False) -> bool:
         offsets = {f"{r.topic}/{r.partition}": self._done_below(r) for r in self.uncommitted.values()}

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "Collected",
     "Dropped",
     "InputError",
     "ProcessGroup",
@@ -56,6 +57,16 @@ class Progress:
     log: str | None = None
     """The identity of the log the offsets were read from (:data:`services.roles.LOG_TOPIC`): they mean nothing on
     another (a broker that lost its data), where the batch ids and steps say what was applied."""
+
+
+@dataclass
+class Collected:
+    """Outputs a streaming service has ready (:meth:`Service.collect`): from its input ``batch_id``; ``done``: the
+    last of that input's outputs (it may then be committed)."""
+
+    batch_id: str
+    outputs: list[Message]
+    done: bool
 
 
 class ProcessGroup(ABC):
@@ -102,6 +113,12 @@ class Service(ABC):
        - :meth:`done` after each step: True ends the loop.
     4. :meth:`finish` once, only if :meth:`done` became True (the run is complete): final exports.
     5. :meth:`close` always, last (also after a signal or an error): release engines and files.
+
+    A service that :attr:`streams` works on several inputs at once, and its outputs go on as they are ready: instead
+    of :meth:`process`, the runner calls :meth:`admit` for each input while the service has :meth:`room`, and
+    :meth:`collect` for what is ready; an input is committed once its last outputs are out (below the oldest input
+    not done, as for one kept aside). A streaming service's state must be durable without its help (the generator's
+    is: an input not done comes again, and what it already sent is recognised downstream by its keys).
 
     A replica may span several processes (:meth:`process_group`, e.g. the ranks of a sharded learner). Its leading
     process alone runs the lifecycle above and talks to the bus; the others follow it (:meth:`ProcessGroup.follow`,
@@ -153,6 +170,25 @@ class Service(ABC):
     @abstractmethod
     def process(self, message: Message) -> list[Message]:
         """The core call: one input message to zero or more messages for :attr:`output_topic`."""
+
+    # ------------------------------------------------------------------ streaming (optional)
+
+    @property
+    def streams(self) -> bool:
+        """Whether this service works on several inputs at once (:meth:`admit`, :meth:`collect`)."""
+        return False
+
+    def room(self) -> int:
+        """Inputs a streaming service can take now."""
+        return 0
+
+    def admit(self, message: Message) -> None:
+        """Start work on ``message`` (a streaming service); raises :class:`InputError` for one it cannot process."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream")
+
+    def collect(self) -> list[Collected]:
+        """The outputs ready now (a streaming service may do a bounded piece of work to make some)."""
+        return []
 
     def make_durable(self, progress: Progress, force: bool = False) -> bool:
         """Whether the state covering all input handled so far survives a crash; input is committed only then.

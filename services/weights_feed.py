@@ -3,9 +3,10 @@
 Every replica that loads weights reads the whole ``weights`` topic on its own (no consumer group), so a late joiner
 sees the newest announcement of each model. Of the announcements a poll brings, the newest version per model is
 offered first; one the service refuses (a snapshot missing, damaged or forged) never counts as loaded, so the next
-older one is tried, and a later announcement of the same version is still taken. Announcements of a learner epoch
-older than the weights already loaded come from a learner that was replaced but still runs: they are ignored and
-counted.
+older one is tried, and a later announcement of the same version is still taken. An announcement of the version
+loaded that says the learner used up more groups is offered too: it brings the learner's progress, which
+generators admit prompt batches by, and nothing to load. Announcements of a learner epoch older than the weights
+already loaded come from a learner that was replaced but still runs: they are ignored and counted.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from common.schema import LEARNER_EPOCH, WeightAnnouncement
+from common.schema import LEARNER_EPOCH, LEARNER_GROUPS_DONE, WeightAnnouncement
 from services.metrics import ServiceMetrics
 from services.service import Service
 from services.transport import Consumer, Record
@@ -42,6 +43,7 @@ class WeightsFeed:
         self.service, self.consumer, self.accept = service, consumer, accept
         self.metrics, self.counters, self.timed = metrics, counters, timed
         self.loaded: dict[str, int] = {}  # per model: the version loaded
+        self.progress: dict[str, tuple[int, int]] = {}  # per model: (version, groups used up) of the newest taken
         self.epochs: dict[str, int] = {}  # per model: the learner epoch of the weights loaded
 
     def apply(self, timeout_s: float) -> bool:
@@ -53,8 +55,8 @@ class WeightsFeed:
                 candidates.setdefault(announcement.model, []).append(announcement)
         offered = False
         for model, announcements in candidates.items():
-            for announcement in sorted(announcements, key=lambda a: a.policy_version, reverse=True):
-                if announcement.policy_version <= self.loaded.get(model, -1):
+            for announcement in sorted(announcements, key=_progress, reverse=True):
+                if _progress(announcement) <= self.progress.get(model, (-1, -1)):
                     break
                 if self._from_a_replaced_learner(announcement):
                     continue
@@ -85,9 +87,14 @@ class WeightsFeed:
             self.counters["refused_weights"] += 1
             return False
         self.loaded[announcement.model] = announcement.policy_version
+        self.progress[announcement.model] = _progress(announcement)
         self.epochs[announcement.model] = int(announcement.lineage.get(LEARNER_EPOCH, 0))
         self.metrics.policy_version.labels(self.service.role).set(announcement.policy_version)
         return True
 
     def close(self) -> None:
         self.consumer.close()
+
+
+def _progress(announcement: WeightAnnouncement) -> tuple[int, int]:
+    return announcement.policy_version, int(announcement.lineage.get(LEARNER_GROUPS_DONE, -1))

@@ -81,7 +81,7 @@ def sampled_experience(
     advantages = torch.randn(mask.shape, generator=g) * mask
     values = torch.randn(mask.shape, generator=g) * mask
     return tokenizer, Experience(
-        policy_version=0,
+        policy_versions=torch.zeros(len(rows), dtype=torch.int64),
         prompt_tokens=enc["input_ids"][rows],
         prompt_lengths=prompt_lengths[rows],
         response_tokens=samples.response_tokens,

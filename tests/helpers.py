@@ -39,3 +39,19 @@ def broker_address(kafka_broker: list[str]) -> str:
 def is_local_broker(kafka_broker: list[str]) -> bool:
     """Whether the ``kafka_broker`` fixture's broker is the local one (tansu): its overrides turn idempotence off."""
     return "kafka.idempotent_producer=false" in kafka_broker
+
+
+def assert_each_group_once(records: list[dict], run_id: str, prompt_batches: int) -> None:
+    """From the learner's metrics lines: every group of prompt batches ``0 .. prompt_batches−1`` trained exactly
+    once (each batch whole), and nothing else."""
+    groups = [key for record in records for key in record["groups"]]
+    assert len(groups) == len(set(groups)), f"groups trained twice: {sorted(k for k in groups if groups.count(k) > 1)}"
+    per_step: dict[int, int] = {}
+    for key in groups:
+        step = int(key.split("/")[0])
+        per_step[step] = per_step.get(step, 0) + 1
+    assert sorted(per_step) == list(range(prompt_batches)), f"prompt batches trained: {sorted(per_step)}"
+    assert len(set(per_step.values())) == 1, f"a prompt batch trained in part: {per_step}"
+    # A streamed record's id is its prompt batch's, then "/<first row>-<last row>".
+    batch_ids = sorted({batch_id.split("/")[0] for record in records for batch_id in record["batch_ids"]})
+    assert batch_ids == [f"{run_id}-{i:08d}" for i in range(prompt_batches)]

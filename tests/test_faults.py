@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 from conftest import EXAMPLE, REPO
-from helpers import run_settings
+from helpers import assert_each_group_once, run_settings
 
 from common.schema import decode
 from services.cluster import stop_all
@@ -92,8 +92,7 @@ def cluster(tmp_path, model_cache, kafka_broker):
 
 
 def assert_each_batch_once(cluster, steps):
-    ids = [r["batch_id"] for r in cluster.steps()]
-    assert sorted(ids) == [f"{cluster.run_id}-{i:08d}" for i in range(steps)], "every batch applied exactly once"
+    assert_each_group_once(cluster.steps(), cluster.run_id, steps)
 
 
 def scrape_and_check_metrics(ports: dict[str, int]) -> None:

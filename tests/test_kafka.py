@@ -13,7 +13,7 @@ import uuid
 import pytest
 import torch
 from conftest import EXAMPLE, REPO
-from helpers import broker_address, is_local_broker, run_settings
+from helpers import assert_each_group_once, broker_address, is_local_broker, run_settings
 from kafka.errors import KafkaError
 
 from common.schema import DeadLetter, SchemaError, decode
@@ -95,7 +95,7 @@ def run_messages(config, topic, run_id, count, timeout_s=60.0) -> dict:
     return found
 
 
-def up_on_a_broker_of_its_own(tmp_path, model_cache, steps, run_id, port, log_name, *up_args):
+def up_on_a_broker_of_its_own(tmp_path, model_cache, steps, run_id, port, log_name, *up_args, settings=()):
     """`streamppo -v up` in the background on the broker at ``port`` (one the test kills and replaces), its output in
     ``tmp_path/log_name``; the services wait up to 2 minutes for a broker that is away."""
     overrides = [
@@ -103,6 +103,7 @@ def up_on_a_broker_of_its_own(tmp_path, model_cache, steps, run_id, port, log_na
         "generation.backend=transformers",
         "kafka.idempotent_producer=false",
         "kafka.connect_timeout_s=120",
+        *settings,
     ]
     args = streamppo_command("-v", "up", "--bootstrap", f"127.0.0.1:{port}", *up_args, overrides=overrides)
     with open(tmp_path / log_name, "w") as log:
@@ -172,7 +173,7 @@ def test_streamppo_up_runs_every_role_as_processes_with_lora_on_the_vllm_generat
     assert f"generator-0: sampling with the {backend} backend" in result.stdout
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
-    assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)], "each batch once"
+    assert_each_group_once(records, run_id, steps)
     assert [r["staleness"] for r in records] == [0.0] * steps, "each batch sampled by the adapters of its version"
     # The adapters of each version, as the learner computes with them: the mean gap is float rounding; the worst
     # token of a run (a rare, low-probability one) was seen at 1.8e-4 (against ~0.1 with the wrong adapters).
@@ -416,9 +417,11 @@ def keys_for_partitions(count: int, partitions: int) -> list[bytes]:
     return [keys[p] for p in range(count)]
 
 
-def test_the_learner_applies_experience_in_step_order_across_partitions(make_config, kafka_broker):
-    """Partitions deliver out of order; trained in arrival order, a batch sampled within max_staleness would be
-    trained outside it (or look newer than the learner and be dropped)."""
+def test_the_learner_trains_groups_as_they_arrive_across_partitions_within_the_staleness_bound(
+    make_config, kafka_broker
+):
+    """Partitions deliver out of order. Groups are trained as they arrive, but never by a learner older than the
+    policy that sampled them, nor more than max_staleness versions newer: what the bound passes is dropped."""
     import dataclasses
 
     from common.schema import encode
@@ -438,33 +441,37 @@ def test_the_learner_applies_experience_in_step_order_across_partitions(make_con
     learner = LearnerService(config, unique("learner"))
     runner = ServiceRunner(learner, bus)
     deadline = time.monotonic() + 60
-    while not learner.done() and learner.updates < 3 and time.monotonic() < deadline:
+    while learner.groups_done < 6 and time.monotonic() < deadline:
         runner.poll_once(0.2)
     runner.close()
     lines = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").read_text().splitlines()]
-    assert [line["batch_id"] for line in lines] == [b.batch_id for b in batches], "applied in step order"
-    assert [line["staleness"] for line in lines] == [0, 1, 1] and learner.dropped_stale == 0
+    trained = [key for line in lines for key in line["groups"]]
+    assert len(trained) == len(set(trained)) == 2 * learner.updates, "each group once, two per update"
+    assert len(trained) + learner.dropped_stale == 6, "every group trained or dropped"
+    assert "2/0" not in lines[0]["groups"], "v1's groups wait for the learner to reach v1"
+    assert all(line["staleness_max"] <= 1 for line in lines), "none trained past the bound"
 
 
 def test_forged_and_replayed_experience_neither_takes_a_real_batch_s_place_nor_counts_as_an_update(
     make_config, kafka_broker
 ):
-    """Case 2 of the operations issue, over the broker: a record claiming policy v1,000,000 under the batch id of
-    step 0, a stale copy under the id of step 2, a replay of an applied batch and a step no run has, each ahead of
-    the real batches in their partitions. The run applies exactly its three real batches and ends."""
+    """Case 2 of the operations issue, over the broker: a record claiming policy v1,000,000 under the keys of
+    step 0, a replay of an applied batch and a step no run has, each ahead of the real batches in their partitions.
+    The run applies exactly its three real batches and ends."""
     import dataclasses
 
     from common.schema import encode
     from services.learner import LearnerService
 
-    config = make_config(*kafka_broker, f"run.run_id={unique('forged')}", "run.steps=3", *SMALL_RUN)
+    config = make_config(
+        *kafka_broker, f"run.run_id={unique('forged')}", "run.steps=3", *SMALL_RUN, "pipeline.max_staleness=2"
+    )
     real = experience_of_steps(config, 3)
     real[2] = dataclasses.replace(real[2], policy_version=1)
     a, b, c = keys_for_partitions(3, config.kafka.partitions)
     in_order = [
         (a, dataclasses.replace(real[0], policy_version=1_000_000)),  # from a policy no learner published
         (a, real[0]),
-        (b, dataclasses.replace(real[2], policy_version=0)),  # step 2 sampled by v0: staler than the bound allows
         (b, real[2]),
         (c, real[1]),
         (c, real[0]),  # a replay of a batch already applied
@@ -483,12 +490,12 @@ def test_forged_and_replayed_experience_neither_takes_a_real_batch_s_place_nor_c
         runner.poll_once(0.2)
     runner.close()
     lines = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").read_text().splitlines()]
-    assert [line["batch_id"] for line in lines] == [m.batch_id for m in real], "the real batches, in step order"
+    trained = sorted(key for line in lines for key in line["groups"])
+    assert trained == sorted(k for m in real for k in m.idempotency_keys()), "the real groups, each once"
     assert [line["step"] for line in lines] == [1, 2, 3] and learner.updates == 3, "updates count applied batches"
-    assert learner.dropped_stale == 2 and runner.counters["dropped"] == 2, "the two forgeries were dropped, counted"
+    assert learner.dropped_stale == 2 and runner.counters["dropped"] == 1, "the forgery's two groups were dropped"
     assert runner.counters["dead_letters"] == 1 and runner.counters["processed"] == 3
     assert runner.counters["duplicates"] == 1, "the replay was recognised"
-    assert [line["staleness"] for line in lines] == [0, 1, 1]
 
 
 def test_prompt_batches_that_can_never_be_sampled_do_not_block_their_partitions(make_config, kafka_broker):
@@ -519,7 +526,7 @@ def test_prompt_batches_that_can_never_be_sampled_do_not_block_their_partitions(
         producer.send("prompts", encode(forged), key=key)
     ahead = feeder.batch(2)
     ahead.batch_id = unique("forged")
-    producer.send("prompts", encode(ahead), key=keys[0])  # waits for actor v2, which never comes
+    producer.send("prompts", encode(ahead), key=keys[0])  # waits for the learner's progress, which never comes
     producer.send("prompts", encode(feeder.batch(0)), key=keys[0])  # the real first batch, behind both
     producer.flush()
 
@@ -550,7 +557,7 @@ def test_prompt_batches_that_can_never_be_sampled_do_not_block_their_partitions(
     runner.close()
     assert sampled == [0], "the real first batch was sampled"
     assert sum("outside the run" in e for e in letters) == len(keys), letters
-    assert sum("waits for actor v2" in e for e in letters) == 1, letters
+    assert sum("waits for the learner to have used up more than 2 groups" in e for e in letters) == 1, letters
     assert len(letters) == len(keys) + 1 and not runner.held
 
 
@@ -598,7 +605,7 @@ def test_streamppo_status_shows_what_each_replica_waits_for(make_config, kafka_b
     assert f"run {run_id}: 1 replica(s) reporting" in out
     (row,) = [line for line in out.splitlines() if line.startswith(replica)]
     assert row.split()[1:4] == ["waiting", "0", "1"], row  # state, lag, held
-    assert "prompt batch 1 waits for actor v1 (has v0)" in out and "prompts[" in out
+    assert "prompt batch 1 waits for the learner to have used up more than 0 groups" in out and "prompts[" in out
     assert "newest weights: none" in out
     dlq = dict(item.rsplit(" ", 1) for item in out.split("dead letters: ")[1].strip().split(", "))
     assert int(dlq["prompts.dlq"]) >= 1
@@ -690,15 +697,22 @@ def test_a_broker_replaced_mid_run_costs_seconds_and_no_operator_and_resume_fini
     service again in resume mode and the run goes on. Then the stall an independent check found: services that lived
     on the new broker a while are stopped by an operator, who runs `up --resume` on that same broker; groups and
     offsets there belong to the logs they were made on (groups are named after the log), and the run finishes with
-    every version applied exactly once."""
+    every version applied exactly once. Mid-stream: the generator streams records of 4 groups, and an update takes 8
+    groups, half a prompt batch, so prompt batches are settled in part when the broker goes; the resumed feeder
+    publishes again from the first one the learner's checkpoint has not settled, and no group is lost or repeated."""
+    from common.checkpoint import load_latest_checkpoint
     from services.transport.local_broker import LocalBroker, free_port
 
     steps, run_id, port = 16, unique("loss"), free_port()
+    prompt_batches = steps * 8 // 16  # updates × groups per update, in batches of 16 prompts
     broker = LocalBroker(port, log_path=tmp_path / "broker-1.log").start()
     metrics = tmp_path / "run" / "metrics.jsonl"
+    streaming = ("generation.streaming=true", "generation.groups_per_record=4", "learner.groups_per_update=8")
 
     def up(log_name, *up_args):
-        return up_on_a_broker_of_its_own(tmp_path, model_cache, steps, run_id, port, log_name, *up_args)
+        return up_on_a_broker_of_its_own(
+            tmp_path, model_cache, steps, run_id, port, log_name, *up_args, settings=streaming
+        )
 
     def lines():
         return len(metrics.read_text().splitlines()) if metrics.exists() else 0
@@ -726,6 +740,7 @@ def test_a_broker_replaced_mid_run_costs_seconds_and_no_operator_and_resume_fini
         first.wait(timeout=180)
         checkpointed = lines()
         assert checkpointed < steps
+        settled = load_latest_checkpoint(tmp_path / "run" / "checkpoints")[1]["ledger"]["below"]
         second = up("up-2.log", "--resume")
         assert second.wait(timeout=600) == 0, (tmp_path / "up-2.log").read_text()[-3000:]
     finally:
@@ -737,9 +752,9 @@ def test_a_broker_replaced_mid_run_costs_seconds_and_no_operator_and_resume_fini
     assert "found the run's log gone" in automatic and "every service started again in resume mode" in automatic
     records = [json.loads(line) for line in metrics.open()]
     assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
-    assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
+    assert_each_group_once(records, run_id, prompt_batches)
     resumed = (tmp_path / "up-2.log").read_text()
-    assert f"publishing prompt batches {checkpointed}..{steps - 1}" in resumed, "the feeder skipped applied steps"
+    assert f"publishing prompt batches {settled}..{prompt_batches - 1}" in resumed, "the feeder skipped settled ones"
 
 
 def test_a_service_stops_on_a_replaced_log_and_makes_nothing_on_the_new_broker(make_config, tmp_path, model_cache):
@@ -822,7 +837,7 @@ def test_runs_on_one_broker_share_nothing_at_once_or_one_after_another(own_broke
         assert up.wait(timeout=600) == 0, output.read_text()[-3000:]
         records = [json.loads(line) for line in metrics.open()]
         assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
-        assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
+        assert_each_group_once(records, run_id, steps)
         assert not re.search(r"skipping \w+ \S+ of run", output.read_text()), "no record of another run came here"
 
     together = [run("first"), run("second")]
@@ -838,8 +853,11 @@ def test_runs_on_one_broker_share_nothing_at_once_or_one_after_another(own_broke
 
 @pytest.mark.slow
 def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_broker, tmp_path, model_cache):
-    """`streamppo up` with two scorers; ten `kill -9`s of random services while it runs; `up` restarts each. Every
-    batch over 2 kB (nearly all) travels by reference, so its file must outlive every re-delivery."""
+    """`streamppo up` with a streaming generator (each group its own record, sampled by the weights loaded then)
+    and two scorers; ten `kill -9`s of random services while it runs; `up` restarts each. A generator killed in the
+    middle of a prompt batch leaves it uncommitted: it is sampled again, and the groups already sent are recognised
+    downstream by their keys. Every record over 2 kB travels by reference, so its file must outlive every
+    re-delivery."""
     import random
 
     steps, run_id, kills = 40, unique("chaos"), 10
@@ -850,7 +868,13 @@ def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_bro
         steps,
         run_id,
         ("--replicas", "scorer=2"),
-        ("pipeline.max_staleness=1", "learner.checkpoint_every=2", "pipeline.inline_max_bytes=2000"),
+        (
+            "pipeline.max_staleness=1",
+            "learner.checkpoint_every=2",
+            "pipeline.inline_max_bytes=2000",
+            "generation.streaming=true",
+            "generation.groups_per_record=4",
+        ),
     )
     # Every role dies at least once (the learner and a scorer twice), in a seeded order, at seeded moments.
     chance, killed = random.Random(7), []
@@ -877,8 +901,9 @@ def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_bro
     records = [json.loads(line) for line in metrics.open()]
     assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
     assert [r["policy_version"] for r in records] == [float(v) for v in range(1, steps + 1)], "no update lost"
-    assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
-    assert all(r["staleness"] <= 1 for r in records)
+    assert_each_group_once(records, run_id, steps)
+    assert all(r["staleness_max"] <= 1 for r in records), "no group trained past max_staleness"
+    assert all("/" in b for r in records for b in r["batch_ids"]), "streamed: records of groups, not prompt batches"
     # A file is removed once its record is committed past; a kill may orphan one (written, never sent or removed).
     store = tmp_path / "run" / "batches"
     assert store.is_dir(), "batches went by reference (the store is made by the first one)"
@@ -960,7 +985,7 @@ def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_
         assert len(by_broadcast) >= 3, (generator, by_broadcast)
     records = [json.loads(line) for line in metrics.open()]
     assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
-    assert sorted(r["batch_id"] for r in records) == [f"{run_id}-{i:08d}" for i in range(steps)]
+    assert_each_group_once(records, run_id, steps)
     rewards = [r["reward_mean"] for r in records]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
     rollouts = run_messages(make_config(*kafka_broker), "rollouts", run_id, steps)

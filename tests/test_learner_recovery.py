@@ -102,7 +102,7 @@ def test_the_checkpoint_keeps_a_bounded_memory_of_batch_ids(config, experience):
         pass
     first.work.close()
     resumed = served(config, bus)
-    assert resumed.recent.to_list() == [m.batch_id for m in experience[-2:]], "the last two ids, not all four"
+    assert resumed.recent.to_list() == experience[-1].idempotency_keys(), "the last two group keys, not all eight"
     send(bus, experience[-1:])  # a re-delivery
     assert resumed.poll_once() and resumed.counters["duplicates"] == 1 and resumed.service.trainer.version == 4
     meta = json.loads(
@@ -147,26 +147,26 @@ def test_with_checkpoint_every_n_a_crash_re_applies_the_updates_since_the_checkp
     assert all(torch.equal(expected[k], actual[k]) for k in expected), "same weights as a run that never stopped"
 
 
-def test_experience_is_applied_in_step_order_and_impossible_or_forged_batches_never_count(config, experience):
+def test_experience_newer_than_the_learner_waits_and_impossible_or_forged_batches_never_count(config, experience):
     config = config.model_copy(update={"learner": config.learner.model_copy(update={"checkpoint_every": 3})})
-    learner = LearnerService(config)  # at v0; it may have announced up to v2 before a crash rolled it back
+    learner = LearnerService(config)  # at v0; it may have announced up to v3 before a crash rolled it back
 
     def batch(step: int, sampled_by: int):
         return dataclasses.replace(experience[0], step=step, policy_version=sampled_by)
 
-    assert learner.ready_for(batch(0, 0))
-    assert not learner.ready_for(batch(1, 1)) and not learner.ready_for(batch(2, 2)), "later steps wait"
-    assert "waits for step 0" in learner.waiting_for(batch(2, 2))
-    # v0 + (checkpoint_every − 1) announced at most, + max_staleness 3: step 5 is the last a real batch can have.
-    for impossible in (6, config.run.steps):
+    assert learner.ready_for(batch(0, 0)) and learner.ready_for(batch(3, 0)), "any step, as it arrives"
+    assert not learner.ready_for(batch(1, 1)) and not learner.ready_for(batch(2, 3)), "newer versions wait"
+    assert "waits for the learner (at v0, back from its checkpoint)" in learner.waiting_for(batch(2, 3))
+    for impossible in (-1, config.prompt_batches):
         assert learner.ready_for(batch(impossible, 0)), "let through, so that it does not block its partition"
         with pytest.raises(InputError, match=f"step {impossible} cannot be real"):
             learner.process(batch(impossible, 0))
-    forged = batch(0, 1_000_000)  # the id of the real step 0, a version no learner published
+    forged = batch(0, 1_000_000)  # the groups of the real step 0, a version no learner published
+    assert learner.ready_for(forged), "let through: no learner can make that version"
     with pytest.raises(Dropped, match="newer than this learner"):
         learner.process(forged)
-    assert learner.dropped_stale == 1 and learner.updates == 0 and not learner.done()
-    assert len(learner.process(experience[0])) == 2, "the real batch of that id is still applied and announced"
+    assert learner.dropped_stale == 2 and learner.updates == 0 and not learner.done()
+    assert len(learner.process(experience[0])) == 2, "the real groups of those keys are still applied and announced"
     assert learner.updates == 1
 
 
@@ -195,3 +195,19 @@ def test_a_write_that_runs_out_of_space_is_explained_and_cleaned_up(small_disk):
     with pytest.raises(NoSpaceError, match="no space left on .* for a test file"):
         write_or_explain(disk, "a test file", 1, write, lambda: partial.unlink(missing_ok=True))
     assert not partial.exists()
+
+
+def test_a_second_checkpoint_of_one_version_never_replaces_the_first_in_place(tmp_path):
+    """Input consumed without an update (groups waiting, groups dropped) is checkpointed at the same version: the
+    checkpoint LATEST points at must stay whole until its successor is in place."""
+    from common.checkpoint import latest_checkpoint_version, load_latest_checkpoint, save_checkpoint
+
+    def write(folder):
+        (folder / "state").write_text("x")
+
+    first = save_checkpoint(tmp_path, 3, write, 1, {"n": 1})
+    second = save_checkpoint(tmp_path, 3, write, 1, {"n": 2})
+    assert (first.name, second.name) == ("ckpt-00000003", "ckpt-00000003.0001") and first.exists()
+    assert load_latest_checkpoint(tmp_path)[1] == {"n": 2} and latest_checkpoint_version(tmp_path) == 3
+    third = save_checkpoint(tmp_path, 4, write, 1, {"n": 3})
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == [second.name, third.name], "the oldest pruned"

@@ -34,6 +34,7 @@ def announce_v1(config, version=1):
         for p in learner.trainer.actor.parameters():
             p.add_(0.05 * torch.randn_like(p))
     learner.trainer.version = version
+    learner.groups_done = version * config.groups_per_update  # each update used up its groups
     return learner.announce()
 
 
@@ -167,7 +168,7 @@ def test_the_generator_holds_a_batch_until_the_weights_allow_it(bus, config):
     assert runner.poll_once() is False  # nothing to do until new weights
     produced = read_all(bus, "rollouts")
     assert len(produced) == 1, "batch 1 must wait for actor v1"
-    assert "waits for actor v1" in runner.waiting_for()
+    assert "waits for the learner to have used up more than 0 groups" in runner.waiting_for()  # an update
     # The learner publishes v1: the held batch is now sampled, by v1.
     publish(bus, "weights", *[encode(a) for a in announce_v1(config)])
     assert runner.poll_once()
@@ -264,7 +265,7 @@ def test_the_learner_refuses_experience_from_a_newer_policy(bus, config):
     runner = ServiceRunner(learner, bus)
     publish(bus, "experience", encode(message))
     assert runner.poll_once()
-    assert learner.trainer.version == 0 and learner.dropped_stale == 1 and not learner.done()
+    assert learner.trainer.version == 0 and learner.dropped_stale == 2 and not learner.done()  # its two groups
     assert runner.counters["dropped"] == 1 and runner.counters["processed"] == 0
     assert read_all(bus, "weights") == [], "nothing announced"
     publish(bus, "experience", real)
@@ -367,7 +368,7 @@ def test_a_record_kept_aside_blocks_neither_its_partition_nor_the_run_and_is_nev
     time.sleep(0.6)
     assert successor.poll_once()  # the bound has passed with nothing to do: step 30 is dead-lettered
     (letter,) = [decode(v) for v in read_all(bus, "prompts.dlq")]
-    assert "held" in letter.error and "waits for actor v30" in letter.error
+    assert "held" in letter.error and "to have used up more than 58 groups" in letter.error
     successor.close()
     last = ServiceRunner(GeneratorService(config, "generator-c"), bus)
     assert not last.poll_once() and not last.held, "committed past both"

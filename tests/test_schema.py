@@ -34,7 +34,7 @@ PROTOS = Path(__file__).resolve().parent.parent / "protos"
 
 def sample_message(cls, rng: np.random.Generator, dims: dict[str, int] | None = None):
     """A valid message of ``cls`` with random content."""
-    dims = dims or {"B": 2, "N": 3, "P": 4, "T": 5, "L": 2}
+    dims = dims or {"B": 2, "N": 3, "P": 4, "T": 5, "L": 2, "G": 1}
     values = {}
     for name, wire in cls.wire_fields():
         if isinstance(wire, Array):
@@ -284,11 +284,39 @@ def test_older_weight_announcements_read_as_version_3():
 def test_messages_from_before_labels_read_with_empty_labels(cls):
     current = sample_message(cls, np.random.default_rng(6))
     raw = msgpack.unpackb(encode(current), raw=False)
-    assert raw["version"] == 2
+    assert raw["version"] == cls.VERSION
     raw["version"] = 1
     del raw["prompt_label"]
+    raw.pop("no_signal_groups", None)  # experience version 3 added it
     old = decode(msgpack.packb(raw, use_bin_type=True))
     assert old.prompt_label == [""] * len(current.prompt_text) and old.prompt_text == current.prompt_text
     raw["prompt_text"] = "not a list"  # an upgrade does not hide what is wrong with the old record
     with pytest.raises(SchemaError, match="missing fields \\['prompt_label'\\]"):
         decode(msgpack.packb(raw, use_bin_type=True))
+
+
+def test_experience_from_before_dynamic_sampling_reads_with_no_group_dropped():
+    current = sample_message(ExperienceBatch, np.random.default_rng(7))
+    raw = msgpack.unpackb(encode(current), raw=False)
+    raw["version"] = 2
+    del raw["no_signal_groups"]
+    old = decode(msgpack.packb(raw, use_bin_type=True))
+    assert old.no_signal_groups.shape == (0,) and old.no_signal_groups.dtype == np.int64
+    np.testing.assert_array_equal(old.advantages, current.advantages)
+
+
+def test_groups_are_keyed_by_step_and_row_and_a_record_sheds_the_ones_handled():
+    rng = np.random.default_rng(8)
+    message = sample_message(ExperienceBatch, rng, {"B": 2, "N": 6, "P": 4, "T": 5, "L": 2, "G": 1})
+    message.step, message.group_index = 7, np.array([2, 2, 0, 0, 5, 5])
+    message.no_signal_groups = np.array([3])
+    assert message.groups() == [0, 2, 5] and message.groups_accounted() == [0, 2, 3, 5]
+    assert message.idempotency_keys() == ["7/0", "7/2", "7/3", "7/5"]
+    rest = message.without_groups({"7/2", "7/3"})
+    assert rest.groups() == [0, 5] and rest.no_signal_groups.tolist() == []
+    np.testing.assert_array_equal(rest.advantages, message.advantages[2:])
+    assert rest.response_text == message.response_text[2:] and rest.step == 7
+    decode(encode(rest))  # still a valid record
+    empty = message.take_rows(np.zeros(6, dtype=bool))
+    assert empty.rows == 0 and empty.idempotency_keys() == ["7/3"]
+    assert decode(encode(empty)).rows == 0, "a record whose groups all had no signal still travels"

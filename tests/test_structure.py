@@ -228,7 +228,8 @@ def test_an_added_role_runs_in_the_embedded_run_through_the_whole_lifecycle(extr
     config = make_config("run.steps=2", "data.eval_prompts=0")
     run_embedded(config, progress=False)
     audited = json.loads((config.run.dir / "audit.json").read_text())
-    trained = [json.loads(line)["batch_id"] for line in (config.run.dir / "metrics.jsonl").open()]
+    lines = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").open()]
+    trained = [batch_id for line in lines for batch_id in line["batch_ids"]]
     assert sorted(audited) == sorted(trained) and len(trained) == 2
     assert Auditor.calls == ["init", "start", "process", "process", "finish", "close"]
 

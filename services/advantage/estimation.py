@@ -22,6 +22,7 @@ class Estimate:
     token_rewards: torch.Tensor  # (N, T)
     advantages: torch.Tensor  # (N, T), not whitened by the learner's switch (an estimator may whiten its own)
     returns: torch.Tensor  # (N, T)
+    no_signal: torch.Tensor  # (N,) bool: in a group whose scores are all equal (only with dynamic_sampling)
 
 
 def estimate_advantages(
@@ -46,7 +47,11 @@ def estimate_advantages(
     advantages, returns = ppo.ADVANTAGE_ESTIMATORS[algorithm.estimator](
         ppo.EstimatorInput(rewards, values, mask, group_index), **ESTIMATORS.settings(algorithm)
     )
-    return Estimate(kl, rewards, advantages, returns)
+    no_signal = torch.zeros(len(scores), dtype=torch.bool)
+    if algorithm.dynamic_sampling:
+        clipped = scores.clamp(-algorithm.score_clip, algorithm.score_clip) if algorithm.score_clip else scores
+        no_signal = ppo.groups_without_signal(clipped, group_index)
+    return Estimate(kl, rewards, advantages, returns, no_signal)
 
 
 def shaping_lineage(algorithm: AlgorithmSection, kl_coef: float) -> dict:

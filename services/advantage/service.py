@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from functools import partial
 
+import numpy as np
 import torch
 
 from common.config import RunConfig
@@ -77,19 +78,21 @@ class AdvantageService(Service):
         lineage = shaping_lineage(algorithm, self.kl_coef)
         if self.critic is not None:
             lineage["critic.version"] = self.critic_version
-        return [
-            derive(
-                message,
-                ExperienceBatch,
-                self.replica_id,
-                lineage,
-                values=values.numpy(),
-                kl=est.kl.numpy(),
-                token_rewards=est.token_rewards.numpy(),
-                advantages=est.advantages.numpy(),
-                returns=est.returns.numpy(),
-            )
-        ]
+        no_signal = est.no_signal.numpy()
+        experience = derive(
+            message,
+            ExperienceBatch,
+            self.replica_id,
+            lineage,
+            values=values.numpy(),
+            kl=est.kl.numpy(),
+            token_rewards=est.token_rewards.numpy(),
+            advantages=est.advantages.numpy(),
+            returns=est.returns.numpy(),
+            no_signal_groups=np.unique(message.group_index[no_signal]).astype(np.int64),
+        )
+        # Without its groups of no signal, the record still goes on (even empty): the learner counts what it settles.
+        return [experience.take_rows(~no_signal) if no_signal.any() else experience]
 
     def _values(self, message: ScoredBatch, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """``(N, T)`` critic values of the responses; zeros without a critic."""

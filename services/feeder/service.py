@@ -1,7 +1,8 @@
-"""feeder: dataset → prompts. Publishes tokenized prompt batches ``0 .. steps−1``, then is done.
+"""feeder: dataset → prompts. Publishes the run's tokenized prompt batches (``RunConfig.prompt_batches``), then is done.
 
 It consumes nothing: its whole output is what :meth:`FeederService.start` returns. With ``run.resume``
-(``--resume``) it starts at the step after the learner's last checkpoint, as after the loss of a broker's data.
+(``--resume``) it starts at the first prompt batch the learner's last checkpoint has not settled (every group
+trained, waiting in the checkpoint or dropped), as after the loss of a broker's data.
 Batch ids are a function of the run id and the step, so re-publishing after a restart produces duplicates that
 every consumer recognises.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from common.checkpoint import latest_checkpoint_version
+from common.checkpoint import load_latest_checkpoint
 from common.config import RunConfig
 from common.data import PromptSchedule, load_prompts, tokenize_prompts
 from common.models import load_tokenizer, resolve_model
@@ -53,24 +54,29 @@ class FeederService(Service):
         )
 
     def start(self) -> list[PromptBatch]:
-        first = self.first_step()
-        batches = [self.batch(step) for step in range(first, self.config.run.steps)]
+        first, last = self.first_step(), self.config.prompt_batches - 1
+        batches = [self.batch(step) for step in range(first, last + 1)]
         self.published = True
-        log.info("%s: publishing prompt batches %d..%d", self.replica_id, first, self.config.run.steps - 1)
+        log.info("%s: publishing prompt batches %d..%d", self.replica_id, first, last)
         return batches
 
     def first_step(self) -> int:
-        """0, or with ``run.resume`` the step after the learner's last checkpoint (update v trains on step v)."""
-        checkpoint = latest_checkpoint_version(self.config.checkpoint_dir)
+        """0, or with ``run.resume`` the first prompt batch the learner's last checkpoint has not settled. Groups of
+        it that the checkpoint holds (or trained) are recognised by their keys when they come again."""
+        checkpoint = load_latest_checkpoint(self.config.checkpoint_dir)
+        if checkpoint is None:
+            return 0
+        meta = checkpoint[1]
+        # A checkpoint from before the ledger: one update trained one whole prompt batch.
+        settled = meta["ledger"]["below"] if "ledger" in meta else meta["updates"]
         if self.config.run.resume:
-            return checkpoint or 0
-        if checkpoint:
+            return settled
+        if settled:
             log.warning(
-                "%s: the learner has a checkpoint at v%d and resumes from it; with --resume the feeder would "
-                "skip the %d steps already applied",
+                "%s: the learner has a checkpoint and resumes from it; with --resume the feeder would skip the %d "
+                "prompt batches it settled",
                 self.replica_id,
-                checkpoint,
-                checkpoint,
+                settled,
             )
         return 0
 

@@ -1,21 +1,27 @@
 """learner: experience → weights. PPO updates of actor and critic, then new snapshots announced for both.
 
-Batches are applied in step order (update ``v+1`` trains on step ``v``), so a batch sampled within the staleness
-bound is trained within it. Experience older than ``max_staleness`` versions, or sampled by weights this learner
-never published, is dropped and counted, never trained on, and never counts toward ``run.steps``; experience of a
-step no real batch can have goes to the dead-letter topic. Each update appends one line of statistics to
-``<run dir>/metrics.jsonl``.
+Experience arrives as groups (a prompt's ``n`` responses, in records of one or more); an update trains on
+``learner.groups_per_update`` of them as they arrive, oldest policy version first (:mod:`services.learner.groups`).
+A group that waited more than ``max_staleness`` versions is dropped and counted, never trained on; experience
+sampled by weights this learner never published is dropped too, and a step outside the run's prompt batches goes
+to the dead-letter topic. Groups the advantage stage dropped for want of signal (dynamic sampling) are counted.
+Each update appends one line of statistics to ``<run dir>/metrics.jsonl``, naming the groups it trained on.
 
 Every ``learner.checkpoint_every`` updates (and on shutdown) the learner checkpoints itself: models, optimizers,
-KL controller, version, the ids of the batches it handled last and the input offsets they cover; its input is
-committed only then. A learner that restarts, after SIGTERM or ``kill -9``, resumes from the checkpoint: the
-batches it had applied since were not committed, come back, and are applied again to the restored state; a batch
-applied and checkpointed but not yet committed comes back too and is recognised by its id. Metrics lines are written
-at checkpoints, so ``metrics.jsonl`` never shows an update that a restart would apply again.
+KL controller, version, the groups waiting for an update, which prompt batches are settled, the keys of the groups
+it handled last and the input offsets they cover; its input is committed only then. A learner that restarts, after
+SIGTERM or ``kill -9``, resumes from the checkpoint: the records it had read since were not committed, come back,
+and are applied again to the restored state; a group handled and checkpointed but not yet committed comes back too
+and is recognised by its key. Metrics lines are written at checkpoints, so ``metrics.jsonl`` never shows an update
+that a restart would apply again.
+
+Each announcement carries the groups used up so far (``learner.groups_done``): generators admit prompt batches by
+it. When groups are used up without an update (dropped), the actor's announcement is repeated with the new count.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -34,10 +40,20 @@ from common.models import (
     load_tokenizer,
     resolve_model,
 )
-from common.schema import ADAPTER, ADAPTER_BASE, LEARNER_EPOCH, RUN_ID, ExperienceBatch, WeightAnnouncement, new_header
+from common.schema import (
+    ADAPTER,
+    ADAPTER_BASE,
+    LEARNER_EPOCH,
+    LEARNER_GROUPS_DONE,
+    RUN_ID,
+    ExperienceBatch,
+    WeightAnnouncement,
+    new_header,
+)
 from common.weights import Snapshot, WeightStore
 from services.learner.evaluation import answer_eval_prompts, write_generations
 from services.learner.export import export_final_models
+from services.learner.groups import GroupBuffer, StepLedger, groups_of
 from services.learner.metrics_log import MetricsLog
 from services.learner.parallel import init_ranks, shard_model
 from services.learner.ranks import LearnerRanks
@@ -80,9 +96,15 @@ class LearnerService(Service):
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
         self.before_path = self.run_dir / "generations_before.jsonl"
         self.updates = 0
-        self.dropped_stale = 0
+        self.dropped_stale = 0  # groups
+        self.no_signal = 0  # groups the advantage stage dropped (dynamic sampling)
+        self.groups_done = 0  # groups used up: trained, or dropped (stale, no signal)
+        self.buffer = GroupBuffer()
+        self.ledger = StepLedger(config.data.batch_size)
+        self.published: list[WeightAnnouncement] = []  # the announcements of the current version
         self.progress: Progress | None = None  # what the last checkpoint covers (input offsets, batch ids handled)
-        self.since_checkpoint = 0  # batches consumed since the last checkpoint
+        self.consumed = False  # input read since the last checkpoint
+        self.since_checkpoint = 0  # updates since the last checkpoint
         self.unsaved_records: list[dict] = []  # metrics lines of those updates, written with the next checkpoint
         self.started = time.time()
         self.epoch = 0  # taken in start(): 0 only for a learner that announces without having started (tests)
@@ -115,7 +137,12 @@ class LearnerService(Service):
             return
         folder, meta = checkpoint
         self.trainer.load(folder)
+        self.buffer.load(folder)
         self.updates, self.dropped_stale = meta["updates"], meta["dropped_stale"]
+        self.no_signal = meta.get("no_signal", 0)
+        # Checkpoints from before groups: one update trained one whole prompt batch.
+        self.groups_done = meta.get("groups_done", self.updates * self.config.data.batch_size)
+        self.ledger = StepLedger.from_state(self.config.data.batch_size, meta.get("ledger"), self.updates)
         # "applied": the unbounded id list of checkpoints written before the window existed
         self.progress = Progress(meta["offsets"], meta.get("handled", meta.get("applied", [])), meta.get("log"))
         # A learner killed between its checkpoint and its metrics lines writes those lines now.
@@ -150,8 +177,13 @@ class LearnerService(Service):
         return self.announce()
 
     def done(self) -> bool:
-        # Updates applied: a dropped batch (forged, replayed, too stale) never counts toward the run's steps.
-        return self.updates >= self.config.run.steps
+        # Updates applied: a dropped group (forged, replayed, too stale) never counts toward the run's steps.
+        return self.updates >= self.config.run.steps or self._used_up()
+
+    def _used_up(self) -> bool:
+        """Whether every prompt batch the run may use is settled and too few groups are left for an update (with
+        dynamic sampling, when too many groups had no signal)."""
+        return self.ledger.below >= self.config.prompt_batches and len(self.buffer) < self.config.groups_per_update
 
     def finish(self) -> None:
         """The trained actor and critic under ``final/``, and the eval answers before and after training."""
@@ -159,6 +191,17 @@ class LearnerService(Service):
             before = [json.loads(line) for line in self.before_path.read_text().splitlines()]
             after = self.trainer.answer(answer_eval_prompts, self.tokenizer, self.config, self.trainer.version)
             write_generations(self.run_dir, before, after)
+        if self.updates < self.config.run.steps:
+            log.error(
+                "%s: the run ends after %d of its %d updates: all %d prompt batches are used (%d groups had no "
+                "signal, %d were too stale); raise algorithm.max_sampling_factor or lower run.steps",
+                self.replica_id,
+                self.updates,
+                self.config.run.steps,
+                self.config.prompt_batches,
+                self.no_signal,
+                self.dropped_stale,
+            )
         export_final_models(
             self.run_dir,
             {name: (module, self.trainer.full_state(name)) for name, module, _ in self.trainer.models()},
@@ -167,63 +210,101 @@ class LearnerService(Service):
         log.info("%s: %d updates done; final models in %s", self.replica_id, self.updates, self.run_dir / "final")
 
     def ready_for(self, message: ExperienceBatch) -> bool:
-        # Batches are applied in step order: update v+1 trains on step v. Partitions deliver out of order, and a
-        # batch trained after later steps would be staler than max_staleness allows, although its sampler kept the
-        # bound. After a crash rolls the learner back to its checkpoint, the experience of the steps it had already
-        # applied comes again and waits the same way. A step that no real batch can have is let through, for
-        # process() to dead-letter rather than to block its partition.
-        return message.step <= self.trainer.version or not self._possible_step(message.step)
+        # Experience of a version newer than this learner's can only come from its predecessor, rolled back by a
+        # crash to the last checkpoint: it waits until the updates are made again. Newer still is impossible, and
+        # let through for process() to drop.
+        return message.policy_version <= self.trainer.version or not self._possible_version(message.policy_version)
 
     def waiting_for(self, message: ExperienceBatch) -> str:
         return (
-            f"experience of step {message.step} waits for step {self.trainer.version} (learner at "
-            f"v{self.trainer.version}; batches are applied in step order)"
+            f"experience sampled by v{message.policy_version} waits for the learner (at v{self.trainer.version}, "
+            "back from its checkpoint) to make that version again"
         )
 
-    def _possible_step(self, step: int) -> bool:
-        """Whether real experience can have ``step``: inside the run, and sampled by weights this learner, or its
-        rolled-back predecessor (up to ``checkpoint_every − 1`` versions further), announced."""
-        cfg = self.config
-        newest_announced = self.trainer.version + cfg.learner.checkpoint_every - 1
-        return 0 <= step < cfg.run.steps and step <= newest_announced + cfg.pipeline.max_staleness
+    def _possible_version(self, version: int) -> bool:
+        """Whether this learner, or its predecessor rolled back by a crash, can have announced ``version``: at most
+        ``checkpoint_every`` records since the checkpoint, each of which may complete several updates."""
+        per_record = -(-self.config.data.batch_size // self.config.groups_per_update)
+        return version <= self.trainer.version + self.config.learner.checkpoint_every * per_record
 
     def process(self, message: ExperienceBatch) -> list[WeightAnnouncement]:
-        if not self._possible_step(message.step):
+        cfg = self.config
+        if not 0 <= message.step < cfg.prompt_batches:
             raise InputError(
-                f"step {message.step} cannot be real: the run has steps 0..{self.config.run.steps - 1} and the "
-                f"learner, at v{self.trainer.version}, has not published weights that could sample it"
+                f"step {message.step} cannot be real: the run has prompt batches 0..{cfg.prompt_batches - 1}"
             )
-        staleness = self.trainer.version - message.policy_version
-        if staleness < 0:
+        if not self._possible_version(message.policy_version):
             # Sampled by a policy this learner never published: a learner that lost its checkpoint, or weights from
             # elsewhere. Training on it would be off-policy by an unknown amount.
-            raise self._drop(message, "newer than this learner")
-        if staleness > self.config.pipeline.max_staleness:
-            raise self._drop(message, f"older than max_staleness {self.config.pipeline.max_staleness} allows")
+            self.consumed = True
+            self.dropped_stale += len(message.groups())
+            raise Dropped(
+                f"sampled by v{message.policy_version}, learner at v{self.trainer.version}: newer than this learner "
+                "(or one it took over from) can have published"
+            )
         check_token_ids(message, self.trainer.actor, "actor")
+        self.consumed = True
+        no_signal = [int(g) for g in message.no_signal_groups]
+        self.ledger.settle(message.step, [*message.groups(), *no_signal])
+        self.no_signal += len(no_signal)
+        self.groups_done += len(no_signal)
+        self.buffer.add(groups_of(message))
+        updates, dropped = self.updates, self._drop_stale()
+        while self.updates < cfg.run.steps and len(self.buffer) >= cfg.groups_per_update:
+            self._update()
+            dropped += self._drop_stale()
+        if self.updates > updates:
+            return self.announce()
+        return self._progress_announcement() if dropped or no_signal else []
+
+    def _drop_stale(self) -> int:
+        """Drop the waiting groups more than ``max_staleness`` versions behind; how many."""
+        stale = self.buffer.drop_older_than(self.trainer.version - self.config.pipeline.max_staleness)
+        if stale:
+            log.warning(
+                "%s: dropped %d groups sampled by v%s: the learner is at v%d, max_staleness %d",
+                self.replica_id,
+                len(stale),
+                ",".join(sorted({str(g.version) for g in stale})),
+                self.trainer.version,
+                self.config.pipeline.max_staleness,
+            )
+        self.dropped_stale += len(stale)
+        self.groups_done += len(stale)
+        return len(stale)
+
+    def _update(self) -> None:
+        """One update on the oldest ``groups_per_update`` waiting groups."""
+        groups = self.buffer.take(self.config.groups_per_update)
         started = time.perf_counter()
-        stats = self.trainer.train(Experience.from_message(message))
+        staleness = [self.trainer.version - g.version for g in groups]
+        stats = self.trainer.train(Experience.concat([g.experience for g in groups]))
         self.updates += 1
-        stage_seconds = {
-            f"seconds_{k.removeprefix('seconds.')}": v for k, v in message.lineage.items() if k.startswith("seconds.")
-        }
+        self.groups_done += len(groups)
+        seconds: dict[str, float] = {}
+        for group in groups:
+            for stage, s in group.seconds.items():
+                seconds[f"seconds_{stage}"] = seconds.get(f"seconds_{stage}", 0.0) + s
         record = {
             "step": self.updates,
-            "batch_id": message.batch_id,
+            "groups": [g.key for g in groups],
+            "batch_ids": sorted({g.batch_id for g in groups}),
             "time": time.time() - self.started,
             "train_seconds": time.perf_counter() - started,
-            "sequences": len(message.response_lengths),
+            "sequences": sum(g.experience.rows for g in groups),
+            "staleness_max": max(staleness),
+            "staleness_counts": {str(k): staleness.count(k) for k in sorted(set(staleness))},
             "dropped_stale": self.dropped_stale,
-            **stage_seconds,
+            "no_signal_groups": self.no_signal,
+            **{k: round(v, 4) for k, v in seconds.items()},
             **stats,
         }
         self.since_checkpoint += 1
         self.unsaved_records.append(record)
         self.report(record)
-        return self.announce()
 
     def make_durable(self, progress: Progress, force: bool = False) -> bool:
-        if self.since_checkpoint == 0:
+        if not self.consumed:
             return True
         if self.since_checkpoint < self.config.learner.checkpoint_every and not force:
             return False
@@ -235,11 +316,14 @@ class LearnerService(Service):
         save_checkpoint(
             self.config.checkpoint_dir,
             self.trainer.version,
-            self.trainer.save,
-            self.trainer.checkpoint_nbytes(),
+            self._save_state,
+            self.trainer.checkpoint_nbytes() + sum(g.experience.nbytes() for g in self.buffer.groups),
             {
                 "updates": self.updates,
                 "dropped_stale": self.dropped_stale,
+                "no_signal": self.no_signal,
+                "groups_done": self.groups_done,
+                "ledger": self.ledger.state(),
                 "handled": self.progress.handled,
                 "offsets": self.progress.offsets,
                 "log": self.progress.log,
@@ -249,16 +333,14 @@ class LearnerService(Service):
         log.debug("%s: checkpoint v%d in %.2f s", self.replica_id, self.trainer.version, time.perf_counter() - started)
         # Written after the checkpoint, so metrics.jsonl never shows an update a restart would apply again.
         self.metrics_log.append(self.unsaved_records)
-        self.unsaved_records, self.since_checkpoint = [], 0
+        self.unsaved_records, self.since_checkpoint, self.consumed = [], 0, False
         return True
 
-    # ------------------------------------------------------------------ internals
+    def _save_state(self, folder: Path) -> None:
+        self.trainer.save(folder)
+        self.buffer.save(folder)
 
-    def _drop(self, message: ExperienceBatch, why: str) -> Dropped:
-        # Its id is not remembered: a dropped record must not make the real batch of that id look re-delivered.
-        self.dropped_stale += 1
-        self.since_checkpoint += 1
-        return Dropped(f"sampled by v{message.policy_version}, learner at v{self.trainer.version}: {why}")
+    # ------------------------------------------------------------------ internals
 
     def _publish(self, name: str, version: int) -> tuple[Snapshot, str]:
         """Snapshot ``name`` into the store, and the actor also to the generators when the broadcast is configured.
@@ -296,6 +378,7 @@ class LearnerService(Service):
                 "kl_coef": self.trainer.kl_controller.value,
                 "learner": self.replica_id,
                 LEARNER_EPOCH: self.epoch,
+                LEARNER_GROUPS_DONE: self.groups_done,
             }
             if name == "actor" and self.config.model.lora is not None:  # the snapshot is adapters for this base
                 lineage |= {ADAPTER: "lora", ADAPTER_BASE: self.config.model.actor}
@@ -312,4 +395,15 @@ class LearnerService(Service):
                     broadcast_digest=broadcast_digest,
                 )
             )
+        self.published = announcements
         return announcements
+
+    def _progress_announcement(self) -> list[WeightAnnouncement]:
+        """The actor's announcement again, with the groups used up now: generators admit prompt batches by it, and
+        groups used up without an update (dropped) would otherwise leave them waiting."""
+        actor = next((a for a in self.published if a.model == "actor"), None)
+        if actor is None or actor.policy_version != self.trainer.version:
+            return [a for a in self.announce() if a.model == "actor"]
+        lineage = {**actor.lineage, LEARNER_GROUPS_DONE: self.groups_done}
+        batch_id = f"{actor.batch_id}-g{self.groups_done}"
+        return [dataclasses.replace(actor, batch_id=batch_id, lineage=lineage, created_at=time.time())]

@@ -7,6 +7,7 @@ the learner service decodes experience into :class:`Experience`, calls :meth:`PP
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,9 +44,10 @@ __all__ = ["Experience", "PPOTrainer"]
 
 @dataclass(frozen=True)
 class Experience:
-    """One experience batch as tensors. ``N`` sequences, prompts ``(N, P)``, responses ``(N, T)``."""
+    """Experience as tensors: ``N`` sequences, prompts ``(N, P)``, responses ``(N, T)``. An update's experience may
+    gather groups sampled by several policy versions."""
 
-    policy_version: int
+    policy_versions: torch.Tensor  # (N,) the actor version that sampled each sequence
     prompt_tokens: torch.Tensor
     prompt_lengths: torch.Tensor
     response_tokens: torch.Tensor
@@ -63,7 +65,7 @@ class Experience:
     def from_message(cls, msg: ExperienceBatch) -> Experience:
         t = torch.from_numpy
         return cls(
-            msg.policy_version,
+            torch.full((msg.rows,), msg.policy_version, dtype=torch.int64),
             t(msg.prompt_tokens),
             t(msg.prompt_lengths),
             t(msg.response_tokens),
@@ -79,15 +81,40 @@ class Experience:
         )
 
     def to(self, device) -> Experience:
-        tensors = (getattr(self, f) for f in _TENSOR_FIELDS)
-        return Experience(self.policy_version, *(t.to(device) if t is not None else None for t in tensors))
+        tensors = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return Experience(*(t.to(device) if t is not None else None for t in tensors))
+
+    @property
+    def rows(self) -> int:
+        return len(self.response_lengths)
+
+    def nbytes(self) -> int:
+        tensors = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def take(self, rows: torch.Tensor) -> Experience:
+        """The sequences at ``rows``."""
+        tensors = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return Experience(*(t[rows] if t is not None else None for t in tensors))
+
+    @staticmethod
+    def concat(parts: list[Experience]) -> Experience:
+        """The sequences of ``parts`` in one batch, each 2-D field right-padded with zeros to the widest part."""
+        fields = []
+        for f in dataclasses.fields(Experience):
+            tensors = [getattr(part, f.name) for part in parts]
+            if any(t is None for t in tensors):
+                fields.append(None)
+                continue
+            if tensors[0].dim() == 2:
+                width = max(t.shape[1] for t in tensors)
+                tensors = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors]
+            fields.append(torch.cat(tensors))
+        return Experience(*fields)
 
     @property
     def mask(self) -> torch.Tensor:
         return lengths_to_mask(self.response_lengths, self.response_tokens.shape[1])
-
-
-_TENSOR_FIELDS = [f for f in Experience.__dataclass_fields__ if f != "policy_version"]
 
 
 def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -108,7 +135,7 @@ class _Batch:
     advantages: torch.Tensor  # (N, T) whitened if configured
     old_logp: torch.Tensor  # (N, T) log π_old, recomputed by the learner before the first step
     importance: torch.Tensor | None  # (N, T) truncated π_old / π_behaviour, for stale experience only
-    staleness: int  # learner version − the version that sampled the batch
+    staleness: torch.Tensor  # (N,) learner version − the version that sampled each sequence
 
 
 @dataclass(frozen=True)
@@ -198,10 +225,12 @@ class PPOTrainer:
                 if step.weight:
                     old_logp[step.rows] = pad_columns(logp, mask.shape[1])
         old_logp = self.ranks.all_reduce_sum(old_logp) * mask
-        staleness = self.version - exp.policy_version
+        staleness = self.version - exp.policy_versions
         importance = None
-        if self.cfg.off_policy_correction and staleness > 0:
-            importance = ppo.truncated_importance_weights(old_logp, exp.behaviour_logprobs, self.cfg.importance_cap)
+        stale = staleness > 0
+        if self.cfg.off_policy_correction and bool(stale.any()):
+            weights = ppo.truncated_importance_weights(old_logp, exp.behaviour_logprobs, self.cfg.importance_cap)
+            importance = torch.where(stale.unsqueeze(-1), weights, torch.ones_like(weights))
         return _Batch(packed, mask, advantages, old_logp, importance, staleness)
 
     def _run_epochs(self, exp: Experience, batch: _Batch) -> dict[str, float]:
@@ -330,7 +359,7 @@ class PPOTrainer:
             "finished_frac": float(exp.finished.float().mean()),
             "logprob_mismatch": float(ppo.masked_mean(gap, mask)),
             "logprob_mismatch_max": float((gap * mask).max()) if n else 0.0,
-            "staleness": float(batch.staleness),
+            "staleness": float(batch.staleness.float().mean()),
             "policy_version": float(self.version),
         }
 

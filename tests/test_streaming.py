@@ -1,0 +1,136 @@
+"""The streaming generator: prompt batches admitted as room frees up, groups sent on as they are sampled, each by the
+weights loaded at that moment; an input committed only once its last group is out."""
+
+import json
+
+import pytest
+from helpers import assert_each_group_once, publish, read_messages
+from test_runtime import announce_v1
+
+from common.schema import RolloutBatch, encode
+from services.embedded import run_embedded
+from services.feeder import FeederService
+from services.generator import GeneratorService
+from services.runtime import ServiceRunner
+from services.scorer import ScorerService
+from services.transport import MemoryBus
+
+
+@pytest.fixture
+def config(make_config):
+    return make_config(
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=4",
+        "learner.mini_batch_size=4",
+        "generation.streaming=true",
+        "pipeline.max_staleness=1",
+    )
+
+
+@pytest.fixture
+def bus():
+    from services.roles import pipeline_topics
+
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics(partitions=1))
+    return bus
+
+
+def rollouts(bus) -> list[RolloutBatch]:
+    return [m for m in read_messages(bus, "rollouts") if isinstance(m, RolloutBatch)]
+
+
+def test_each_group_goes_on_as_it_is_sampled_by_the_weights_loaded_then(bus, config):
+    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    feeder = FeederService(config)
+    publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)))
+    assert runner.poll_once()  # admits batch 0
+    assert runner.poll_once() and [r.groups() for r in rollouts(bus)] == [[0]], "group 0 went on alone"
+    assert feeder.batch(0).batch_id in runner.in_flight, "batch 0 is not done: not committed"
+    publish(bus, "weights", *[encode(a) for a in announce_v1(config)])
+    while runner.poll_once():
+        pass
+    sent = rollouts(bus)
+    assert [(r.step, r.groups(), r.policy_version) for r in sent] == [
+        (0, [0], 0),
+        (0, [1], 1),
+        (1, [0], 1),
+        (1, [1], 1),
+    ]
+    assert sent[1].batch_id == f"{feeder.batch(0).batch_id}/1-1", "a record's id names its prompt batch and rows"
+    assert not runner.in_flight and runner.counters["processed"] == 2
+
+
+def test_a_prompt_batch_half_sent_by_a_generator_that_died_is_sampled_again_and_its_sent_groups_recognised(bus, config):
+    feeder = FeederService(config)
+    publish(bus, "prompts", encode(feeder.batch(0)))
+    first = ServiceRunner(GeneratorService(config, "generator-a"), bus)
+    first.poll_once(), first.poll_once()  # admitted, group 0 sent
+    first.work.close()  # killed: batch 0 was never committed
+    successor = ServiceRunner(GeneratorService(config, "generator-b"), bus)
+    while successor.poll_once():
+        pass
+    sent = rollouts(bus)
+    assert [(r.producer, r.groups()) for r in sent] == [
+        ("generator-a", [0]),
+        ("generator-b", [0]),
+        ("generator-b", [1]),
+    ]
+    scorer = ServiceRunner(ScorerService(config, "scorer"), bus)
+    while scorer.poll_once():
+        pass
+    scored = read_messages(bus, "scored")
+    assert sorted(g for m in scored for g in m.idempotency_keys()) == ["0/0", "0/1"], "each group scored once"
+    assert scorer.counters["duplicates"] == 1 and scorer.counters["processed"] == 2
+
+
+def test_a_streaming_run_trains_every_group_once_some_sampled_across_an_update(config):
+    bus = MemoryBus()
+    config = config.model_copy(update={"run": config.run.model_copy(update={"steps": 4})})
+    run_embedded(config, progress=False, bus=bus)
+    records = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").open()]
+    assert_each_group_once(records, config.run.run_id, 4)
+    assert all(r["staleness_max"] <= 1 for r in records)
+    versions = {}
+    for r in rollouts(bus):
+        versions.setdefault(r.step, set()).add(r.policy_version)
+    assert any(len(v) > 1 for v in versions.values()), f"an update landed mid prompt batch: {versions}"
+
+
+def test_groups_per_record_is_for_streaming_only(make_config):
+    from common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="only generation.streaming reads it"):
+        make_config("generation.groups_per_record=2")
+    config = make_config(
+        "generation.streaming=true", "generation.groups_per_record=3", "data.batch_size=4", "learner.mini_batch_size=8"
+    )
+    generator, feeder = GeneratorService(config), FeederService(config)
+    generator.admit(feeder.batch(0))
+    (first,) = generator.collect()
+    (second,) = generator.collect()
+    assert first.outputs[0].groups() == [0, 1, 2] and not first.done
+    assert second.outputs[0].groups() == [3] and second.done and generator.collect() == []
+
+
+def test_the_simulated_engine_decodes_each_sequence_for_its_own_length_and_not_while_weights_load():
+    """The streaming benchmark's engine (benchmarks/cluster/simulated.py): what its numbers rest on."""
+    import numpy as np
+
+    from benchmarks.cluster.simulated import ContinuousBatching
+
+    clock = [0.0]
+    engine = ContinuousBatching(slots=2, step_s=1.0, now=lambda: clock[0])
+    engine.add("a", np.array([3, 5]))
+    engine.add("b", np.array([2]))  # waits for a slot
+    clock[0] = 3.0
+    assert engine.advance() == [] and engine.active == [["a", 2], ["b", 2]], "a's short answer freed a slot for b"
+    clock[0] = 5.0
+    assert sorted(engine.advance()) == ["a", "b"] and not engine.active
+    engine.add("c", np.array([4]))
+    engine.pause(10.0)  # weights loading: no token decoded meanwhile
+    clock[0] = 15.0
+    assert engine.advance() == [] and engine.active == [["c", 4]]
+    clock[0] = 19.5
+    assert engine.advance() == ["c"]
