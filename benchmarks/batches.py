@@ -29,4 +29,5 @@ def experience_batch(n=64, t=512, p=64) -> ExperienceBatch:
         token_rewards=f(),
         advantages=f(),
         returns=f(),
+        no_signal_groups=np.zeros(0, dtype=np.int64),
     )

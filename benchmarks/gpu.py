@@ -127,7 +127,7 @@ def main() -> int:
         rows = samples.group_index
         n, width = samples.response_tokens.shape
         exp = Experience(
-            step,
+            torch.full((len(rows),), step),
             prompts[rows],
             lengths[rows],
             samples.response_tokens,
@@ -254,7 +254,7 @@ def synthetic_experience(args, vocab: int, version: int) -> Experience:
     n = args.prompts * args.n
     width = args.new_tokens
     return Experience(
-        version,
+        torch.full((n,), version),
         torch.randint(2, vocab, (n, args.prompt_tokens), generator=g),
         torch.full((n,), args.prompt_tokens),
         torch.randint(2, vocab, (n, width), generator=g),

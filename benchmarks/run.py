@@ -630,6 +630,12 @@ def bench_cluster() -> dict:
     return measure()
 
 
+def bench_streaming() -> dict:
+    from benchmarks.cluster.bench import bench_streaming as measure
+
+    return measure()
+
+
 SECTIONS = {
     "codec": bench_codec,
     "bus": bench_bus,
@@ -640,6 +646,7 @@ SECTIONS = {
     "scaling": bench_scaling,
     "recovery": bench_recovery,
     "cluster": bench_cluster,
+    "streaming": bench_streaming,
 }
 
 

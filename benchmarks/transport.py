@@ -85,7 +85,10 @@ def scored(m):
 
 def experience(m):
     z = m.ref_logprobs
-    return derive(m, ExperienceBatch, "a", values=z, kl=z, token_rewards=z, advantages=z, returns=z)
+    none = np.zeros(0, np.int64)
+    return derive(
+        m, ExperienceBatch, "a", values=z, kl=z, token_rewards=z, advantages=z, returns=z, no_signal_groups=none
+    )
 
 
 def weights(m):

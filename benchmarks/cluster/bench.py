@@ -123,15 +123,24 @@ def slowest_stage(stages: dict[str, float], generators: int = 1) -> float:
 
 
 def run_pipeline(
-    profile_name: str, staleness: int, steps: int, generators: int = 1, assignment: str = "roundrobin"
+    profile_name: str,
+    staleness: int,
+    steps: int,
+    generators: int = 1,
+    assignment: str = "roundrobin",
+    streaming: bool = False,
 ) -> dict:
     """One run of every role; updates/s from the learner's first update to its last, against the bounds.
-    ``assignment``: how the generators' group deals partitions (``range``: as it did before)."""
+    ``assignment``: how the generators' group deals partitions (``range``: as it did before); ``streaming``: the
+    generator streams (continuous batching, groups sent on as they finish, ``STREAM_GROUPS`` to a record)."""
     profile = PROFILES[profile_name]
     stages = {role: s * SCALE for role, s in profile.stage_seconds().items()}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        cluster = Cluster(profile_name, _overrides(profile, folder / "run", steps, staleness), folder)
+        overrides = _overrides(profile, folder / "run", steps, staleness)
+        if streaming:
+            overrides += ["generation.streaming=true", f"generation.groups_per_record={STREAM_GROUPS}"]
+        cluster = Cluster(profile_name, overrides, folder)
         try:
             cluster.start("learner")
             cluster.start("advantage")
@@ -159,8 +168,49 @@ def run_pipeline(
         "bound_per_s": bound,
         "efficiency": achieved / issue_ideal,
         "efficiency_of_bound": achieved / bound,
-        "staleness_seen": sorted({r["staleness"] for r in records}),
+        "staleness_seen": sorted({r["staleness_max"] for r in records}),
+        "staleness_counts": _staleness_counts(records),
+        "dropped_stale": records[-1]["dropped_stale"],
+        "streaming": streaming,
         "breakdowns": breakdowns,
+    }
+
+
+def _staleness_counts(records: list[dict]) -> dict[str, int]:
+    """Groups trained at each staleness (versions behind the learner), over the run."""
+    counts: dict[str, int] = {}
+    for record in records:
+        for versions, groups in record["staleness_counts"].items():
+            counts[versions] = counts.get(versions, 0) + groups
+    return dict(sorted(counts.items(), key=lambda item: int(item[0])))
+
+
+STREAM_GROUPS = 8  # groups to a streamed record: 8 records per step of the 0.5B profiles
+
+
+def bench_streaming(steps: int = 12) -> dict:
+    """Long-tailed responses, one generator: batch mode (each generation waits for its batch's longest answer)
+    against streaming (continuous batching, groups sent on as they finish, weights changing between tokens), at
+    max_staleness 0, 1, 2; each against the bound 1 / slowest stage at mean throughput."""
+    profile = PROFILES["0.5b-long-tail"]
+    mean_stages = {role: s * SCALE for role, s in profile.stage_seconds(streaming=True).items()}
+    runs = []
+    for streaming in (False, True):
+        for k in (0, 1, 2):
+            run = run_pipeline("0.5b-long-tail", k, steps, streaming=streaming)
+            run["mean_bound_per_s"] = 1 / slowest_stage(mean_stages)
+            run["of_mean_bound"] = run["updates_per_s"] / run["mean_bound_per_s"]
+            runs.append(run)
+    return {
+        "setup": f"Simulated compute × {SCALE}, as in the cluster section; 0.5b-long-tail (log-normal response "
+        f"lengths, σ 1, mean 512, up to 2,048); one generator; runs of {steps} updates. Batch mode: one record per "
+        "prompt batch, generation priced by its longest response. Streaming: a continuous-batching engine of one "
+        "batch's 256 sequences, each costing its own length, prompt batches admitted as its queue empties, groups "
+        f"sent on as they finish ({STREAM_GROUPS} of one prompt batch to a record), weights loaded between decode "
+        "steps (the engine pauses while they load). The bound: 1 / the slowest stage at mean throughput "
+        "(generation paying the mean length, not the longest).",
+        "stage_s": mean_stages,
+        "runs": runs,
     }
 
 

@@ -55,12 +55,14 @@ class CostProfile:
         """Seconds to write (learner) or read (generator) one snapshot through NVMe."""
         return self.weight_bytes / NVME_BYTES_PER_S
 
-    def stage_seconds(self) -> dict[str, float]:
-        """Each stage's mean seconds per step, weight writes and reads included, as the ideal bound counts them."""
+    def stage_seconds(self, streaming: bool = False) -> dict[str, float]:
+        """Each stage's mean seconds per step, weight writes and reads included, as the ideal bound counts them.
+        Generation waits for a batch's longest response, or ``streaming`` (continuous batching) pays the mean."""
         model = CostModel(self, scale=1.0, seed=0, jitter=False)
         samples = [model.response_lengths(np.random.default_rng(i)) for i in range(200)]
+        generate = model.generate_streaming_s if streaming else model.generate_s
         return {
-            "generator": float(np.mean([model.generate_s(s) for s in samples])) + self.weight_sync_s,
+            "generator": float(np.mean([generate(s) for s in samples])) + self.weight_sync_s,
             "scorer": float(np.mean([model.score_s(s) for s in samples])),
             "advantage": float(np.mean([model.critic_s(s) for s in samples])),
             "learner": float(np.mean([model.train_s(s) for s in samples])) + self.weight_sync_s,
@@ -158,10 +160,10 @@ class CostModel:
         self.rng = np.random.default_rng(seed)
         self.jitter = jitter
 
-    def response_lengths(self, rng: np.random.Generator | None = None) -> np.ndarray:
-        """``(B·n,)`` response lengths in ``1 .. max_response_tokens``."""
+    def response_lengths(self, rng: np.random.Generator | None = None, count: int | None = None) -> np.ndarray:
+        """``(count,)`` response lengths in ``1 .. max_response_tokens`` (default: a batch's, B·n)."""
         p, rng = self.profile, rng or self.rng
-        count = p.prompts * p.n
+        count = count or p.prompts * p.n
         if p.long_tail_sigma == 0:
             return np.full(count, p.response_tokens, dtype=np.int64)
         sigma = p.long_tail_sigma
@@ -178,6 +180,10 @@ class CostModel:
 
     def generate_s(self, lengths: np.ndarray) -> float:
         return self._seconds(self.profile.generate_s * int(lengths.max()) / self.profile.response_tokens)
+
+    def generate_streaming_s(self, lengths: np.ndarray) -> float:
+        """A batch's share of a continuous-batching engine's time: its mean length, not its longest."""
+        return self._seconds(self.profile.generate_s * float(lengths.mean()) / self.profile.response_tokens)
 
     def score_s(self, lengths: np.ndarray) -> float:
         return self._seconds(self.profile.score_s * self._token_share(lengths))

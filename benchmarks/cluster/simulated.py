@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import time
 import zlib
+from collections import deque
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from kafka.coordinator.assignors.range import RangePartitionAssignor
 from benchmarks.cluster.profiles import PROFILES, CostModel
 from common.config import load_config
 from common.sampling import Samples
-from common.schema import PromptBatch
+from common.schema import PromptBatch, RolloutBatch, new_header
 from services.advantage import AdvantageService
 from services.feeder import FeederService
 from services.generator import GeneratorService
@@ -39,6 +40,7 @@ from services.learner.trainer import Experience
 from services.process import serve_service
 from services.run_bus import kafka_bus
 from services.scorer import ScorerService
+from services.service import Collected
 
 VOCAB = 47  # builtin:tiny-char-llama's: stand-in token ids are ones its models can look up
 FIRST_TOKEN = 3  # ids below are pad, bos and eos
@@ -73,33 +75,40 @@ class SimulatedSampler:
 
     backend = "simulated"
 
-    def __init__(self, real, cost: CostModel):
+    def __init__(self, real, cost: CostModel, pause=None):
         self.real, self.cost = real, cost
         self.skeleton = real.skeleton
+        self.pause = pause  # told how long a weight load kept the engine from decoding
 
     def sample(self, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, params) -> Samples:
         started = time.perf_counter()
         lengths = self.cost.response_lengths()
+        samples = self.made(lengths, len(prompt_tokens))
+        wait_until(started + self.cost.generate_s(lengths))
+        return samples
+
+    def made(self, lengths: np.ndarray, prompts: int) -> Samples:
+        """Random responses of ``lengths`` (``prompts`` groups of ``len(lengths) / prompts``)."""
         rows, width = len(lengths), int(self.cost.profile.max_response_tokens)
         tokens = self.cost.rng.integers(FIRST_TOKEN, VOCAB, (rows, width))
         mask = np.arange(width)[None, :] < lengths[:, None]
         finished = lengths < width
         tokens[np.arange(rows)[finished], lengths[finished] - 1] = 2  # a finished response ends with its EOS
         logprobs = np.where(mask, -self.cost.rng.exponential(1.0, (rows, width)), 0.0).astype(np.float32)
-        samples = Samples(
-            group_index=torch.arange(len(prompt_tokens)).repeat_interleave(params.n),
+        return Samples(
+            group_index=torch.arange(prompts).repeat_interleave(rows // prompts),
             response_tokens=torch.from_numpy(tokens * mask),
             response_lengths=torch.from_numpy(lengths),
             finished=torch.from_numpy(finished),
             behaviour_logprobs=torch.from_numpy(logprobs),
         )
-        wait_until(started + self.cost.generate_s(lengths))
-        return samples
 
     def load_snapshot(self, chain: list[str]) -> None:
         started = time.perf_counter()
         self.real.load_snapshot(chain)  # the tiny model's snapshot: verified and loaded for real
         wait_until(started + self.cost.weight_sync_s())  # reading one of the profile's size
+        if self.pause is not None:
+            self.pause(time.perf_counter() - started)
 
     def join_broadcast(self, *args) -> None:
         raise NotImplementedError("the simulated cluster moves weights through the store")
@@ -111,10 +120,126 @@ class SimulatedSampler:
         self.real.close()
 
 
+class ContinuousBatching:
+    """A continuous-batching engine, simulated on the wall clock: ``slots`` sequences decode together, one token
+    each per step of ``step_s`` seconds however many there are; a finished sequence's slot goes at once to the next
+    one waiting. Nothing decodes while weights load (:meth:`pause`)."""
+
+    def __init__(self, slots: int, step_s: float, now=time.perf_counter):
+        self.slots, self.step_s, self.now = slots, step_s, now
+        self.waiting: deque[tuple[object, int]] = deque()  # (group, length) of sequences without a slot
+        self.active: list[list] = []  # [group, tokens left]
+        self.left: dict[object, int] = {}  # per group: sequences not finished
+        self.clock = now()  # the engine's time: decoded up to here
+        self.carry = 0.0  # seconds of a decode step begun
+
+    def add(self, group, lengths: np.ndarray) -> None:
+        if not self.active:  # idle until now: nothing decoded meanwhile
+            self.clock, self.carry = self.now(), 0.0
+        self.left[group] = len(lengths)
+        self.waiting.extend((group, int(length)) for length in lengths)
+        self._fill()
+
+    def pause(self, seconds: float) -> None:
+        self.clock += seconds
+
+    def advance(self) -> list:
+        """Decode up to now; the groups whose last sequence finished, in the order they finished."""
+        now = self.now()
+        steps, self.carry = divmod(self.carry + now - self.clock, self.step_s)
+        self.clock, steps, done = now, int(steps), []
+        while steps > 0 and self.active:
+            step = min(steps, min(seq[1] for seq in self.active))
+            steps -= step
+            for seq in self.active:
+                seq[1] -= step
+            for group, _ in [seq for seq in self.active if seq[1] == 0]:
+                self.left[group] -= 1
+                if self.left[group] == 0:
+                    del self.left[group]
+                    done.append(group)
+            self.active = [seq for seq in self.active if seq[1] > 0]
+            self._fill()
+        return done
+
+    def _fill(self) -> None:
+        while self.waiting and len(self.active) < self.slots:
+            group, length = self.waiting.popleft()
+            self.active.append([group, length])
+
+
 class SimulatedGenerator(GeneratorService, Simulated):
+    """With ``generation.streaming``: a continuous-batching engine (:class:`ContinuousBatching`) of one batch's
+    sequences at a time, each costing its own length; groups go on as they finish, ``groups_per_record`` of one
+    prompt batch to a record (or what is left of it), each record of the version that admitted its oldest group."""
+
     def simulate(self, cost: CostModel) -> None:
         super().simulate(cost)
-        self.sampler = SimulatedSampler(self.sampler, cost)
+        self.sampler = SimulatedSampler(self.sampler, cost, pause=self._pause)
+        p = cost.profile
+        self.engine = ContinuousBatching(p.prompts * p.n, p.generate_s * cost.scale / p.response_tokens)
+        self.pending: deque[tuple[PromptBatch, int]] = deque()  # groups admitted, not yet let into the engine
+        self.lengths: dict[tuple[str, int, int], np.ndarray] = {}  # per group in the engine: its responses' lengths
+        self.sampling: dict[str, tuple[PromptBatch, int]] = {}  # per prompt batch: the message, groups not finished
+        self.finished: dict[str, list[tuple[int, int, np.ndarray]]] = {}  # per prompt batch: (row, version, lengths)
+
+    def _pause(self, seconds: float) -> None:
+        self.engine.pause(seconds)
+
+    def room(self) -> int:
+        return int(len(self.pending) + len(self.engine.waiting) // self.cost.profile.n < self.cost.profile.prompts)
+
+    def admit(self, message: PromptBatch) -> None:
+        self._check(message)
+        self.sampling[message.batch_id] = (message, message.rows)
+        self.pending.extend((message, row) for row in range(message.rows))
+
+    def collect(self) -> list[Collected]:
+        while self.pending and self.admits(self.pending[0][0].step, self.pending[0][1]):
+            message, row = self.pending.popleft()
+            group = (message.batch_id, row, self.policy_version)
+            self.lengths[group] = self.cost.response_lengths(count=self.cost.profile.n)
+            self.engine.add(group, self.lengths[group])
+        for group in self.engine.advance():
+            batch_id, row, version = group
+            self.finished.setdefault(batch_id, []).append((row, version, self.lengths.pop(group)))
+        out = []
+        for batch_id, groups in list(self.finished.items()):
+            message, left = self.sampling[batch_id]
+            per_record = self.config.generation.groups_per_record
+            while len(groups) >= per_record or (groups and len(groups) == left):
+                taken, groups = groups[:per_record], groups[per_record:]
+                left -= len(taken)
+                out.append(Collected(batch_id, [self._record(message, taken)], left == 0))
+            self.sampling[batch_id] = (message, left)
+            self.finished[batch_id] = groups
+            if left == 0:
+                del self.sampling[batch_id], self.finished[batch_id]
+        return out
+
+    def _record(self, message: PromptBatch, groups: list[tuple[int, int, np.ndarray]]) -> RolloutBatch:
+        rows = np.array([row for row, _, _ in groups])
+        samples = self.sampler.made(np.concatenate([lengths for _, _, lengths in groups]), len(rows))
+        index = rows[samples.group_index.numpy()]
+        return RolloutBatch(
+            **new_header(
+                f"{message.batch_id}/{rows[0]}-{rows[-1]}",
+                self.replica_id,
+                min(version for _, version, _ in groups),
+                message.lineage,
+            ),
+            step=message.step,
+            group_index=index,
+            prompt_text=[message.prompt_text[i] for i in index],
+            prompt_label=[message.prompt_label[i] for i in index],
+            response_text=[""] * len(index),
+            prompt_tokens=message.prompt_tokens[index],
+            prompt_lengths=message.prompt_lengths[index],
+            response_tokens=samples.response_tokens.numpy(),
+            response_lengths=samples.response_lengths.numpy(),
+            finished=samples.finished.numpy(),
+            behaviour_logprobs=samples.behaviour_logprobs.numpy(),
+        )
 
 
 class SimulatedScorer(ScorerService, Simulated):
