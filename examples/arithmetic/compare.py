@@ -2,8 +2,9 @@
 
     python examples/arithmetic/compare.py runs/arithmetic      # writes runs/arithmetic/results/
 
-Reads ``eval/{base,ppo,grpo}.json`` (evaluate.py's verdicts), ``{ppo,grpo}/metrics.jsonl`` and ``{ppo,grpo}.seconds``
-(the wall time of each ``streamppo run``), and writes ``results/results.md`` and ``results/reward.png``.
+Reads ``eval/<run>.json`` (evaluate.py's verdicts; ``base`` and each run present), ``<run>/metrics.jsonl`` and
+``<run>.seconds`` (the wall time of each ``streamppo run``), and writes ``results/results.md`` and
+``results/reward.png``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.report import load_metrics, summarise  # noqa: E402
 
-RUNS = {"ppo": "PPO (GAE, critic)", "grpo": "GRPO (no critic, k3 KL in the loss)"}
+RUNS = {
+    "ppo": "PPO (GAE, critic)",
+    "grpo": "GRPO (no critic, k3 KL in the loss)",
+    "grpo-dynamic": "GRPO, dynamic sampling (groups without signal dropped)",
+}
 
 
 def smoothed(values: list[float], width: int = 5) -> list[float]:
@@ -32,8 +37,9 @@ def main() -> None:
     args = parser.parse_args()
     root, out = args.run_dir, args.run_dir / "results"
     out.mkdir(parents=True, exist_ok=True)
-    accuracy = {name: json.loads((root / "eval" / f"{name}.json").read_text()) for name in ("base", *RUNS)}
-    metrics = {name: load_metrics(root / name) for name in RUNS}
+    runs = {name: label for name, label in RUNS.items() if (root / "eval" / f"{name}.json").exists()}
+    accuracy = {name: json.loads((root / "eval" / f"{name}.json").read_text()) for name in ("base", *runs)}
+    metrics = {name: load_metrics(root / name) for name in runs}
 
     import matplotlib
 
@@ -41,7 +47,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, label in RUNS.items():
+    for name, label in runs.items():
         steps = [r["step"] for r in metrics[name]]
         rewards = [r["reward_mean"] for r in metrics[name]]
         (line,) = ax.plot(steps, rewards, alpha=0.3)
@@ -53,18 +59,22 @@ def main() -> None:
 
     base = accuracy["base"]
     lines = [
-        "| run | held-out accuracy (greedy) | mean reward, first → last 5 updates | KL, last 5 | wall time |",
-        "|---|---|---|---|---|",
-        f"| base model | {base['accuracy']:.3f} ({base['correct']}/{base['problems']}) | | | |",
+        "| run | held-out accuracy (greedy) | mean reward, first → last 5 updates | KL, last 5 | groups sampled "
+        "(without signal) | wall time |",
+        "|---|---|---|---|---|---|",
+        f"| base model | {base['accuracy']:.3f} ({base['correct']}/{base['problems']}) | | | | |",
     ]
-    for name, label in RUNS.items():
+    for name, label in runs.items():
         summary = summarise(metrics[name])["metrics"]
         reward, kl = summary["reward_mean"], summary["kl"]
         seconds = float((root / f"{name}.seconds").read_text())
         a = accuracy[name]
+        last = metrics[name][-1]
+        trained, without = sum(len(r["groups"]) for r in metrics[name]), last.get("no_signal_groups", 0)
         lines.append(
             f"| {label} | {a['accuracy']:.3f} ({a['correct']}/{a['problems']}) | {reward['first']:.3f} → "
-            f"{reward['last']:.3f} | {kl['last']:.4f} | {seconds:.0f} s |"
+            f"{reward['last']:.3f} | {kl['last']:.4f} | {trained + without + last['dropped_stale']} ({without}) | "
+            f"{seconds:.0f} s |"
         )
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The arithmetic recipe, end to end on CPU: problems (train + held-out) -> held-out accuracy of the base model ->
-# PPO with a critic and GRPO without one, the same budget, each through the pipeline in one process -> held-out
-# accuracy of each trained actor -> reward curves side by side.
+# PPO with a critic, GRPO without one, and GRPO with dynamic sampling, the same number of updates, each through the
+# pipeline in one process -> held-out accuracy of each trained actor -> reward curves side by side.
 # Usage: examples/arithmetic/run.sh [RUN_DIR] [--set key=value ...]   (needs `pip install -e ".[recipe]"`; vLLM
 # is used for sampling and the evaluation when installed)
 set -euo pipefail
@@ -17,11 +17,16 @@ evaluate() {
   cat "$RUN/eval/$2.json"
 }
 evaluate builtin:smollm2-135m-instruct base
-for algo in ppo grpo; do
+train() {  # NAME CONFIG [--set ...]: one run, its wall time and its held-out accuracy
+  local name=$1 config=$2; shift 2
   started=$SECONDS
-  "$BIN/streamppo" run --config "examples/arithmetic/$algo.yaml" --set "run.dir=$RUN/$algo" \
-    --set "data.prompts=$RUN/train.jsonl" "$@"
-  echo $((SECONDS - started)) > "$RUN/$algo.seconds"   # the run's wall time, for compare.py
-  evaluate "$RUN/$algo/final/actor" "$algo"
-done
+  "$BIN/streamppo" run --config "examples/arithmetic/$config.yaml" --set "run.dir=$RUN/$name" \
+    --set "run.run_id=arithmetic-$name" --set "data.prompts=$RUN/train.jsonl" "$@"
+  echo $((SECONDS - started)) > "$RUN/$name.seconds"   # the run's wall time, for compare.py
+  evaluate "$RUN/$name/final/actor" "$name"
+}
+train ppo ppo "$@"
+train grpo grpo "$@"
+# GRPO whose updates take only groups with signal (DAPO's dynamic sampling): same number of updates.
+train grpo-dynamic grpo --set algorithm.dynamic_sampling=true "$@"
 "$BIN/python" examples/arithmetic/compare.py "$RUN"
