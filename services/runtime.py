@@ -146,7 +146,7 @@ class ServiceRunner:
         if self.work is None:
             return did
         if not self.service.streams:
-            return self._take_input(timeout_s, self._process) or did
+            return self._take_input(timeout_s, self._process) or did or self._tick()
         did = self._collect() or did
         # While work is in hand, come back soon for its outputs rather than waiting on input.
         wait = 0.0 if did else min(timeout_s, STREAM_POLL_S) if self.in_flight else timeout_s
@@ -317,6 +317,23 @@ class ServiceRunner:
         tokens = message.response_tokens_total or sum(made)
         self._count(outcome, message.rows, seconds, tokens)
         self.metrics.lag.labels(self.service.role).set(self.work.lag())
+
+    def _tick(self) -> bool:
+        """What the service takes up on time alone (:meth:`Service.tick`): its state made durable, then its outputs
+        sent, as for an input. Returns whether there were any."""
+        with self._timed("compute"), self._uninterrupted():
+            outputs = self.service.tick()
+        if not outputs:
+            return False
+        with self._timed("checkpoint"), self._uninterrupted():
+            durable = self._durable()
+        with self._timed("produce"):
+            self._produce(outputs)
+        self.counters["produced"] += len(outputs)
+        if durable:
+            with self._timed("commit"):
+                self._commit_deferred()
+        return True
 
     def _send_unsent(self) -> None:
         """Send the outputs whose sending failed (raises again while the broker is away), then commit their input."""

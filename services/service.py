@@ -110,7 +110,8 @@ class Service(ABC):
          after a crash) until the service's state is safe. What that state covers (:class:`Progress`: the input
          positions, the batch ids handled) is the runner's to give; a service that restores state gives it back
          with :meth:`restored`.
-       - :meth:`done` after each step: True ends the loop.
+       - :meth:`done` after each step: True ends the loop;
+       - :meth:`tick` when there was nothing to do.
     4. :meth:`finish` once, only if :meth:`done` became True (the run is complete): final exports.
     5. :meth:`close` always, last (also after a signal or an error): release engines and files.
 
@@ -188,6 +189,12 @@ class Service(ABC):
 
     def collect(self) -> list[Collected]:
         """The outputs ready now (a streaming service may do a bounded piece of work to make some)."""
+        return []
+
+    def tick(self) -> list[Message]:
+        """Called when the runner found nothing to do: outputs of work a service takes up on time alone (a learner
+        that stops waiting for a group in flight). Its state is made durable, and the outputs sent, as for
+        :meth:`process`."""
         return []
 
     def make_durable(self, progress: Progress, force: bool = False) -> bool:

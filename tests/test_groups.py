@@ -3,19 +3,23 @@
 import dataclasses
 import json
 import logging
+import time
 import zlib
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_each_group_once, read_messages
+from helpers import assert_each_group_once, publish, read_messages
 
-from common.schema import LEARNER_GROUPS_DONE, ExperienceBatch, WeightAnnouncement
+from common.checkpoint import latest_checkpoint_version
+from common.schema import LEARNER_GROUPS_DONE, ExperienceBatch, WeightAnnouncement, encode
 from services.advantage import AdvantageService
 from services.embedded import run_embedded
 from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
+from services.roles import pipeline_topics
+from services.runtime import ServiceRunner
 from services.scorer import ScorerService
 from services.service import Progress
 from services.transport import MemoryBus
@@ -259,3 +263,55 @@ def test_announcements_of_the_version_loaded_bring_progress_without_reloading(ma
     monkeypatch.setattr(generator.sampler, "load_snapshot", lambda chain: pytest.fail("the weights loaded are v0's"))
     assert generator.on_weights(first) and generator.on_weights(second) and generator.groups_done == 2
     assert isinstance(second, WeightAnnouncement)
+
+
+def test_an_update_waits_for_a_group_in_flight_that_it_would_leave_past_the_bound(make_config):
+    """Steps 0 and 1 are taken by v0 (max_staleness 1); step 1 comes first and makes v1; step 2, taken by v1, comes
+    before step 0, still in flight: training on step 2 now would leave step 0 two versions behind, dropped for
+    being slow. The update waits for it, and trains the oldest first."""
+    config = make_config(
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=6",
+        "learner.mini_batch_size=2",
+        "pipeline.max_staleness=1",
+        "data.eval_prompts=0",
+    )
+    experience = one_pass(config, 3)
+    experience[2] = dataclasses.replace(experience[2], policy_version=1)
+    learner = LearnerService(config)
+    assert learner.process(experience[1]) and learner.trainer.version == 1
+    assert learner.process(experience[2]) == [] and learner.trainer.version == 1, "step 0 is in flight: wait"
+    assert learner.waiting_since is not None
+    (actor, _) = learner.process(experience[0])
+    assert learner.trainer.version == 3 and learner.dropped_stale == 0, "both trained, none dropped"
+    lines = learner.unsaved_records
+    assert [line["groups"] for line in lines] == [["1/0", "1/1"], ["0/0", "0/1"], ["2/0", "2/1"]]
+    assert [line["staleness_max"] for line in lines] == [0, 1, 1]
+
+
+def test_a_group_that_never_comes_is_waited_for_only_hold_timeout_s(make_config):
+    """The same wait, over the runner, for a group that never comes (dead-lettered on its way): after
+    pipeline.hold_timeout_s with nothing to do, the runner's tick lets the update go on, checkpointed and announced."""
+    config = make_config(
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=6",
+        "learner.mini_batch_size=2",
+        "pipeline.max_staleness=1",
+        "data.eval_prompts=0",
+        "pipeline.hold_timeout_s=0.3",
+    )
+    experience = one_pass(config, 3)
+    experience[2] = dataclasses.replace(experience[2], policy_version=1)
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics(partitions=1))
+    publish(bus, "experience", encode(experience[1]), encode(experience[2]))  # step 0 never comes (dead-lettered)
+    runner = ServiceRunner(LearnerService(config), bus)
+    runner.poll_once(), runner.poll_once()
+    assert runner.service.trainer.version == 1 and not runner.poll_once(), "waiting for step 0"
+    time.sleep(0.4)
+    assert runner.poll_once() and runner.service.trainer.version == 2, "the update went on without it"
+    announced = [m for m in read_messages(bus, "weights") if m.policy_version == 2]
+    assert {a.model for a in announced} == {"actor", "critic"}
+    assert latest_checkpoint_version(config.checkpoint_dir) == 2, "checkpointed before it was announced"

@@ -132,6 +132,17 @@ class StepLedger:
             del self.partial[self.below]
             self.below += 1
 
+    def unsettled(self, below: int) -> list[int]:
+        """Feed positions (``step × batch_size + row``) before ``below`` not settled yet, up to the newest settled
+        one: groups fed before others that arrived, still in flight."""
+        newest = max((step * self.batch_size + max(rows) + 1 for step, rows in self.partial.items()), default=0)
+        missing = []
+        for position in range(self.below * self.batch_size, min(below, newest)):
+            step, row = divmod(position, self.batch_size)
+            if row not in self.partial.get(step, ()):
+                missing.append(position)
+        return missing
+
     def state(self) -> dict:
         return {"below": self.below, "partial": {str(step): sorted(rows) for step, rows in self.partial.items()}}
 

@@ -101,9 +101,11 @@ class LearnerService(Service):
         self.groups_done = 0  # groups used up: trained, or dropped (stale, no signal)
         self.buffer = GroupBuffer()
         self.ledger = StepLedger(config.data.batch_size)
+        self.done_at: dict[int, int] = {0: 0}  # per recent version: the groups used up its announcements said
+        self.waiting_since: float | None = None  # since when the next update waits for a group in flight
         self.published: list[WeightAnnouncement] = []  # the announcements of the current version
         self.progress: Progress | None = None  # what the last checkpoint covers (input offsets, batch ids handled)
-        self.consumed = False  # input read since the last checkpoint
+        self.changed = False  # input read, or an update made, since the last checkpoint
         self.since_checkpoint = 0  # updates since the last checkpoint
         self.unsaved_records: list[dict] = []  # metrics lines of those updates, written with the next checkpoint
         self.started = time.time()
@@ -143,6 +145,7 @@ class LearnerService(Service):
         # Checkpoints from before groups: one update trained one whole prompt batch.
         self.groups_done = meta.get("groups_done", self.updates * self.config.data.batch_size)
         self.ledger = StepLedger.from_state(self.config.data.batch_size, meta.get("ledger"), self.updates)
+        self.done_at = {int(v): done for v, done in meta.get("done_at", {}).items()} or {0: 0}
         # "applied": the unbounded id list of checkpoints written before the window existed
         self.progress = Progress(meta["offsets"], meta.get("handled", meta.get("applied", [])), meta.get("log"))
         # A learner killed between its checkpoint and its metrics lines writes those lines now.
@@ -236,26 +239,88 @@ class LearnerService(Service):
         if not self._possible_version(message.policy_version):
             # Sampled by a policy this learner never published: a learner that lost its checkpoint, or weights from
             # elsewhere. Training on it would be off-policy by an unknown amount.
-            self.consumed = True
+            self.changed = True
             self.dropped_stale += len(message.groups())
             raise Dropped(
                 f"sampled by v{message.policy_version}, learner at v{self.trainer.version}: newer than this learner "
                 "(or one it took over from) can have published"
             )
         check_token_ids(message, self.trainer.actor, "actor")
-        self.consumed = True
+        self.changed = True
         no_signal = [int(g) for g in message.no_signal_groups]
         self.ledger.settle(message.step, [*message.groups(), *no_signal])
         self.no_signal += len(no_signal)
         self.groups_done += len(no_signal)
         self.buffer.add(groups_of(message))
         updates, dropped = self.updates, self._drop_stale()
-        while self.updates < cfg.run.steps and len(self.buffer) >= cfg.groups_per_update:
-            self._update()
-            dropped += self._drop_stale()
+        dropped += self._train_ready()
         if self.updates > updates:
             return self.announce()
         return self._progress_announcement() if dropped or no_signal else []
+
+    def tick(self) -> list[WeightAnnouncement]:
+        # Waiting for a group in flight ends after pipeline.hold_timeout_s (it may never come: dead-lettered on
+        # the way); the updates it held back are made then.
+        updates = self.updates
+        if self.waiting_since is not None and len(self.buffer) >= self.config.groups_per_update:
+            self._train_ready()
+        return self.announce() if self.updates > updates else []
+
+    def _train_ready(self) -> int:
+        """Make the updates the waiting groups allow; the groups dropped as stale meanwhile."""
+        dropped = 0
+        while (
+            self.updates < self.config.run.steps
+            and len(self.buffer) >= self.config.groups_per_update
+            and not self._waits_for_in_flight()
+        ):
+            self._update()
+            dropped += self._drop_stale()
+        return dropped
+
+    def _waits_for_in_flight(self) -> bool:
+        """Whether the next update waits for a group still in flight that was fed before groups that arrived, and
+        that the update would leave past max_staleness: it was taken by a generator at the earliest version whose
+        announced progress allowed it. Waiting keeps long answers, which shorter ones overtake, from being dropped
+        for their length. It ends when the group comes, or after pipeline.hold_timeout_s."""
+        k, per_update = self.config.pipeline.max_staleness, self.config.groups_per_update
+        allowed = max(self.done_at.values()) + (k + 1) * per_update  # beyond it, nothing can be in flight
+        # Taken at the version k behind: trainable now, past the bound after this update. (Taken earlier, it is
+        # past the bound already, and waiting would not save it.)
+        at_risk = [
+            position
+            for position in self.ledger.unsettled(allowed)
+            if self._taken_at(position) == self.trainer.version - k
+        ]
+        if not at_risk:
+            self.waiting_since = None
+            return False
+        now = time.monotonic()
+        if self.waiting_since is None:
+            self.waiting_since = now
+            log.info(
+                "%s: update %d waits for %d groups in flight (the first: step %d, row %d)",
+                self.replica_id,
+                self.updates + 1,
+                len(at_risk),
+                *divmod(at_risk[0], self.config.data.batch_size),
+            )
+        if now - self.waiting_since < self.config.pipeline.hold_timeout_s:
+            return True
+        log.warning(
+            "%s: %d groups in flight for %.0f s; update %d goes on without them",
+            self.replica_id,
+            len(at_risk),
+            now - self.waiting_since,
+            self.updates + 1,
+        )
+        self.waiting_since = None
+        return False
+
+    def _taken_at(self, position: int) -> int:
+        """The earliest version whose announced progress let a generator take the group at feed ``position``."""
+        k, per_update = self.config.pipeline.max_staleness, self.config.groups_per_update
+        return min((v for v, done in self.done_at.items() if done + (k + 1) * per_update > position), default=0)
 
     def _drop_stale(self) -> int:
         """Drop the waiting groups more than ``max_staleness`` versions behind; how many."""
@@ -300,11 +365,12 @@ class LearnerService(Service):
             **stats,
         }
         self.since_checkpoint += 1
+        self.changed = True
         self.unsaved_records.append(record)
         self.report(record)
 
     def make_durable(self, progress: Progress, force: bool = False) -> bool:
-        if not self.consumed:
+        if not self.changed:
             return True
         if self.since_checkpoint < self.config.learner.checkpoint_every and not force:
             return False
@@ -324,6 +390,7 @@ class LearnerService(Service):
                 "no_signal": self.no_signal,
                 "groups_done": self.groups_done,
                 "ledger": self.ledger.state(),
+                "done_at": {str(v): done for v, done in self.done_at.items()},
                 "handled": self.progress.handled,
                 "offsets": self.progress.offsets,
                 "log": self.progress.log,
@@ -333,7 +400,7 @@ class LearnerService(Service):
         log.debug("%s: checkpoint v%d in %.2f s", self.replica_id, self.trainer.version, time.perf_counter() - started)
         # Written after the checkpoint, so metrics.jsonl never shows an update a restart would apply again.
         self.metrics_log.append(self.unsaved_records)
-        self.unsaved_records, self.since_checkpoint, self.consumed = [], 0, False
+        self.unsaved_records, self.since_checkpoint, self.changed = [], 0, False
         return True
 
     def _save_state(self, folder: Path) -> None:
@@ -396,7 +463,14 @@ class LearnerService(Service):
                 )
             )
         self.published = announcements
+        self._announced_progress()
         return announcements
+
+    def _announced_progress(self) -> None:
+        """Remember what the newest announcement of this version let generators take (see _taken_at)."""
+        self.done_at[self.trainer.version] = self.groups_done
+        oldest = self.trainer.version - self.config.pipeline.max_staleness - 1
+        self.done_at = {v: done for v, done in self.done_at.items() if v >= oldest}
 
     def _progress_announcement(self) -> list[WeightAnnouncement]:
         """The actor's announcement again, with the groups used up now: generators admit prompt batches by it, and
@@ -406,4 +480,5 @@ class LearnerService(Service):
             return [a for a in self.announce() if a.model == "actor"]
         lineage = {**actor.lineage, LEARNER_GROUPS_DONE: self.groups_done}
         batch_id = f"{actor.batch_id}-g{self.groups_done}"
+        self._announced_progress()
         return [dataclasses.replace(actor, batch_id=batch_id, lineage=lineage, created_at=time.time())]
