@@ -55,3 +55,19 @@ def assert_each_group_once(records: list[dict], run_id: str, prompt_batches: int
     # A streamed record's id is its prompt batch's, then "/<first row>-<last row>".
     batch_ids = sorted({batch_id.split("/")[0] for record in records for batch_id in record["batch_ids"]})
     assert batch_ids == [f"{run_id}-{i:08d}" for i in range(prompt_batches)]
+
+
+def experience_of_steps(config, steps: int) -> list:
+    """The experience of prompt batches ``0 .. steps−1``, made by the services in process (all sampled by v0)."""
+    from services.advantage import AdvantageService
+    from services.feeder import FeederService
+    from services.generator import GeneratorService
+    from services.scorer import ScorerService
+
+    feeder, generator, scorer, advantage = (
+        FeederService(config),
+        GeneratorService(config),
+        ScorerService(config),
+        AdvantageService(config),
+    )
+    return [advantage.process(scorer.process(generator.process(feeder.batch(s))[0])[0])[0] for s in range(steps)]

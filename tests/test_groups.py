@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from helpers import assert_each_group_once, publish, read_messages
+from helpers import assert_each_group_once, experience_of_steps, publish, read_messages
 
 from common.checkpoint import latest_checkpoint_version
 from common.schema import LEARNER_GROUPS_DONE, ExperienceBatch, WeightAnnouncement, encode
@@ -23,17 +23,6 @@ from services.runtime import ServiceRunner
 from services.scorer import ScorerService
 from services.service import Progress
 from services.transport import MemoryBus
-
-
-def one_pass(config, steps):
-    """The experience of prompt batches ``0 .. steps−1``, made by the services in process (all sampled by v0)."""
-    feeder, generator, scorer, advantage = (
-        FeederService(config),
-        GeneratorService(config),
-        ScorerService(config),
-        AdvantageService(config),
-    )
-    return [advantage.process(scorer.process(generator.process(feeder.batch(s))[0])[0])[0] for s in range(steps)]
 
 
 @pytest.fixture
@@ -63,7 +52,7 @@ def actor_weights(learner):
 
 
 def test_an_update_takes_its_count_of_groups_whatever_records_carry_them(config):
-    experience = one_pass(config, 3)
+    experience = experience_of_steps(config, 3)
     learner = LearnerService(config)
     outputs, durable = apply(learner, experience[0], 0)
     assert outputs == [] and not durable, "two groups wait for a third; their record stays uncommitted"
@@ -79,7 +68,7 @@ def test_an_update_takes_its_count_of_groups_whatever_records_carry_them(config)
 
 
 def test_groups_waiting_for_an_update_are_in_the_checkpoint_and_a_crash_loses_none(config, tmp_path):
-    experience = one_pass(config, 3)
+    experience = experience_of_steps(config, 3)
     uninterrupted = LearnerService(
         config.model_copy(update={"run": config.run.model_copy(update={"dir": tmp_path / "a"})})
     )
@@ -106,7 +95,7 @@ def test_groups_that_waited_past_the_bound_are_dropped_and_announced_as_used_up(
     config = make_config(
         "data.batch_size=2", "generation.n=2", "generation.max_new_tokens=6", "learner.mini_batch_size=2"
     )  # max_staleness 0
-    experience = one_pass(config, 2)
+    experience = experience_of_steps(config, 2)
     learner = LearnerService(config)
     (actor, _) = learner.process(experience[0])
     late = learner.process(experience[1])  # sampled by v0, the learner is at v1
@@ -265,20 +254,29 @@ def test_announcements_of_the_version_loaded_bring_progress_without_reloading(ma
     assert isinstance(second, WeightAnnouncement)
 
 
+OUT_OF_ORDER = (
+    "data.batch_size=2",
+    "generation.n=2",
+    "generation.max_new_tokens=6",
+    "learner.mini_batch_size=2",
+    "pipeline.max_staleness=1",
+    "data.eval_prompts=0",
+)
+
+
+def taken_out_of_order(config) -> list:
+    """Steps 0 and 1 taken by v0, step 2 by v1 (max_staleness 1)."""
+    experience = experience_of_steps(config, 3)
+    experience[2] = dataclasses.replace(experience[2], policy_version=1)
+    return experience
+
+
 def test_an_update_waits_for_a_group_in_flight_that_it_would_leave_past_the_bound(make_config):
     """Steps 0 and 1 are taken by v0 (max_staleness 1); step 1 comes first and makes v1; step 2, taken by v1, comes
     before step 0, still in flight: training on step 2 now would leave step 0 two versions behind, dropped for
     being slow. The update waits for it, and trains the oldest first."""
-    config = make_config(
-        "data.batch_size=2",
-        "generation.n=2",
-        "generation.max_new_tokens=6",
-        "learner.mini_batch_size=2",
-        "pipeline.max_staleness=1",
-        "data.eval_prompts=0",
-    )
-    experience = one_pass(config, 3)
-    experience[2] = dataclasses.replace(experience[2], policy_version=1)
+    config = make_config(*OUT_OF_ORDER)
+    experience = taken_out_of_order(config)
     learner = LearnerService(config)
     assert learner.process(experience[1]) and learner.trainer.version == 1
     assert learner.process(experience[2]) == [] and learner.trainer.version == 1, "step 0 is in flight: wait"
@@ -293,17 +291,8 @@ def test_an_update_waits_for_a_group_in_flight_that_it_would_leave_past_the_boun
 def test_a_group_that_never_comes_is_waited_for_only_hold_timeout_s(make_config):
     """The same wait, over the runner, for a group that never comes (dead-lettered on its way): after
     pipeline.hold_timeout_s with nothing to do, the runner's tick lets the update go on, checkpointed and announced."""
-    config = make_config(
-        "data.batch_size=2",
-        "generation.n=2",
-        "generation.max_new_tokens=6",
-        "learner.mini_batch_size=2",
-        "pipeline.max_staleness=1",
-        "data.eval_prompts=0",
-        "pipeline.hold_timeout_s=0.3",
-    )
-    experience = one_pass(config, 3)
-    experience[2] = dataclasses.replace(experience[2], policy_version=1)
+    config = make_config(*OUT_OF_ORDER, "pipeline.hold_timeout_s=0.3")
+    experience = taken_out_of_order(config)
     bus = MemoryBus()
     bus.create_topics(pipeline_topics(partitions=1))
     publish(bus, "experience", encode(experience[1]), encode(experience[2]))  # step 0 never comes (dead-lettered)

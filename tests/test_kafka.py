@@ -13,7 +13,7 @@ import uuid
 import pytest
 import torch
 from conftest import EXAMPLE, REPO
-from helpers import assert_each_group_once, broker_address, is_local_broker, run_settings
+from helpers import assert_each_group_once, broker_address, experience_of_steps, is_local_broker, run_settings
 from kafka.errors import KafkaError
 
 from common.schema import DeadLetter, SchemaError, decode
@@ -387,22 +387,6 @@ SMALL_RUN = (
     "learner.mini_batch_size=4",
     "data.eval_prompts=0",
 )
-
-
-def experience_of_steps(config, steps: int) -> list:
-    """The experience batches of steps 0..steps-1, made by the services in-process (all sampled by v0)."""
-    from services.advantage import AdvantageService
-    from services.feeder import FeederService
-    from services.generator import GeneratorService
-    from services.scorer import ScorerService
-
-    feeder, generator, scorer, advantage = (
-        FeederService(config),
-        GeneratorService(config),
-        ScorerService(config),
-        AdvantageService(config),
-    )
-    return [advantage.process(scorer.process(generator.process(feeder.batch(s))[0])[0])[0] for s in range(steps)]
 
 
 def keys_for_partitions(count: int, partitions: int) -> list[bytes]:

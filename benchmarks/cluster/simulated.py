@@ -31,7 +31,7 @@ from kafka.coordinator.assignors.range import RangePartitionAssignor
 from benchmarks.cluster.profiles import PROFILES, CostModel
 from common.config import load_config
 from common.sampling import Samples
-from common.schema import PromptBatch, RolloutBatch, new_header
+from common.schema import PromptBatch, RolloutBatch
 from services.advantage import AdvantageService
 from services.feeder import FeederService
 from services.generator import GeneratorService
@@ -220,26 +220,8 @@ class SimulatedGenerator(GeneratorService, Simulated):
     def _record(self, message: PromptBatch, groups: list[tuple[int, int, np.ndarray]]) -> RolloutBatch:
         rows = np.array([row for row, _, _ in groups])
         samples = self.sampler.made(np.concatenate([lengths for _, _, lengths in groups]), len(rows))
-        index = rows[samples.group_index.numpy()]
-        return RolloutBatch(
-            **new_header(
-                f"{message.batch_id}/{rows[0]}-{rows[-1]}",
-                self.replica_id,
-                min(version for _, version, _ in groups),
-                message.lineage,
-            ),
-            step=message.step,
-            group_index=index,
-            prompt_text=[message.prompt_text[i] for i in index],
-            prompt_label=[message.prompt_label[i] for i in index],
-            response_text=[""] * len(index),
-            prompt_tokens=message.prompt_tokens[index],
-            prompt_lengths=message.prompt_lengths[index],
-            response_tokens=samples.response_tokens.numpy(),
-            response_lengths=samples.response_lengths.numpy(),
-            finished=samples.finished.numpy(),
-            behaviour_logprobs=samples.behaviour_logprobs.numpy(),
-        )
+        batch_id, version = f"{message.batch_id}/{rows[0]}-{rows[-1]}", min(version for _, version, _ in groups)
+        return self._rollout_batch(message, rows, samples, batch_id, version, message.lineage)
 
 
 class SimulatedScorer(ScorerService, Simulated):

@@ -188,15 +188,21 @@ class GeneratorService(Service):
         samples = self.sampler.sample(
             torch.from_numpy(message.prompt_tokens[prompts]), torch.from_numpy(message.prompt_lengths[prompts]), params
         )
-        rows = prompts[samples.group_index.numpy()]
         lineage = {
             **message.lineage,
             **params.lineage(),
             "generator.backend": self.sampler.backend,
             "actor.model": self.model_id,
         }
+        return self._rollout_batch(message, prompts, samples, message.batch_id, self.policy_version, lineage)
+
+    def _rollout_batch(
+        self, message: PromptBatch, prompts: np.ndarray, samples, batch_id: str, version: int, lineage: dict
+    ) -> RolloutBatch:
+        """The record of ``samples`` of the groups of ``prompts`` (rows of the prompt batch)."""
+        rows = prompts[samples.group_index.numpy()]
         return RolloutBatch(
-            **new_header(message.batch_id, self.replica_id, self.policy_version, lineage),
+            **new_header(batch_id, self.replica_id, version, lineage),
             step=message.step,
             group_index=rows,
             prompt_text=[message.prompt_text[i] for i in rows],
