@@ -22,6 +22,7 @@ def experience_batch(n=64, t=512, p=64) -> ExperienceBatch:
         response_lengths=np.full(n, t),
         finished=np.ones(n, bool),
         behaviour_logprobs=f(),
+        token_versions=np.full((n, t), 3, np.int32),
         scores=rng.standard_normal(n).astype(np.float32),
         ref_logprobs=f(),
         values=f(),

@@ -76,6 +76,7 @@ def rollouts(m: PromptBatch) -> RolloutBatch:
         response_lengths=np.full(N, T),
         finished=np.ones(N, bool),
         behaviour_logprobs=zeros,
+        token_versions=np.zeros((N, T), np.int32),
     )
 
 

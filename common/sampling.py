@@ -33,6 +33,7 @@ class Samples:
     response_lengths: torch.Tensor  # (N,) long; a finished response's last token is its EOS
     finished: torch.Tensor  # (N,) bool: ended with EOS
     behaviour_logprobs: torch.Tensor  # (N, T) float32, 0 at padding
+    token_versions: torch.Tensor | None = None  # (N, T) int32, 0 at padding; None: all by the weights loaded
 
 
 class Sampler(Protocol):

@@ -248,13 +248,37 @@ class PromptBatch(BatchMessage):
         return len(self.prompt_lengths)
 
 
+def _real_tokens(lengths: np.ndarray, width: int) -> np.ndarray:
+    """``(N, width)`` True at the first ``lengths[i]`` positions of each row: the response mask."""
+    return np.arange(width) < np.asarray(lengths)[:, None]
+
+
+def _one_version_per_token(raw: dict) -> dict:
+    """Before token_versions a record was sampled by one version: every response token carries the header's."""
+    tokens, lengths, version = raw.get("response_tokens"), raw.get("response_lengths"), raw.get("policy_version")
+    try:
+        shape = [int(d) for d in tokens["shape"]]
+        real = _real_tokens(np.frombuffer(lengths["data"], "<i8"), shape[1])
+        versions = np.where(real, np.int32(version), np.int32(0)).astype("<i4")
+    except Exception:  # not arrays as the wire has them: validation names what is wrong
+        return raw
+    return raw | {"token_versions": {"dtype": "int32", "shape": shape, "data": versions.tobytes()}}
+
+
+def _rollouts_v1_to_v3(raw: dict) -> dict:
+    return _one_version_per_token(_unlabelled_v1_to_v2(raw))
+
+
 @dataclass
 class RolloutBatch(BatchMessage):
     SCHEMA: ClassVar[str] = "rollouts"
-    DOC: ClassVar[str] = "N = B·n sampled responses (n per prompt) with the behaviour policy's per-token log-probs."
-    # Version 2 added prompt_label, here and so in every schema that extends this one.
-    VERSION: ClassVar[int] = 2
-    UPGRADES: ClassVar[dict] = {1: _unlabelled_v1_to_v2}
+    DOC: ClassVar[str] = (
+        "N = B·n sampled responses (n per prompt) with the behaviour policy's per-token log-probs and the policy "
+        "version that sampled each token. The header's policy_version is the oldest of them."
+    )
+    # Version 2 added prompt_label, version 3 token_versions, here and so in every schema that extends this one.
+    VERSION: ClassVar[int] = 3
+    UPGRADES: ClassVar[dict] = {1: _rollouts_v1_to_v3, 2: _one_version_per_token}
 
     group_index: np.ndarray = array("int64", "N", doc="Row of the prompt batch each response was sampled for.")
     prompt_text: list = _wire(StringList("N", "Prompt of each response, as text."))
@@ -272,10 +296,40 @@ class RolloutBatch(BatchMessage):
     behaviour_logprobs: np.ndarray = array(
         "float32", "N", "T", doc="log π_behaviour(token) at sampling temperature; 0 at padding."
     )
+    token_versions: np.ndarray = array(
+        "int32",
+        "N",
+        "T",
+        doc="Policy version of the weights that sampled each response token; 0 at padding. A response's versions "
+        "differ when new weights were loaded while it was sampled (generation.in_flight_updates); its staleness is "
+        "judged by the oldest.",
+    )
+
+    @classmethod
+    def check(cls, values: dict, dims: dict[str, int]) -> None:
+        super().check(values, dims)
+        versions = values["token_versions"]
+        real = _real_tokens(values["response_lengths"], versions.shape[1])
+        if real.any() and int(versions[real].min()) != values["policy_version"]:
+            raise SchemaError(
+                f"{cls.SCHEMA}: policy_version {values['policy_version']} is not the oldest of token_versions "
+                f"({int(versions[real].min())})"
+            )
 
     @property
     def rows(self) -> int:
         return len(self.response_lengths)
+
+    def newest_version(self) -> int:
+        """The newest version that sampled a token of the record (the header's when it has none)."""
+        real = _real_tokens(self.response_lengths, self.token_versions.shape[1])
+        return int(self.token_versions[real].max()) if real.any() else self.policy_version
+
+    def row_versions(self) -> np.ndarray:
+        """``(N,)`` the oldest version that sampled a token of each response (the header's for an empty one)."""
+        real = _real_tokens(self.response_lengths, self.token_versions.shape[1])
+        oldest = np.where(real, self.token_versions, np.iinfo(np.int32).max).min(axis=1, initial=np.iinfo(np.int32).max)
+        return np.where(self.response_lengths > 0, oldest, self.policy_version).astype(np.int64)
 
     @property
     def response_tokens_total(self) -> int:
@@ -302,7 +356,11 @@ class RolloutBatch(BatchMessage):
             elif isinstance(wire, StringList) and wire.dim == "N":
                 value = [v for v, k in zip(value, keep) if k]
             fields[f.name] = value
-        return type(self)(**fields)
+        taken = type(self)(**fields)
+        real = _real_tokens(taken.response_lengths, taken.token_versions.shape[1])
+        if real.any():  # the header names the oldest version left
+            taken.policy_version = int(taken.token_versions[real].min())
+        return taken
 
 
 @dataclass
@@ -321,17 +379,25 @@ def _experience_v2_to_v3(raw: dict) -> dict:
     return raw | {"no_signal_groups": {"dtype": "int64", "shape": [0], "data": b""}}
 
 
-def _experience_v1_to_v3(raw: dict) -> dict:
-    return _experience_v2_to_v3(_unlabelled_v1_to_v2(raw))
+def _experience_v3_to_v4(raw: dict) -> dict:
+    return _one_version_per_token(raw)
+
+
+def _experience_v2_to_v4(raw: dict) -> dict:
+    return _experience_v3_to_v4(_experience_v2_to_v3(raw))
+
+
+def _experience_v1_to_v4(raw: dict) -> dict:
+    return _experience_v2_to_v4(_unlabelled_v1_to_v2(raw))
 
 
 @dataclass
 class ExperienceBatch(ScoredBatch):
     SCHEMA: ClassVar[str] = "experience"
     DOC: ClassVar[str] = "Scored rollouts with critic values, KL-shaped token rewards, and raw (unwhitened) GAE."
-    # Version 3 added no_signal_groups (dynamic sampling).
-    VERSION: ClassVar[int] = 3
-    UPGRADES: ClassVar[dict] = {1: _experience_v1_to_v3, 2: _experience_v2_to_v3}
+    # Version 3 added no_signal_groups (dynamic sampling), version 4 token_versions (from the rollouts' version 3).
+    VERSION: ClassVar[int] = 4
+    UPGRADES: ClassVar[dict] = {1: _experience_v1_to_v4, 2: _experience_v2_to_v4, 3: _experience_v3_to_v4}
 
     values: np.ndarray = array(
         "float32", "N", "T", doc="Critic V(s_t) for the state before each response token; 0 at padding."

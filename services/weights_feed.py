@@ -6,7 +6,10 @@ offered first; one the service refuses (a snapshot missing, damaged or forged) n
 older one is tried, and a later announcement of the same version is still taken. An announcement of the version
 loaded that says the learner used up more groups is offered too: it brings the learner's progress, which
 generators admit prompt batches by, and nothing to load. Announcements of a learner epoch older than the weights
-already loaded come from a learner that was replaced but still runs: they are ignored and counted.
+already loaded come from a learner that was replaced but still runs: they are ignored and counted. A newer epoch
+supersedes whatever an older one announced, even at a lower version: a learner that restarts from its checkpoint
+rolls back the updates its predecessor made since, and its announcements are the lineage from then on (weights of
+the rolled-back versions, kept, would sample under version numbers the new learner gives to other weights).
 """
 
 from __future__ import annotations
@@ -43,8 +46,7 @@ class WeightsFeed:
         self.service, self.consumer, self.accept = service, consumer, accept
         self.metrics, self.counters, self.timed = metrics, counters, timed
         self.loaded: dict[str, int] = {}  # per model: the version loaded
-        self.progress: dict[str, tuple[int, int]] = {}  # per model: (version, groups used up) of the newest taken
-        self.epochs: dict[str, int] = {}  # per model: the learner epoch of the weights loaded
+        self.progress: dict[str, tuple[int, int, int]] = {}  # per model: _progress of the newest taken
 
     def apply(self, timeout_s: float) -> bool:
         """Offer the service the newest announcements that arrived within ``timeout_s``; whether any was offered."""
@@ -56,17 +58,17 @@ class WeightsFeed:
         offered = False
         for model, announcements in candidates.items():
             for announcement in sorted(announcements, key=_progress, reverse=True):
-                if _progress(announcement) <= self.progress.get(model, (-1, -1)):
-                    break
                 if self._from_a_replaced_learner(announcement):
                     continue
+                if _progress(announcement) <= self.progress.get(model, (-1, -1, -1)):
+                    break
                 offered = True
                 if self._load(announcement):
                     break
         return offered
 
     def _from_a_replaced_learner(self, announcement: WeightAnnouncement) -> bool:
-        epoch, newest = int(announcement.lineage.get(LEARNER_EPOCH, 0)), self.epochs.get(announcement.model, 0)
+        epoch, newest = _progress(announcement)[0], self.progress.get(announcement.model, (0,))[0]
         if epoch >= newest:
             return False
         self.counters["zombie_announcements"] += 1
@@ -88,7 +90,6 @@ class WeightsFeed:
             return False
         self.loaded[announcement.model] = announcement.policy_version
         self.progress[announcement.model] = _progress(announcement)
-        self.epochs[announcement.model] = int(announcement.lineage.get(LEARNER_EPOCH, 0))
         self.metrics.policy_version.labels(self.service.role).set(announcement.policy_version)
         return True
 
@@ -96,5 +97,10 @@ class WeightsFeed:
         self.consumer.close()
 
 
-def _progress(announcement: WeightAnnouncement) -> tuple[int, int]:
-    return announcement.policy_version, int(announcement.lineage.get(LEARNER_GROUPS_DONE, -1))
+def _progress(announcement: WeightAnnouncement) -> tuple[int, int, int]:
+    """(learner epoch, version, groups used up): the order in which announcements supersede each other."""
+    return (
+        int(announcement.lineage.get(LEARNER_EPOCH, 0)),
+        announcement.policy_version,
+        int(announcement.lineage.get(LEARNER_GROUPS_DONE, -1)),
+    )

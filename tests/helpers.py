@@ -71,3 +71,14 @@ def experience_of_steps(config, steps: int) -> list:
         AdvantageService(config),
     )
     return [advantage.process(scorer.process(generator.process(feeder.batch(s))[0])[0])[0] for s in range(steps)]
+
+
+def sampled_by(message, version: int):
+    """``message`` (a rollout record or one made from it) as if every token had been sampled by ``version``."""
+    import dataclasses
+
+    import numpy as np
+
+    real = np.arange(message.token_versions.shape[1]) < message.response_lengths[:, None]
+    versions = np.where(real, version, 0).astype(np.int32)
+    return dataclasses.replace(message, policy_version=version, token_versions=versions)

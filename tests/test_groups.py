@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from helpers import assert_each_group_once, experience_of_steps, publish, read_messages
+from helpers import assert_each_group_once, experience_of_steps, publish, read_messages, sampled_by
 
 from common.checkpoint import latest_checkpoint_version
 from common.schema import LEARNER_GROUPS_DONE, ExperienceBatch, WeightAnnouncement, encode
@@ -267,7 +267,7 @@ OUT_OF_ORDER = (
 def taken_out_of_order(config) -> list:
     """Steps 0 and 1 taken by v0, step 2 by v1 (max_staleness 1)."""
     experience = experience_of_steps(config, 3)
-    experience[2] = dataclasses.replace(experience[2], policy_version=1)
+    experience[2] = sampled_by(experience[2], 1)
     return experience
 
 

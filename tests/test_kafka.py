@@ -13,7 +13,14 @@ import uuid
 import pytest
 import torch
 from conftest import EXAMPLE, REPO
-from helpers import assert_each_group_once, broker_address, experience_of_steps, is_local_broker, run_settings
+from helpers import (
+    assert_each_group_once,
+    broker_address,
+    experience_of_steps,
+    is_local_broker,
+    run_settings,
+    sampled_by,
+)
 from kafka.errors import KafkaError
 
 from common.schema import DeadLetter, SchemaError, decode
@@ -406,14 +413,13 @@ def test_the_learner_trains_groups_as_they_arrive_across_partitions_within_the_s
 ):
     """Partitions deliver out of order. Groups are trained as they arrive, but never by a learner older than the
     policy that sampled them, nor more than max_staleness versions newer: what the bound passes is dropped."""
-    import dataclasses
 
     from common.schema import encode
     from services.learner import LearnerService
 
     config = make_config(*kafka_broker, f"run.run_id={unique('order')}", *SMALL_RUN)
     batches = experience_of_steps(config, 3)
-    batches[2] = dataclasses.replace(batches[2], policy_version=1)  # step 2 is sampled once v1 is out (k = 1)
+    batches[2] = sampled_by(batches[2], 1)  # step 2 is sampled once v1 is out (k = 1)
     # Keys that put the three steps on three different partitions, the last step first in time.
     keys = keys_for_partitions(3, config.kafka.partitions)
     bus = kafka_bus(config)
@@ -451,10 +457,10 @@ def test_forged_and_replayed_experience_neither_takes_a_real_batch_s_place_nor_c
         *kafka_broker, f"run.run_id={unique('forged')}", "run.steps=3", *SMALL_RUN, "pipeline.max_staleness=2"
     )
     real = experience_of_steps(config, 3)
-    real[2] = dataclasses.replace(real[2], policy_version=1)
+    real[2] = sampled_by(real[2], 1)
     a, b, c = keys_for_partitions(3, config.kafka.partitions)
     in_order = [
-        (a, dataclasses.replace(real[0], policy_version=1_000_000)),  # from a policy no learner published
+        (a, sampled_by(real[0], 1_000_000)),  # from a policy no learner published
         (a, real[0]),
         (b, real[2]),
         (c, real[1]),
@@ -602,8 +608,11 @@ def test_streamppo_status_shows_what_each_replica_waits_for(make_config, kafka_b
     probe.close()
 
 
-def test_announcements_of_a_replaced_learner_are_ignored(make_config, kafka_broker):
-    """A learner restarted elsewhere takes a new epoch; the old one (a zombie) may go on announcing."""
+def test_announcements_of_a_replaced_learner_are_ignored_and_a_newer_epoch_rolls_versions_back(
+    make_config, kafka_broker
+):
+    """A learner restarted elsewhere takes a new epoch; the old one (a zombie) may go on announcing. A learner that
+    restarts from an older checkpoint announces a lower version: its weights replace the rolled-back ones."""
     from common.schema import encode, message_key
     from services.advantage import AdvantageService
     from services.learner import LearnerService
@@ -637,6 +646,14 @@ def test_announcements_of_a_replaced_learner_are_ignored(make_config, kafka_brok
     announce(successor, 4)
     poll(lambda: advantage.critic_version == 4)
     assert advantage.critic_version == 4
+    restarted = LearnerService(config, "learner-restarted")  # back from a checkpoint at v3: v4 is rolled back
+    restarted.start()
+    announce(restarted, 3)
+    poll(lambda: advantage.critic_version == 3)
+    assert advantage.critic_version == 3 and runner.counters["zombie_announcements"] == 1
+    announce(successor, 5)  # the replaced learner of epoch 2 again
+    poll(lambda: runner.counters["zombie_announcements"] > 1)
+    assert advantage.critic_version == 3
     runner.close()
 
 
@@ -837,12 +854,15 @@ def test_runs_on_one_broker_share_nothing_at_once_or_one_after_another(own_broke
 
 @pytest.mark.slow
 def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_broker, tmp_path, model_cache):
-    """`streamppo up` with two scorers; ten `kill -9`s of random services while it runs; `up` restarts each. Every
-    batch over 2 kB (nearly all) travels by reference, so its file must outlive every re-delivery. (With a streaming
-    generator this run stalled in one of two tries: see the notes of session 13.)"""
+    """`streamppo up` with two scorers and a streaming generator (records of 4 groups, updates of 8: half a prompt
+    batch); ten `kill -9`s of random services while it runs; `up` restarts each. Every batch over 2 kB (nearly all)
+    travels by reference, so its file must outlive every re-delivery. A learner killed after updates it had not
+    checkpointed comes back at an older version while groups sampled by the rolled-back ones are on their way: they
+    are trained (off-policy), and the generator takes the new lineage's weights (this stalled before)."""
     import random
 
     steps, run_id, kills = 40, unique("chaos"), 10
+    prompt_batches = steps * 8 // 16  # updates × groups per update, in batches of 16 prompts
     up, output, metrics = start_up(
         own_broker,
         tmp_path,
@@ -854,6 +874,9 @@ def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_bro
             "pipeline.max_staleness=1",
             "learner.checkpoint_every=2",
             "pipeline.inline_max_bytes=2000",
+            "generation.streaming=true",
+            "generation.groups_per_record=4",
+            "learner.groups_per_update=8",
         ),
     )
     # Every role dies at least once (the learner and a scorer twice), in a seeded order, at seeded moments.
@@ -881,13 +904,13 @@ def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_bro
     records = [json.loads(line) for line in metrics.open()]
     assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
     assert [r["policy_version"] for r in records] == [float(v) for v in range(1, steps + 1)], "no update lost"
-    assert_each_group_once(records, run_id, steps)
+    assert_each_group_once(records, run_id, prompt_batches)
     assert all(r["staleness_max"] <= 1 for r in records), "no group trained past max_staleness"
     # A file is removed once its record is committed past; a kill may orphan one (written, never sent or removed).
     store = tmp_path / "run" / "batches"
     assert store.is_dir(), "batches went by reference (the store is made by the first one)"
     left = list(store.iterdir())
-    assert len(left) <= 2 * kills, f"{len(left)} batch files left of ~{4 * steps}"
+    assert len(left) <= 2 * kills, f"{len(left)} batch files left of ~{12 * steps}"
 
 
 def learner_ranks(run_id: str) -> dict[int, int]:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import publish, read_messages
+from helpers import publish, read_messages, sampled_by
 
 from common.schema import encode
 from common.storage import NoSpaceError, write_or_explain
@@ -13,6 +13,7 @@ from services.advantage import AdvantageService
 from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
+from services.learner.trainer import Experience
 from services.roles import pipeline_topics
 from services.runtime import ServiceRunner
 from services.scorer import ScorerService
@@ -147,16 +148,18 @@ def test_with_checkpoint_every_n_a_crash_re_applies_the_updates_since_the_checkp
     assert all(torch.equal(expected[k], actual[k]) for k in expected), "same weights as a run that never stopped"
 
 
-def test_experience_newer_than_the_learner_waits_and_impossible_or_forged_batches_never_count(config, experience):
+def test_experience_of_a_rolled_back_version_is_trained_off_policy_and_impossible_or_forged_batches_never_count(
+    config, experience
+):
+    """Experience sampled by a version the learner's predecessor published after the last checkpoint is trained at
+    once, corrected for as off-policy: held until that version is made again, it could wait for good (with groups
+    taken as they arrive, the groups that made it need not all come again)."""
     config = config.model_copy(update={"learner": config.learner.model_copy(update={"checkpoint_every": 3})})
     learner = LearnerService(config)  # at v0; it may have announced up to v3 before a crash rolled it back
 
-    def batch(step: int, sampled_by: int):
-        return dataclasses.replace(experience[0], step=step, policy_version=sampled_by)
+    def batch(step: int, version: int):
+        return dataclasses.replace(sampled_by(experience[step if 0 <= step < 4 else 0], version), step=step)
 
-    assert learner.ready_for(batch(0, 0)) and learner.ready_for(batch(3, 0)), "any step, as it arrives"
-    assert not learner.ready_for(batch(1, 1)) and not learner.ready_for(batch(2, 3)), "newer versions wait"
-    assert "waits for the learner (at v0, back from its checkpoint)" in learner.waiting_for(batch(2, 3))
     for impossible in (-1, config.prompt_batches):
         assert learner.ready_for(batch(impossible, 0)), "let through, so that it does not block its partition"
         with pytest.raises(InputError, match=f"step {impossible} cannot be real"):
@@ -166,8 +169,15 @@ def test_experience_newer_than_the_learner_waits_and_impossible_or_forged_batche
     with pytest.raises(Dropped, match="newer than this learner"):
         learner.process(forged)
     assert learner.dropped_stale == 2 and learner.updates == 0 and not learner.done()
-    assert len(learner.process(experience[0])) == 2, "the real groups of those keys are still applied and announced"
-    assert learner.updates == 1
+
+    rolled_back = batch(1, 3)  # step 1, sampled by the predecessor's v3
+    prepared = learner.trainer._prepare(Experience.from_message(rolled_back))
+    assert prepared.staleness.tolist() == [-3] * rolled_back.rows
+    assert prepared.importance is not None, "π_old / π_behaviour corrects for the weights that sampled it"
+    assert learner.ready_for(rolled_back) and len(learner.process(rolled_back)) == 2, "trained and announced at once"
+    assert learner.unsaved_records[-1]["staleness_counts"] == {"-3": 2}
+    assert len(learner.process(experience[0])) == 2, "the real groups of the forged keys are still applied"
+    assert learner.updates == 2
 
 
 def test_a_full_disk_fails_the_checkpoint_clearly_and_keeps_the_last_good_one(config, experience, small_disk):

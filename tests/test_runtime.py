@@ -1,12 +1,13 @@
 """Delivery rules of every service: dead letters, de-duplication, commit after produce, bounded staleness."""
 
+import dataclasses
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import publish, read_all
+from helpers import publish, read_all, sampled_by
 from safetensors import safe_open
 
 from common.batch_store import BatchStore
@@ -260,13 +261,17 @@ def test_the_learner_refuses_experience_from_a_newer_policy(bus, config):
     for stage in (GeneratorService, ScorerService, AdvantageService):
         message = stage(config).process(message)[0]
     real = encode(message)
-    message.policy_version = 5  # sampled by weights this learner never published, under the real batch's id
+    forged = sampled_by(message, 5)  # sampled by weights this learner never published, under the real batch's id
+    lying = dataclasses.replace(message, policy_version=5)  # a header that its tokens' versions contradict
     learner = LearnerService(config)
     runner = ServiceRunner(learner, bus)
-    publish(bus, "experience", encode(message))
+    publish(bus, "experience", encode(forged), encode(lying))
     assert runner.poll_once()
     assert learner.trainer.version == 0 and learner.dropped_stale == 2 and not learner.done()  # its two groups
     assert runner.counters["dropped"] == 1 and runner.counters["processed"] == 0
+    assert runner.poll_once()
+    (letter,) = [decode(v) for v in read_all(bus, "experience.dlq")]
+    assert "policy_version 5 is not the oldest of token_versions (0)" in letter.error
     assert read_all(bus, "weights") == [], "nothing announced"
     publish(bus, "experience", real)
     assert runner.poll_once()

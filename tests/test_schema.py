@@ -56,6 +56,9 @@ def sample_message(cls, rng: np.random.Generator, dims: dict[str, int] | None = 
             values[name] = {"str": "x-1", "int": 7, "float": 1.5, "bool": True, "bytes": b"\x00\x01"}[wire.kind]
     if cls is WeightAnnouncement:  # a chain ends with the snapshot announced
         values["chain"][-1] = f"{values['digest']} {values['uri']}"
+    if "token_versions" in values:  # the header names the oldest version that sampled a token
+        real = np.arange(dims["T"]) < values["response_lengths"][:, None]
+        values["policy_version"] = int(values["token_versions"][real].min()) if real.any() else 7
     return cls(**values)
 
 
@@ -288,6 +291,7 @@ def test_messages_from_before_labels_read_with_empty_labels(cls):
     raw["version"] = 1
     del raw["prompt_label"]
     raw.pop("no_signal_groups", None)  # experience version 3 added it
+    raw.pop("token_versions", None)  # rollouts version 3 (experience 4) added it
     old = decode(msgpack.packb(raw, use_bin_type=True))
     assert old.prompt_label == [""] * len(current.prompt_text) and old.prompt_text == current.prompt_text
     raw["prompt_text"] = "not a list"  # an upgrade does not hide what is wrong with the old record
@@ -299,10 +303,30 @@ def test_experience_from_before_dynamic_sampling_reads_with_no_group_dropped():
     current = sample_message(ExperienceBatch, np.random.default_rng(7))
     raw = msgpack.unpackb(encode(current), raw=False)
     raw["version"] = 2
-    del raw["no_signal_groups"]
+    del raw["no_signal_groups"], raw["token_versions"]
     old = decode(msgpack.packb(raw, use_bin_type=True))
     assert old.no_signal_groups.shape == (0,) and old.no_signal_groups.dtype == np.int64
     np.testing.assert_array_equal(old.advantages, current.advantages)
+
+
+@pytest.mark.parametrize("cls", [RolloutBatch, ScoredBatch, ExperienceBatch], ids=lambda c: c.SCHEMA)
+def test_records_from_before_token_versions_read_as_sampled_by_their_header_version(cls):
+    current = sample_message(cls, np.random.default_rng(9), {"B": 2, "N": 3, "P": 4, "T": 5, "L": 2, "G": 1})
+    current.response_lengths, current.policy_version = np.array([5, 2, 0]), 7
+    raw = msgpack.unpackb(encode(current), raw=False)
+    raw["version"] = cls.VERSION - 1
+    del raw["token_versions"]
+    old = decode(msgpack.packb(raw, use_bin_type=True))
+    assert old.token_versions.tolist() == [[7] * 5, [7, 7, 0, 0, 0], [0] * 5], "the header's, 0 at padding"
+    assert old.row_versions().tolist() == [7, 7, 7]
+
+
+def test_a_response_is_as_old_as_its_oldest_token():
+    message = sample_message(RolloutBatch, np.random.default_rng(10), {"B": 2, "N": 3, "P": 4, "T": 4, "L": 2})
+    message.response_lengths, message.policy_version = np.array([4, 2, 0]), 5
+    # Row 0: new weights landed after its second token; row 1: its padding says nothing; row 2: empty.
+    message.token_versions = np.array([[5, 5, 6, 6], [6, 6, 0, 0], [0, 0, 0, 0]], dtype=np.int32)
+    assert message.row_versions().tolist() == [5, 6, 5]
 
 
 def test_groups_are_keyed_by_step_and_row_and_a_record_sheds_the_ones_handled():

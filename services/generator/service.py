@@ -201,8 +201,11 @@ class GeneratorService(Service):
     ) -> RolloutBatch:
         """The record of ``samples`` of the groups of ``prompts`` (rows of the prompt batch)."""
         rows = prompts[samples.group_index.numpy()]
+        real = np.arange(samples.response_tokens.shape[1]) < samples.response_lengths.numpy()[:, None]
+        versions = samples.token_versions.numpy() if samples.token_versions is not None else np.where(real, version, 0)
+        oldest = int(versions[real].min()) if real.any() else version  # the header's: the oldest token's
         return RolloutBatch(
-            **new_header(batch_id, self.replica_id, version, lineage),
+            **new_header(batch_id, self.replica_id, oldest, lineage),
             step=message.step,
             group_index=rows,
             prompt_text=[message.prompt_text[i] for i in rows],
@@ -214,6 +217,7 @@ class GeneratorService(Service):
             response_lengths=samples.response_lengths.numpy(),
             finished=samples.finished.numpy(),
             behaviour_logprobs=samples.behaviour_logprobs.numpy(),
+            token_versions=versions.astype(np.int32),
         )
 
     def close(self) -> None:

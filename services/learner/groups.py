@@ -28,7 +28,7 @@ class Group:
 
     step: int
     index: int  # the prompt's row in its batch
-    version: int  # the policy version that sampled it
+    version: int  # the oldest policy version that sampled a token of it
     batch_id: str  # the record that brought it
     seconds: dict[str, float]  # its share (by responses) of each stage's compute seconds for that record
     experience: Experience  # its n sequences
@@ -41,6 +41,7 @@ class Group:
 def groups_of(message: ExperienceBatch) -> list[Group]:
     """The groups a record carries, each with its share of the record's stage seconds."""
     experience = Experience.from_message(message)
+    versions = message.row_versions()
     seconds = {k.removeprefix("seconds."): float(v) for k, v in message.lineage.items() if k.startswith("seconds.")}
     groups = []
     for index in message.groups():
@@ -50,7 +51,7 @@ def groups_of(message: ExperienceBatch) -> list[Group]:
             Group(
                 message.step,
                 index,
-                message.policy_version,
+                int(versions[rows.numpy()].min()),  # judged by its oldest token
                 message.batch_id,
                 {stage: s * share for stage, s in seconds.items()},
                 experience.take(rows),

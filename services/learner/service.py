@@ -4,7 +4,12 @@ Experience arrives as groups (a prompt's ``n`` responses, in records of one or m
 ``learner.groups_per_update`` of them as they arrive, oldest policy version first (:mod:`services.learner.groups`).
 A group that waited more than ``max_staleness`` versions is dropped and counted, never trained on; experience
 sampled by weights this learner never published is dropped too, and a step outside the run's prompt batches goes
-to the dead-letter topic. Groups the advantage stage dropped for want of signal (dynamic sampling) are counted.
+to the dead-letter topic. Experience sampled by a version newer than the learner's comes from its predecessor, whose
+updates since the last checkpoint a crash rolled back: those weights were published, the behaviour log-probs say
+what they sampled, and the group is trained like any other (staleness below zero, corrected for as off-policy).
+Holding it until the version is made again could wait for good: the groups that made it are not all there to make
+it again when groups are taken as they arrive. Groups the advantage stage dropped for want of signal (dynamic
+sampling) are counted.
 Each update appends one line of statistics to ``<run dir>/metrics.jsonl``, naming the groups it trained on.
 
 Every ``learner.checkpoint_every`` updates (and on shutdown) the learner checkpoints itself: models, optimizers,
@@ -212,18 +217,6 @@ class LearnerService(Service):
         )
         log.info("%s: %d updates done; final models in %s", self.replica_id, self.updates, self.run_dir / "final")
 
-    def ready_for(self, message: ExperienceBatch) -> bool:
-        # Experience of a version newer than this learner's can only come from its predecessor, rolled back by a
-        # crash to the last checkpoint: it waits until the updates are made again. Newer still is impossible, and
-        # let through for process() to drop.
-        return message.policy_version <= self.trainer.version or not self._possible_version(message.policy_version)
-
-    def waiting_for(self, message: ExperienceBatch) -> str:
-        return (
-            f"experience sampled by v{message.policy_version} waits for the learner (at v{self.trainer.version}, "
-            "back from its checkpoint) to make that version again"
-        )
-
     def _possible_version(self, version: int) -> bool:
         """Whether this learner, or its predecessor rolled back by a crash, can have announced ``version``: at most
         ``checkpoint_every`` records since the checkpoint, each of which may complete several updates."""
@@ -236,13 +229,13 @@ class LearnerService(Service):
             raise InputError(
                 f"step {message.step} cannot be real: the run has prompt batches 0..{cfg.prompt_batches - 1}"
             )
-        if not self._possible_version(message.policy_version):
+        if not self._possible_version(message.newest_version()):
             # Sampled by a policy this learner never published: a learner that lost its checkpoint, or weights from
             # elsewhere. Training on it would be off-policy by an unknown amount.
             self.changed = True
             self.dropped_stale += len(message.groups())
             raise Dropped(
-                f"sampled by v{message.policy_version}, learner at v{self.trainer.version}: newer than this learner "
+                f"sampled by v{message.newest_version()}, learner at v{self.trainer.version}: newer than this learner "
                 "(or one it took over from) can have published"
             )
         check_token_ids(message, self.trainer.actor, "actor")

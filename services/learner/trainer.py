@@ -47,7 +47,7 @@ class Experience:
     """Experience as tensors: ``N`` sequences, prompts ``(N, P)``, responses ``(N, T)``. An update's experience may
     gather groups sampled by several policy versions."""
 
-    policy_versions: torch.Tensor  # (N,) the actor version that sampled each sequence
+    policy_versions: torch.Tensor  # (N,) the oldest actor version that sampled a token of each sequence
     prompt_tokens: torch.Tensor
     prompt_lengths: torch.Tensor
     response_tokens: torch.Tensor
@@ -60,12 +60,13 @@ class Experience:
     advantages: torch.Tensor
     returns: torch.Tensor
     ref_logprobs: torch.Tensor | None = None  # (N, T), for the KL term of the loss (algorithm.kl_in: loss)
+    token_versions: torch.Tensor | None = None  # (N, T) the version that sampled each token; None: policy_versions
 
     @classmethod
     def from_message(cls, msg: ExperienceBatch) -> Experience:
         t = torch.from_numpy
         return cls(
-            torch.full((msg.rows,), msg.policy_version, dtype=torch.int64),
+            t(msg.row_versions()),
             t(msg.prompt_tokens),
             t(msg.prompt_lengths),
             t(msg.response_tokens),
@@ -78,6 +79,7 @@ class Experience:
             t(msg.advantages),
             t(msg.returns),
             t(msg.ref_logprobs),
+            t(msg.token_versions.astype("int64")),
         )
 
     def to(self, device) -> Experience:
@@ -134,8 +136,8 @@ class _Batch:
     mask: torch.Tensor  # (N, T) 1.0 at response tokens
     advantages: torch.Tensor  # (N, T) whitened if configured
     old_logp: torch.Tensor  # (N, T) log π_old, recomputed by the learner before the first step
-    importance: torch.Tensor | None  # (N, T) truncated π_old / π_behaviour, for stale experience only
-    staleness: torch.Tensor  # (N,) learner version − the version that sampled each sequence
+    importance: torch.Tensor | None  # (N, T) truncated π_old / π_behaviour, for off-policy tokens only
+    staleness: torch.Tensor  # (N,) learner version − the version that sampled each sequence (< 0: rolled back)
 
 
 @dataclass(frozen=True)
@@ -208,7 +210,7 @@ class PPOTrainer:
     # ------------------------------------------------------------------ the steps of one update
 
     def _prepare(self, exp: Experience) -> _Batch:
-        """Pack the sequences, whiten the advantages, recompute π_old and the importance weights of stale data."""
+        """Pack the sequences, whiten the advantages, recompute π_old and the importance weights (off-policy tokens)."""
         mask = exp.mask
         packed = pack(
             exp.prompt_tokens, exp.prompt_lengths, exp.response_tokens, exp.response_lengths, self.pad_token_id
@@ -226,11 +228,13 @@ class PPOTrainer:
                     old_logp[step.rows] = pad_columns(logp, mask.shape[1])
         old_logp = self.ranks.all_reduce_sum(old_logp) * mask
         staleness = self.version - exp.policy_versions
+        versions = exp.token_versions if exp.token_versions is not None else exp.policy_versions.unsqueeze(-1)
+        # Tokens sampled by another version than π_old's: older, or (below zero staleness) one a crash rolled back.
+        off_policy = (versions != self.version) & mask.bool()
         importance = None
-        stale = staleness > 0
-        if self.cfg.off_policy_correction and bool(stale.any()):
+        if self.cfg.off_policy_correction and bool(off_policy.any()):
             weights = ppo.truncated_importance_weights(old_logp, exp.behaviour_logprobs, self.cfg.importance_cap)
-            importance = torch.where(stale.unsqueeze(-1), weights, torch.ones_like(weights))
+            importance = torch.where(off_policy, weights, torch.ones_like(weights))
         return _Batch(packed, mask, advantages, old_logp, importance, staleness)
 
     def _run_epochs(self, exp: Experience, batch: _Batch) -> dict[str, float]:
