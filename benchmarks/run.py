@@ -235,6 +235,9 @@ def _up(steps: int, overrides: list[str], run_dir: Path, replicas: list[str] = (
     return {"wall_s": wall, "records": records, "breakdowns": breakdowns}
 
 
+STREAM_GROUPS_PER_RECORD = 4
+
+
 def bench_pipeline(steps: int = 20) -> dict:
     backend = "vllm" if vllm_installed() else "transformers"
     rows = {}
@@ -267,6 +270,51 @@ def bench_pipeline(steps: int = 20) -> dict:
         "one process per service over the local broker",
         "runs": rows,
     }
+
+
+def bench_in_flight(steps: int = 40) -> dict:
+    """Batch mode against streaming with each ``generation.in_flight_updates``, side by side: ``streamppo up``,
+    vowels, vLLM on the tiny model, ``max_staleness`` 1."""
+    variants = {"batch": []}
+    for mode in ("finish", "keep", "recompute"):
+        variants[f"streaming, {mode}"] = [
+            "generation.streaming=true",
+            f"generation.groups_per_record={STREAM_GROUPS_PER_RECORD}",
+            f"generation.in_flight_updates={mode}",
+        ]
+    runs = []
+    for name, overrides in variants.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            run = _up(steps, ["pipeline.max_staleness=1", "generation.backend=vllm", *overrides], Path(tmp) / "run")
+        records = run["records"]
+        times, groups = [r["time"] for r in records], [g for r in records for g in r["groups"]]
+        mean = lambda key, rows: statistics.fmean(r[key] for r in rows)  # noqa: E731
+        runs.append(
+            {
+                "generator": name,
+                "updates_per_s": (len(times) - 1) / (times[-1] - times[0]),
+                "wall_s": run["wall_s"],
+                "reward_first5": mean("reward_mean", records[:5]),
+                "reward_last5": mean("reward_mean", records[-5:]),
+                "groups_trained": len(groups),
+                "groups_unique": len(set(groups)),
+                "staleness_max": max(r["staleness_max"] for r in records),
+                "sampled_across_updates": mean("sampled_across_updates", records),
+                "logprob_mismatch": mean("logprob_mismatch", records),
+            }
+        )
+    return {
+        "setup": f"`streamppo up` on the vowels example (tiny model, one process per service over the local broker), "
+        f"vLLM generator, `max_staleness` 1, {steps} updates; streaming with records of up to "
+        f"{STREAM_GROUPS_PER_RECORD} groups. updates/s from the first update to the last.",
+        "runs": runs,
+    }
+
+
+def bench_engine_memory(steps: int = 600) -> dict:
+    from benchmarks.engine_memory import engine_memory
+
+    return engine_memory(steps)
 
 
 # ------------------------------------------------------------------------------------------------------ 4. generation
@@ -647,6 +695,8 @@ SECTIONS = {
     "recovery": bench_recovery,
     "cluster": bench_cluster,
     "streaming": bench_streaming,
+    "in_flight": bench_in_flight,
+    "engine_memory": bench_engine_memory,
 }
 
 

@@ -154,7 +154,22 @@ class GenerationSection(_Section):
         "responses by the weights loaded then), instead of one record per prompt batch.",
     )
     groups_per_record: int = Field(
-        1, gt=0, description="With streaming: groups (of one prompt batch) sampled together and sent as one record."
+        1,
+        gt=0,
+        description="With streaming: finished groups (of one prompt batch) sent together as one record, at most.",
+    )
+    flush_s: float = Field(
+        1.0,
+        gt=0,
+        description="With streaming: the longest a finished group waits for others to share its record.",
+    )
+    in_flight_updates: Literal["keep", "recompute", "finish"] = Field(
+        "recompute",
+        description="With streaming on vLLM, what new weights do to the responses being sampled. keep: they go on "
+        "with the cache the old weights computed (tokens from then on are the new version's, but their context was "
+        "encoded by the old: only the off-policy correction accounts for it); recompute: their cache is computed "
+        "again by the new weights, so every token comes from the one version it is labelled with; finish: new "
+        "weights wait until the responses in flight are done, and no new ones start meanwhile.",
     )
 
 
@@ -553,8 +568,9 @@ class RunConfig(_Section):
             )
         if self._explicit("algorithm.max_sampling_factor") and not self.algorithm.dynamic_sampling:
             raise ValueError("algorithm.max_sampling_factor is set, but only algorithm.dynamic_sampling reads it")
-        if self._explicit("generation.groups_per_record") and not self.generation.streaming:
-            raise ValueError("generation.groups_per_record is set, but only generation.streaming reads it")
+        for name in ("groups_per_record", "flush_s", "in_flight_updates"):
+            if self._explicit(f"generation.{name}") and not self.generation.streaming:
+                raise ValueError(f"generation.{name} is set, but only generation.streaming reads it")
         if not self.generation.streaming and self.groups_per_update % self.data.batch_size:
             raise ValueError(
                 f"learner.groups_per_update ({self.groups_per_update}) is not a multiple of data.batch_size "

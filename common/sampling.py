@@ -35,16 +35,54 @@ class Samples:
     behaviour_logprobs: torch.Tensor  # (N, T) float32, 0 at padding
     token_versions: torch.Tensor | None = None  # (N, T) int32, 0 at padding; None: all by the weights loaded
 
+    def labelled(self, version: int) -> torch.Tensor:
+        """``(N, T)`` token versions of responses sampled whole by ``version``: it at every token, 0 at padding."""
+        real = torch.arange(self.response_tokens.shape[1]) < self.response_lengths.unsqueeze(-1)
+        return torch.where(real, version, 0).to(torch.int32)
+
+    @staticmethod
+    def concat(parts: list[Samples]) -> Samples:
+        """The responses of ``parts`` (each answering its own prompts) as one, prompts numbered on; each part's
+        versions as it has them (see :meth:`labelled`), 2-D fields right-padded to the widest."""
+        width = max(part.response_tokens.shape[1] for part in parts)
+
+        def cat(tensors: list[torch.Tensor], pad: int | float = 0) -> torch.Tensor:
+            return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad) for t in tensors])
+
+        offsets, prompts = [], 0
+        for part in parts:
+            offsets.append(part.group_index + prompts)
+            prompts += int(part.group_index.max()) + 1 if len(part.group_index) else 0
+        return Samples(
+            torch.cat(offsets),
+            cat([part.response_tokens for part in parts]),
+            torch.cat([part.response_lengths for part in parts]),
+            torch.cat([part.finished for part in parts]),
+            cat([part.behaviour_logprobs for part in parts]),
+            None if any(p.token_versions is None for p in parts) else cat([p.token_versions for p in parts]),
+        )
+
 
 class Sampler(Protocol):
     backend: str
     skeleton: torch.nn.Module  # the actor's module tree, for name/shape/vocabulary checks (may be on meta)
+    updates_in_flight: bool  # whether new weights may load while groups are in flight (else: finish them first)
 
     def sample(self, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, params: SamplingParams) -> Samples:
         """``params.n`` responses for each of the ``B`` right-padded prompts ``(B, P)`` with lengths ``(B,)``."""
 
-    def load_snapshot(self, chain: list[str]) -> None:
-        """Load actor weights in place; raises ``WeightIntegrityError`` (old weights kept) for a bad snapshot."""
+    def load_snapshot(self, chain: list[str], version: int | None = None) -> None:
+        """Load actor weights in place (``version``: what they are, for the tokens sampled from then on); raises
+        ``WeightIntegrityError`` (old weights kept) for a bad snapshot."""
+
+    def submit(self, key: str, prompt: list[int], params: SamplingParams) -> None:
+        """Start sampling ``params.n`` responses to ``prompt`` (a group named ``key``) beside those in flight."""
+
+    def step(self, seconds: float) -> list[tuple[str, Samples]]:
+        """Sample for about ``seconds`` (at least one step); the groups submitted that finished meanwhile."""
+
+    def in_flight(self) -> int:
+        """Groups submitted and not yet returned by :meth:`step`."""
 
     def join_broadcast(self, address: str, timeout_s: float, algorithm: str, name: str) -> None:
         """Receive the learner's broadcasts (``common.broadcast``) from now on, where the weights live."""

@@ -69,6 +69,10 @@ _STATISTICS = (
         plot="staleness",
         legend="versions behind",
     ),
+    Statistic(
+        "sampled_across_updates",
+        "share of sequences that more than one version sampled (new weights landed while they were sampled)",
+    ),
     Statistic("policy_version", "the learner's version after this update"),
     # What the update did (means over its optimizer steps).
     Statistic("policy_loss", "policy loss", True, True, "pg", "losses", "policy"),

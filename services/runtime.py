@@ -147,7 +147,7 @@ class ServiceRunner:
             return did
         if not self.service.streams:
             return self._take_input(timeout_s, self._process) or did or self._tick()
-        did = self._collect() or did
+        did = self._collect() or self.service.under_way() or did
         # While work is in hand, come back soon for its outputs rather than waiting on input.
         wait = 0.0 if did else min(timeout_s, STREAM_POLL_S) if self.in_flight else timeout_s
         if self.service.room() > 0:

@@ -117,9 +117,10 @@ class Service(ABC):
 
     A service that :attr:`streams` works on several inputs at once, and its outputs go on as they are ready: instead
     of :meth:`process`, the runner calls :meth:`admit` for each input while the service has :meth:`room`, and
-    :meth:`collect` for what is ready; an input is committed once its last outputs are out (below the oldest input
-    not done, as for one kept aside). A streaming service's state must be durable without its help (the generator's
-    is: an input not done comes again, and what it already sent is recognised downstream by its keys).
+    :meth:`collect` for what is ready (:meth:`under_way` says whether more is coming without input); an input is
+    committed once its last outputs are out (below the oldest input not done, as for one kept aside). A streaming
+    service's state must be durable without its help (the generator's is: an input not done comes again, and what it
+    already sent is recognised downstream by its keys).
 
     A replica may span several processes (:meth:`process_group`, e.g. the ranks of a sharded learner). Its leading
     process alone runs the lifecycle above and talks to the bus; the others follow it (:meth:`ProcessGroup.follow`,
@@ -190,6 +191,11 @@ class Service(ABC):
     def collect(self) -> list[Collected]:
         """The outputs ready now (a streaming service may do a bounded piece of work to make some)."""
         return []
+
+    def under_way(self) -> bool:
+        """Whether a streaming service has work going on that will bring outputs without more input (responses
+        being sampled): a round in which it sent nothing is then no stall."""
+        return False
 
     def tick(self) -> list[Message]:
         """Called when the runner found nothing to do: outputs of work a service takes up on time alone (a learner

@@ -98,20 +98,34 @@ def test_a_streaming_run_trains_every_group_once_some_sampled_across_an_update(c
     assert any(len(v) > 1 for v in versions.values()), f"an update landed mid prompt batch: {versions}"
 
 
-def test_groups_per_record_is_for_streaming_only(make_config):
+def collect_all(generator, records: int) -> list:
+    out = []
+    while len(out) < records:
+        out += generator.collect()
+    return out
+
+
+@pytest.mark.parametrize("setting", ["groups_per_record=2", "flush_s=2", "in_flight_updates=keep"])
+def test_the_streaming_settings_are_for_streaming_only(make_config, setting):
     from common.config import ConfigError
 
     with pytest.raises(ConfigError, match="only generation.streaming reads it"):
-        make_config("generation.groups_per_record=2")
-    config = make_config(
-        "generation.streaming=true", "generation.groups_per_record=3", "data.batch_size=4", "learner.mini_batch_size=8"
-    )
-    generator, feeder = GeneratorService(config), FeederService(config)
-    generator.admit(feeder.batch(0))
-    (first,) = generator.collect()
-    (second,) = generator.collect()
+        make_config(f"generation.{setting}")
+
+
+def test_finished_groups_share_a_record_up_to_groups_per_record_or_until_flush_s(make_config):
+    settings = ("generation.streaming=true", "data.batch_size=4", "learner.mini_batch_size=8")
+    feeder = FeederService(make_config(*settings))
+    by_count = GeneratorService(make_config(*settings, "generation.groups_per_record=3", "generation.flush_s=600"))
+    by_count.admit(feeder.batch(0))
+    first, second = collect_all(by_count, 2)
     assert first.outputs[0].groups() == [0, 1, 2] and not first.done
-    assert second.outputs[0].groups() == [3] and second.done and generator.collect() == []
+    assert second.outputs[0].groups() == [3] and second.done, "the rest of the batch goes at once"
+    assert by_count.collect() == []
+    by_time = GeneratorService(make_config(*settings, "generation.groups_per_record=3", "generation.flush_s=0.001"))
+    by_time.admit(feeder.batch(0))
+    (early,) = collect_all(by_time, 1)  # one group sampled per collect here (transformers: group by group)
+    assert len(early.outputs[0].groups()) < 3 and not early.done, "a group that waited flush_s goes with what is ready"
 
 
 def test_the_simulated_engine_decodes_each_sequence_for_its_own_length_and_not_while_weights_load():

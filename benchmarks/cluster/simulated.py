@@ -31,7 +31,7 @@ from kafka.coordinator.assignors.range import RangePartitionAssignor
 from benchmarks.cluster.profiles import PROFILES, CostModel
 from common.config import load_config
 from common.sampling import Samples
-from common.schema import PromptBatch, RolloutBatch
+from common.schema import PromptBatch
 from services.advantage import AdvantageService
 from services.feeder import FeederService
 from services.generator import GeneratorService
@@ -40,7 +40,6 @@ from services.learner.trainer import Experience
 from services.process import serve_service
 from services.run_bus import kafka_bus
 from services.scorer import ScorerService
-from services.service import Collected
 
 VOCAB = 47  # builtin:tiny-char-llama's: stand-in token ids are ones its models can look up
 FIRST_TOKEN = 3  # ids below are pad, bos and eos
@@ -71,14 +70,18 @@ class SimulatedFeeder(FeederService, Simulated):
 
 
 class SimulatedSampler:
-    """The generator's sampler: random responses of the profile's lengths, after the cost model's seconds."""
+    """The generator's sampler: random responses of the profile's lengths, after the cost model's seconds. Sampled
+    whole (batch mode), or streamed through a simulated continuous-batching ``engine``: each group is labelled with
+    the version loaded when it was submitted (its oldest token's, had new weights landed while it decoded)."""
 
     backend = "simulated"
+    updates_in_flight = True
 
-    def __init__(self, real, cost: CostModel, pause=None):
-        self.real, self.cost = real, cost
+    def __init__(self, real, cost: CostModel, engine: ContinuousBatching | None = None):
+        self.real, self.cost, self.engine = real, cost, engine
         self.skeleton = real.skeleton
-        self.pause = pause  # told how long a weight load kept the engine from decoding
+        self.version = 0
+        self.submitted: dict[str, tuple[np.ndarray, int]] = {}  # per group in the engine: (lengths, version)
 
     def sample(self, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, params) -> Samples:
         started = time.perf_counter()
@@ -103,12 +106,34 @@ class SimulatedSampler:
             behaviour_logprobs=torch.from_numpy(logprobs),
         )
 
-    def load_snapshot(self, chain: list[str]) -> None:
+    def submit(self, key: str, prompt: list[int], params) -> None:
+        self.submitted[key] = (self.cost.response_lengths(count=params.n), self.version)
+        self.engine.add(key, self.submitted[key][0])
+
+    def step(self, seconds: float) -> list[tuple[str, Samples]]:
+        deadline = time.perf_counter() + seconds
+        done = self.engine.advance()
+        while not done and time.perf_counter() < deadline:
+            time.sleep(0.002)
+            done = self.engine.advance()
+        finished = []
+        for key in done:
+            lengths, version = self.submitted.pop(key)
+            samples = self.made(lengths, 1)
+            finished.append((key, dataclasses.replace(samples, token_versions=samples.labelled(version))))
+        return finished
+
+    def in_flight(self) -> int:
+        return len(self.submitted)
+
+    def load_snapshot(self, chain: list[str], version: int | None = None) -> None:
         started = time.perf_counter()
         self.real.load_snapshot(chain)  # the tiny model's snapshot: verified and loaded for real
         wait_until(started + self.cost.weight_sync_s())  # reading one of the profile's size
-        if self.pause is not None:
-            self.pause(time.perf_counter() - started)
+        if self.engine is not None:  # nothing decoded while the weights loaded
+            self.engine.pause(time.perf_counter() - started)
+        if version is not None:
+            self.version = version
 
     def join_broadcast(self, *args) -> None:
         raise NotImplementedError("the simulated cluster moves weights through the store")
@@ -169,59 +194,15 @@ class ContinuousBatching:
 
 
 class SimulatedGenerator(GeneratorService, Simulated):
-    """With ``generation.streaming``: a continuous-batching engine (:class:`ContinuousBatching`) of one batch's
-    sequences at a time, each costing its own length; groups go on as they finish, ``groups_per_record`` of one
-    prompt batch to a record (or what is left of it), each record of the version that admitted its oldest group."""
+    """The real generator with a simulated sampler; with ``generation.streaming``, streaming through a
+    continuous-batching engine (:class:`ContinuousBatching`) of one prompt batch's sequences, each costing its own
+    length."""
 
     def simulate(self, cost: CostModel) -> None:
         super().simulate(cost)
-        self.sampler = SimulatedSampler(self.sampler, cost, pause=self._pause)
         p = cost.profile
-        self.engine = ContinuousBatching(p.prompts * p.n, p.generate_s * cost.scale / p.response_tokens)
-        self.pending: deque[tuple[PromptBatch, int]] = deque()  # groups admitted, not yet let into the engine
-        self.lengths: dict[tuple[str, int, int], np.ndarray] = {}  # per group in the engine: its responses' lengths
-        self.sampling: dict[str, tuple[PromptBatch, int]] = {}  # per prompt batch: the message, groups not finished
-        self.finished: dict[str, list[tuple[int, int, np.ndarray]]] = {}  # per prompt batch: (row, version, lengths)
-
-    def _pause(self, seconds: float) -> None:
-        self.engine.pause(seconds)
-
-    def room(self) -> int:
-        return int(len(self.pending) + len(self.engine.waiting) // self.cost.profile.n < self.cost.profile.prompts)
-
-    def admit(self, message: PromptBatch) -> None:
-        self._check(message)
-        self.sampling[message.batch_id] = (message, message.rows)
-        self.pending.extend((message, row) for row in range(message.rows))
-
-    def collect(self) -> list[Collected]:
-        while self.pending and self.admits(self.pending[0][0].step, self.pending[0][1]):
-            message, row = self.pending.popleft()
-            group = (message.batch_id, row, self.policy_version)
-            self.lengths[group] = self.cost.response_lengths(count=self.cost.profile.n)
-            self.engine.add(group, self.lengths[group])
-        for group in self.engine.advance():
-            batch_id, row, version = group
-            self.finished.setdefault(batch_id, []).append((row, version, self.lengths.pop(group)))
-        out = []
-        for batch_id, groups in list(self.finished.items()):
-            message, left = self.sampling[batch_id]
-            per_record = self.config.generation.groups_per_record
-            while len(groups) >= per_record or (groups and len(groups) == left):
-                taken, groups = groups[:per_record], groups[per_record:]
-                left -= len(taken)
-                out.append(Collected(batch_id, [self._record(message, taken)], left == 0))
-            self.sampling[batch_id] = (message, left)
-            self.finished[batch_id] = groups
-            if left == 0:
-                del self.sampling[batch_id], self.finished[batch_id]
-        return out
-
-    def _record(self, message: PromptBatch, groups: list[tuple[int, int, np.ndarray]]) -> RolloutBatch:
-        rows = np.array([row for row, _, _ in groups])
-        samples = self.sampler.made(np.concatenate([lengths for _, _, lengths in groups]), len(rows))
-        batch_id, version = f"{message.batch_id}/{rows[0]}-{rows[-1]}", min(version for _, version, _ in groups)
-        return self._rollout_batch(message, rows, samples, batch_id, version, message.lineage)
+        engine = ContinuousBatching(p.prompts * p.n, p.generate_s * cost.scale / p.response_tokens)
+        self.sampler = SimulatedSampler(self.sampler, cost, engine)
 
 
 class SimulatedScorer(ScorerService, Simulated):

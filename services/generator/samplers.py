@@ -7,18 +7,38 @@ import importlib.util
 import logging
 from pathlib import Path
 
+import torch
+
 from common.broadcast import WeightReceiver
 from common.generation import sample_responses
 from common.models import add_lora, load_actor
-from common.sampling import Sampler
+from common.sampling import Sampler, Samples, SamplingParams
 from common.weights import load_snapshot_into, load_state_into
 
-__all__ = ["TransformersSampler", "make_sampler", "vllm_installed"]
+__all__ = ["GroupByGroup", "TransformersSampler", "make_sampler", "vllm_installed"]
 
 log = logging.getLogger(__name__)
 
 
-class TransformersSampler:
+class GroupByGroup:
+    """Streaming for a sampler without continuous batching: each :meth:`step` samples the oldest group submitted,
+    whole, by the weights loaded then (new weights land between groups, never in a response)."""
+
+    updates_in_flight = True  # a group submitted is not begun until it is sampled whole
+
+    def submit(self, key: str, prompt: list[int], params: SamplingParams) -> None:
+        self.submitted[key] = (prompt, params)
+
+    def step(self, seconds: float) -> list[tuple[str, Samples]]:
+        key = next(iter(self.submitted))
+        prompt, params = self.submitted.pop(key)
+        return [(key, self.sample(torch.tensor([prompt]), torch.tensor([len(prompt)]), params))]
+
+    def in_flight(self) -> int:
+        return len(self.submitted)
+
+
+class TransformersSampler(GroupByGroup):
     """The actor as a transformers model, sampled with ``generate``: slow, but needs nothing beyond the trainer."""
 
     backend = "transformers"
@@ -39,11 +59,12 @@ class TransformersSampler:
         self.skeleton = self.model
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.receiver: WeightReceiver | None = None
+        self.submitted: dict[str, tuple[list[int], SamplingParams]] = {}  # streaming: the groups not yet sampled
 
     def sample(self, prompt_tokens, prompt_lengths, params):
         return sample_responses(self.model, prompt_tokens, prompt_lengths, params, self.eos_token_id, self.pad_token_id)
 
-    def load_snapshot(self, chain: list[str]) -> None:
+    def load_snapshot(self, chain: list[str], version: int | None = None) -> None:
         load_snapshot_into(self.model, chain)
 
     def join_broadcast(self, address: str, timeout_s: float, algorithm: str, name: str) -> None:
@@ -90,6 +111,7 @@ def make_sampler(config, model_dir: Path, tokenizer) -> Sampler:
             config.generation.vllm,
             seed=config.run.seed,
             lora=config.model.lora,
+            in_flight_updates=config.generation.in_flight_updates,
         )
     return TransformersSampler(
         model_dir,

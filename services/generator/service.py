@@ -1,29 +1,56 @@
 """generator: prompts → rollouts. Samples n responses per prompt with the actor and records behaviour log-probs.
 
 A prompt batch is taken once the learner's progress allows its first group (bounded staleness counted in groups,
-see :meth:`GeneratorService.ready_for`). In batch mode it is sampled whole, as one record. With
-``generation.streaming`` the generator streams: prompt batches are admitted while fewer than a batch's groups wait,
-each group is sampled only when the bound allows it, by the weights loaded at that moment, and sent on at once
-(``generation.groups_per_record`` of one prompt batch to a record).
+see :meth:`GeneratorService.ready_for`). In batch mode it is sampled whole, as one record.
+
+With ``generation.streaming`` the generator streams: prompt batches are admitted while fewer than a batch's groups
+wait; each group (a prompt's ``n`` responses) starts sampling once the bound allows it, beside whatever else is in
+flight (vLLM batches them continuously; the transformers backend samples one group at a time), and goes on as soon as
+its last response finishes, ``generation.groups_per_record`` of one prompt batch to a record, flushed by count or
+after ``generation.flush_s``. New weights load while responses are being sampled (``generation.in_flight_updates``);
+every token records the version that sampled it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
+import time
 from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from common.config import RunConfig
 from common.models import load_tokenizer, resolve_model
-from common.sampling import SamplingParams
-from common.schema import ADAPTER_BASE, LEARNER_GROUPS_DONE, PromptBatch, RolloutBatch, WeightAnnouncement, new_header
+from common.sampling import Samples, SamplingParams
+from common.schema import (
+    ADAPTER_BASE,
+    LEARNER_GROUPS_DONE,
+    PromptBatch,
+    RolloutBatch,
+    WeightAnnouncement,
+    group_key,
+    new_header,
+)
 from common.weights import WeightIntegrityError
 from services.generator.samplers import make_sampler
 from services.service import Collected, InputError, Service, check_token_ids, load_announced_weights
 
 log = logging.getLogger(__name__)
+
+STEP_S = 0.05  # streaming: how long one collect() lets the engine run before it sends what finished
+
+
+@dataclass
+class _Stream:
+    """A prompt batch being sampled group by group: the groups finished and not yet sent, and how many are unsent."""
+
+    message: PromptBatch
+    unsent: int
+    finished: list[tuple[int, Samples, float]] = field(default_factory=list)  # (row, samples, when it finished)
 
 
 class GeneratorService(Service):
@@ -39,7 +66,9 @@ class GeneratorService(Service):
         self.policy_version = 0  # the configured initial weights are version 0
         self.digest = ""  # of the snapshot loaded ("": the configured initial weights)
         self.groups_done = 0  # groups the learner had used up when it announced the weights loaded
-        self.queue: deque[tuple[PromptBatch, int]] = deque()  # streaming: the groups admitted, not yet sampled
+        self.queue: deque[tuple[PromptBatch, int]] = deque()  # streaming: the groups admitted, not yet started
+        self.sampling: dict[str, tuple[str, int]] = {}  # streaming: per group key in the engine, (batch id, row)
+        self.batches: dict[str, _Stream] = {}  # streaming: the prompt batches admitted and not yet sent whole
         broadcast = config.weights.broadcast
         if broadcast.address is not None:
             self.sampler.join_broadcast(broadcast.address, broadcast.timeout_s, config.weights.digest, self.replica_id)
@@ -53,8 +82,13 @@ class GeneratorService(Service):
         if self._holds(announcement):  # the learner's progress alone (groups used up without an update)
             self.groups_done = max(self.groups_done, groups_done)
             return True
+        if self.streams and not self.sampler.updates_in_flight:  # generation.in_flight_updates: finish
+            while self.sampler.in_flight():  # the responses being sampled end under the weights that began them
+                self._take_finished(self.sampler.step(STEP_S))
+        version = announcement.policy_version
+        load = functools.partial(self.sampler.load_snapshot, version=version)
         if not self._load_broadcast(announcement) and not load_announced_weights(
-            self.sampler.load_snapshot, announcement, self.replica_id, self.policy_version
+            load, announcement, self.replica_id, self.policy_version
         ):
             return False
         self.policy_version, self.digest = announcement.policy_version, announcement.digest
@@ -138,32 +172,65 @@ class GeneratorService(Service):
         return self.config.generation.streaming
 
     def room(self) -> int:
-        # The next prompt batch is admitted while fewer than a batch's groups wait: sampling never runs dry.
+        # The next prompt batch is admitted while fewer than a batch's groups wait to be sampled: the engine never
+        # runs dry while the bound allows more.
         return int(len(self.queue) < self.config.data.batch_size)
 
     def admit(self, message: PromptBatch) -> None:
         self._check(message)
         self.queue.extend((message, row) for row in range(message.rows))
+        self.batches[message.batch_id] = _Stream(message, message.rows)
 
     def collect(self) -> list[Collected]:
-        """Sample the next groups (up to ``generation.groups_per_record``, of one prompt batch) by the weights loaded
-        now, as one record; the prompt batch is done with its last group."""
-        message = self.queue[0][0] if self.queue else None
-        rows = []
-        while (
-            self.queue
-            and self.queue[0][0] is message
-            and len(rows) < self.config.generation.groups_per_record
-            and self.admits(message.step, self.queue[0][1])
-        ):
-            rows.append(self.queue.popleft()[1])
-        if not rows:
-            return []
-        seed = (self.config.run.seed * 1_000_003 + message.step) * 1_009 + rows[0]
-        rollouts = self._rollouts(message, np.array(rows), seed)
-        rollouts.batch_id = f"{message.batch_id}/{rows[0]}-{rows[-1]}"
-        done = not (self.queue and self.queue[0][0] is message)
-        return [Collected(message.batch_id, [rollouts], done)]
+        """Start sampling the groups the bound allows, let the engine run a while, and send the groups that
+        finished: up to ``generation.groups_per_record`` of one prompt batch to a record, once there are that many,
+        the batch has no other group left, or the first has waited ``generation.flush_s``."""
+        self._start_admissible()
+        if self.sampler.in_flight():
+            self._take_finished(self.sampler.step(STEP_S))
+        return self._flush(time.monotonic())
+
+    def under_way(self) -> bool:
+        return self.sampler.in_flight() > 0 or any(stream.finished for stream in self.batches.values())
+
+    def _start_admissible(self) -> None:
+        while self.queue and self.admits(self.queue[0][0].step, self.queue[0][1]):
+            message, row = self.queue.popleft()
+            key = group_key(message.step, row)
+            self.sampling[key] = (message.batch_id, row)
+            prompt = message.prompt_tokens[row, : int(message.prompt_lengths[row])].tolist()
+            self.sampler.submit(key, prompt, self._params(self._group_seed(message.step, row)))
+
+    def _take_finished(self, finished: list[tuple[str, Samples]]) -> None:
+        for key, samples in finished:
+            batch_id, row = self.sampling.pop(key)
+            if samples.token_versions is None:  # sampled whole, by the weights loaded now
+                samples = dataclasses.replace(samples, token_versions=samples.labelled(self.policy_version))
+            self.batches[batch_id].finished.append((row, samples, time.monotonic()))
+
+    def _flush(self, now: float) -> list[Collected]:
+        out = []
+        per_record, wait = self.config.generation.groups_per_record, self.config.generation.flush_s
+        for batch_id, stream in list(self.batches.items()):
+            while stream.finished and (
+                len(stream.finished) >= per_record
+                or len(stream.finished) == stream.unsent
+                or now - stream.finished[0][2] >= wait
+            ):
+                taken, stream.finished = stream.finished[:per_record], stream.finished[per_record:]
+                stream.unsent -= len(taken)
+                out.append(Collected(batch_id, [self._record(stream.message, taken)], stream.unsent == 0))
+            if stream.unsent == 0:
+                del self.batches[batch_id]
+        return out
+
+    def _record(self, message: PromptBatch, groups: list[tuple[int, Samples, float]]) -> RolloutBatch:
+        """The record of finished groups (rows of ``message``), each labelled with the versions that sampled it."""
+        rows = np.array([row for row, _, _ in groups])
+        samples = Samples.concat([samples for _, samples, _ in groups])
+        params = self._params(self._group_seed(message.step, int(rows[0])))
+        batch_id, lineage = f"{message.batch_id}/{rows[0]}-{rows[-1]}", self._lineage(message, params)
+        return self._rollout_batch(message, rows, samples, batch_id, self.policy_version, lineage)
 
     # ------------------------------------------------------------------ internals
 
@@ -175,9 +242,17 @@ class GeneratorService(Service):
         check_token_ids(message, self.sampler.skeleton, "actor")
 
     def _rollouts(self, message: PromptBatch, prompts: np.ndarray, seed: int) -> RolloutBatch:
-        """The groups of ``prompts`` (rows of the prompt batch), sampled by the weights loaded now."""
+        """The groups of ``prompts`` (rows of the prompt batch), sampled together by the weights loaded now."""
+        params = self._params(seed)
+        samples = self.sampler.sample(
+            torch.from_numpy(message.prompt_tokens[prompts]), torch.from_numpy(message.prompt_lengths[prompts]), params
+        )
+        lineage = self._lineage(message, params)
+        return self._rollout_batch(message, prompts, samples, message.batch_id, self.policy_version, lineage)
+
+    def _params(self, seed: int) -> SamplingParams:
         gen = self.config.generation
-        params = SamplingParams(
+        return SamplingParams(
             n=gen.n,
             max_new_tokens=gen.max_new_tokens,
             temperature=gen.temperature,
@@ -185,16 +260,18 @@ class GeneratorService(Service):
             top_k=gen.top_k,
             seed=seed,
         )
-        samples = self.sampler.sample(
-            torch.from_numpy(message.prompt_tokens[prompts]), torch.from_numpy(message.prompt_lengths[prompts]), params
-        )
-        lineage = {
+
+    def _group_seed(self, step: int, row: int) -> int:
+        """A streamed group's seed: its samples are the same whichever groups it was sampled beside."""
+        return (self.config.run.seed * 1_000_003 + step) * 1_009 + row
+
+    def _lineage(self, message: PromptBatch, params: SamplingParams) -> dict:
+        return {
             **message.lineage,
             **params.lineage(),
             "generator.backend": self.sampler.backend,
             "actor.model": self.model_id,
         }
-        return self._rollout_batch(message, prompts, samples, message.batch_id, self.policy_version, lineage)
 
     def _rollout_batch(
         self, message: PromptBatch, prompts: np.ndarray, samples, batch_id: str, version: int, lineage: dict
@@ -202,7 +279,7 @@ class GeneratorService(Service):
         """The record of ``samples`` of the groups of ``prompts`` (rows of the prompt batch)."""
         rows = prompts[samples.group_index.numpy()]
         real = np.arange(samples.response_tokens.shape[1]) < samples.response_lengths.numpy()[:, None]
-        versions = samples.token_versions.numpy() if samples.token_versions is not None else np.where(real, version, 0)
+        versions = (samples.token_versions if samples.token_versions is not None else samples.labelled(version)).numpy()
         oldest = int(versions[real].min()) if real.any() else version  # the header's: the oldest token's
         return RolloutBatch(
             **new_header(batch_id, self.replica_id, oldest, lineage),

@@ -23,6 +23,7 @@ import logging
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -103,8 +104,14 @@ class VllmSampler:
         options,
         seed: int = 0,
         lora=None,
+        in_flight_updates: str = "recompute",
     ):
         self.model_dir = Path(model_dir)
+        self.in_flight_updates = in_flight_updates  # keep | recompute | finish
+        # LoRA adapters are per request: the responses in flight keep theirs, so new adapters wait for them.
+        self.updates_in_flight = in_flight_updates != "finish" and lora is None
+        self.version = 0  # what the weights loaded are: the engine labels each token it samples with it
+        self.requests: dict[str, tuple[list[int], SamplingParams]] = {}  # streaming: the groups in the engine
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.skeleton = actor_skeleton(self.model_dir, trust_remote_code)
         self.lora = lora
@@ -150,6 +157,7 @@ class VllmSampler:
             llm.reset_prefix_cache()
         if self.broadcast is not None:  # a new engine's workers join the learner's next group
             llm.collective_rpc("join_broadcast", args=self.broadcast)
+        llm.llm_engine.set_weight_version(str(self.version))
         self.engine_starts += 1
         log.info(
             "vLLM engine started in %.1f s (%s)",
@@ -159,9 +167,12 @@ class VllmSampler:
         return llm
 
     def _restart_engine(self, reason: str) -> None:
+        """A new engine with the last good weights; the groups that were in flight start again in it."""
         log.error("vLLM engine failed (%s); restarting it with the last good weights", reason)
         self.close()
         self.llm = self._start_engine()
+        for key, (prompt, params) in self.requests.items():
+            self._add(key, prompt, params)
 
     def close(self) -> None:
         if getattr(self, "lora", None) is not None:
@@ -178,27 +189,53 @@ class VllmSampler:
 
     # ------------------------------------------------------------------------------------------------ weights
 
-    def load_snapshot(self, chain: list[str]) -> None:
-        if self.lora is not None:
+    def load_snapshot(self, chain: list[str], version: int | None = None) -> None:
+        if self.lora is not None:  # nothing in flight (updates_in_flight): the next requests take the adapters
             self._load_adapters(chain)
+            if version is not None:
+                self.version = version
+                self.llm.llm_engine.set_weight_version(str(version))
             return
         uri = split_link(chain[-1])[1] if chain else "(none)"
         full = split_link(chain[0])[1] if chain else ""
         check_fits(full, snapshot_shapes(full), self.skeleton)  # the header only: names and shapes
         for attempt in (1, 2):
             try:
-                refused = _first_refusal(self.llm.collective_rpc("load_snapshot", args=(list(chain),)))
+                with self._updating(version):
+                    refused = _first_refusal(self.llm.collective_rpc("load_snapshot", args=(list(chain),)))
+                    if refused:
+                        raise WeightIntegrityError(refused)
+            except WeightIntegrityError:
+                raise
             except Exception as exc:
                 if attempt == 2:
                     self._restart_engine(f"update to {uri} failed twice: {exc}")
                     raise WeightIntegrityError(f"snapshot {uri} could not be loaded by vLLM: {exc}") from exc
                 self._restart_engine(f"update to {uri} failed: {exc!r}")
                 continue
-            if refused:
-                raise WeightIntegrityError(refused)
-            self.llm.reset_prefix_cache()
             self.good_snapshot = list(chain)
             return
+
+    @contextmanager
+    def _updating(self, version: int | None):
+        """New weights load inside. With groups in flight the engine is paused first, their requests kept (vLLM's
+        ``pause_scheduler`` mode ``keep``), and resumed after; per ``in_flight_updates`` their KV cache is kept or
+        dropped to be computed again by the new weights (``reset_prefix_cache`` with ``reset_running_requests``:
+        vLLM preempts them, and recomputes their prompt and tokens so far when it schedules them again). The prefix
+        cache of finished requests goes either way. From then on the engine labels its tokens ``version``."""
+        engine = self.llm.llm_engine
+        busy = bool(self.requests)
+        if busy:
+            engine.engine_core.call_utility("pause_scheduler", "keep", False)
+        try:
+            yield
+            if version is not None:
+                self.version = version
+                engine.set_weight_version(str(version))
+            engine.reset_prefix_cache(reset_running_requests=busy and self.in_flight_updates == "recompute")
+        finally:
+            if busy and self.llm is not None and self.llm.llm_engine is engine:  # not a restarted engine
+                engine.engine_core.call_utility("resume_scheduler")
 
     def join_broadcast(self, address: str, timeout_s: float, algorithm: str, name: str) -> None:
         """Each engine worker receives the broadcasts itself (one receiver per worker: under tensor parallelism,
@@ -207,9 +244,13 @@ class VllmSampler:
         self.llm.collective_rpc("join_broadcast", args=self.broadcast)
 
     def load_broadcast(self, version: int, digest: str, chain: list[str]) -> bool:
-        if self.broadcast is None or not all(self.llm.collective_rpc("load_broadcast", args=(version, digest))):
-            return False  # a worker without it: the caller reads the store, which every worker then loads
-        self.llm.reset_prefix_cache()
+        if self.broadcast is None:
+            return False
+        with self._updating(None):
+            if not all(self.llm.collective_rpc("load_broadcast", args=(version, digest))):
+                return False  # a worker without it: the caller reads the store, which every worker then loads
+            self.version = version
+            self.llm.llm_engine.set_weight_version(str(version))
         self.good_snapshot = list(chain)  # the same version, for an engine started later
         return True
 
@@ -242,7 +283,6 @@ class VllmSampler:
     # ------------------------------------------------------------------------------------------------ sampling
 
     def sample(self, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, params: SamplingParams) -> Samples:
-        from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
 
         prompts = [
@@ -250,20 +290,7 @@ class VllmSampler:
             for row, length in zip(prompt_tokens, prompt_lengths.tolist())
         ]
         # One seed per prompt: the n samples of a prompt differ, and a batch is reproducible from params.seed.
-        per_prompt = [
-            VllmParams(
-                n=params.n,
-                max_tokens=params.max_new_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k or -1,
-                seed=params.seed * 7919 + i,
-                logprobs=0,
-                stop_token_ids=[self.eos_token_id],
-                detokenize=False,
-            )
-            for i in range(len(prompts))
-        ]
+        per_prompt = [self._vllm_params(params, params.seed * 7919 + i) for i in range(len(prompts))]
         lora = {"lora_request": self.lora_request} if self.lora is not None else {}
         try:
             outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False, **lora)
@@ -272,7 +299,60 @@ class VllmSampler:
             outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False, **lora)
         return self._to_samples(outputs, params.n)
 
+    def _vllm_params(self, params: SamplingParams, seed: int, final_only: bool = False):
+        from vllm import SamplingParams as VllmParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VllmParams(
+            n=params.n,
+            max_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k or -1,
+            seed=seed,
+            logprobs=0,
+            stop_token_ids=[self.eos_token_id],
+            detokenize=False,
+            **({"output_kind": RequestOutputKind.FINAL_ONLY} if final_only else {}),
+        )
+
+    # ------------------------------------------------------------------------------------------------ streaming
+
+    def submit(self, key: str, prompt: list[int], params: SamplingParams) -> None:
+        self.requests[key] = (prompt, params)
+        self._add(key, prompt, params)
+
+    def _add(self, key: str, prompt: list[int], params: SamplingParams) -> None:
+        from vllm.inputs import TokensPrompt
+
+        lora = {"lora_request": self.lora_request} if self.lora is not None else {}
+        # The group's own prefix-cache salt: its n responses share their prompt's cache, and no other request does
+        # (one computed by other weights, say).
+        prompt = TokensPrompt(prompt_token_ids=list(prompt), cache_salt=key)
+        self.llm.llm_engine.add_request(key, prompt, self._vllm_params(params, params.seed, final_only=True), **lora)
+
+    def step(self, seconds: float) -> list[tuple[str, Samples]]:
+        deadline, finished = time.monotonic() + seconds, []
+        while self.requests:
+            try:
+                outputs = self.llm.llm_engine.step()
+            except Exception as exc:
+                self._restart_engine(f"a step failed: {exc!r}")  # the groups in flight start again
+                return finished
+            for output in outputs:
+                if output.finished and output.request_id in self.requests:
+                    _, params = self.requests.pop(output.request_id)
+                    finished.append((output.request_id, self._to_samples([output], params.n)))
+            if finished or time.monotonic() >= deadline:
+                break
+        return finished
+
+    def in_flight(self) -> int:
+        return len(self.requests)
+
     def _to_samples(self, outputs, n: int) -> Samples:
+        from vllm.outputs import WeightVersionSpan
+
         completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         width = max(1, max(len(c.token_ids) for c in completions))
         count = len(completions)
@@ -280,6 +360,7 @@ class VllmSampler:
         logprobs = torch.zeros((count, width), dtype=torch.float32)
         lengths = torch.zeros(count, dtype=torch.long)
         finished = torch.zeros(count, dtype=torch.bool)
+        versions = torch.zeros((count, width), dtype=torch.int32)
         for row, completion in enumerate(completions):
             ids = list(completion.token_ids)
             length = len(ids)
@@ -288,8 +369,11 @@ class VllmSampler:
             logprobs[row, :length] = torch.tensor([step[tid].logprob for step, tid in zip(completion.logprobs, ids)])
             lengths[row] = length
             finished[row] = length > 0 and ids[-1] == self.eos_token_id
+            # The engine's record of which weights sampled which tokens (labels set in _updating).
+            for span in completion.weight_versions or [WeightVersionSpan(str(self.version), 0, length)]:
+                versions[row, span.start : span.end] = int(span.version)
         group_index = torch.arange(len(outputs)).repeat_interleave(n)
-        return Samples(group_index, tokens, lengths, finished, logprobs)
+        return Samples(group_index, tokens, lengths, finished, logprobs, versions)
 
 
 def _first_refusal(answers: list) -> str | None:

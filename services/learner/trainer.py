@@ -119,6 +119,14 @@ class Experience:
         return lengths_to_mask(self.response_lengths, self.response_tokens.shape[1])
 
 
+def _across_versions(exp: Experience, mask: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` whether more than one version sampled the tokens of each sequence."""
+    if exp.token_versions is None:
+        return torch.zeros(exp.rows, dtype=torch.bool)
+    newest = torch.where(mask.bool(), exp.token_versions, exp.policy_versions.unsqueeze(-1)).amax(-1)
+    return newest > exp.policy_versions
+
+
 def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters that train: all of them, or a LoRA model's adapters."""
     return [p for p in model.parameters() if p.requires_grad]
@@ -364,6 +372,8 @@ class PPOTrainer:
             "logprob_mismatch": float(ppo.masked_mean(gap, mask)),
             "logprob_mismatch_max": float((gap * mask).max()) if n else 0.0,
             "staleness": float(batch.staleness.float().mean()),
+            # Sequences whose tokens more than one version sampled: new weights landed while they were sampled.
+            "sampled_across_updates": float(_across_versions(exp, mask).float().mean()) if n else 0.0,
             "policy_version": float(self.version),
         }
 
