@@ -288,7 +288,65 @@ def write_markdown(results: dict, path: Path) -> None:
         out += _cluster(s["cluster"])
     if "streaming" in s:
         out += _streaming(s["streaming"])
+    if "in_flight" in s:
+        out += _in_flight(s["in_flight"])
+    if "engine_memory" in s:
+        out += _engine_memory(s["engine_memory"])
     path.write_text("\n".join(out))
+
+
+def _in_flight(c: dict) -> list[str]:
+    out = ["## 11. Streaming on a real engine: weights loaded in flight", "", c["setup"], ""]
+    batch = next(r for r in c["runs"] if r["generator"] == "batch")
+    out += _table(
+        [
+            "generator",
+            "updates/s",
+            "× batch",
+            "reward, first 5 → last 5 updates",
+            "groups trained (unique)",
+            "largest staleness",
+            "sequences sampled across an update",
+            "log-prob gap (sampler vs learner)",
+        ],
+        [
+            [
+                r["generator"],
+                r["updates_per_s"],
+                r["updates_per_s"] / batch["updates_per_s"],
+                f"{_f(r['reward_first5'])} → {_f(r['reward_last5'])}",
+                f"{r['groups_trained']} ({r['groups_unique']})",
+                r["staleness_max"],
+                r["sampled_across_updates"],
+                r["logprob_mismatch"],
+            ]
+            for r in c["runs"]
+        ],
+    )
+    return out + [""]
+
+
+def _engine_memory(c: dict) -> list[str]:
+    out = [
+        "## 12. The vLLM engine's memory over a long streaming run",
+        "",
+        f"`streamppo run` (embedded), vowels example, vLLM generator with `generation.streaming`, {c['steps']} updates "
+        f"in {_f(c['wall_s'], 0)} s; the resident memory of the engine's processes (its core and worker) against the "
+        "updates made so far.",
+        "",
+    ]
+    samples = c["samples"]
+    if not samples:
+        return out + ["No sample was taken.", ""]
+    marks = sorted(
+        {min(range(len(samples)), key=lambda i: abs(samples[i]["updates"] - u)) for u in range(0, c["steps"] + 1, 50)}
+    )
+    first = samples[0]["engine_rss_mib"]
+    out += _table(
+        ["updates", "engine RSS (MiB)", "change since the first sample (MiB)"],
+        [[samples[i]["updates"], samples[i]["engine_rss_mib"], samples[i]["engine_rss_mib"] - first] for i in marks],
+    )
+    return out + [""]
 
 
 def _streaming(c: dict) -> list[str]:

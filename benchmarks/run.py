@@ -272,9 +272,10 @@ def bench_pipeline(steps: int = 20) -> dict:
     }
 
 
-def bench_in_flight(steps: int = 40) -> dict:
+def bench_in_flight(steps: int = 40, max_new_tokens: int = 128) -> dict:
     """Batch mode against streaming with each ``generation.in_flight_updates``, side by side: ``streamppo up``,
-    vowels, vLLM on the tiny model, ``max_staleness`` 1."""
+    vowels, vLLM on the tiny model, ``max_staleness`` 1, responses long enough (``max_new_tokens``) that updates
+    land while they are sampled."""
     variants = {"batch": []}
     for mode in ("finish", "keep", "recompute"):
         variants[f"streaming, {mode}"] = [
@@ -285,7 +286,12 @@ def bench_in_flight(steps: int = 40) -> dict:
     runs = []
     for name, overrides in variants.items():
         with tempfile.TemporaryDirectory() as tmp:
-            run = _up(steps, ["pipeline.max_staleness=1", "generation.backend=vllm", *overrides], Path(tmp) / "run")
+            common = [
+                "pipeline.max_staleness=1",
+                "generation.backend=vllm",
+                f"generation.max_new_tokens={max_new_tokens}",
+            ]
+            run = _up(steps, [*common, *overrides], Path(tmp) / "run")
         records = run["records"]
         times, groups = [r["time"] for r in records], [g for r in records for g in r["groups"]]
         mean = lambda key, rows: statistics.fmean(r[key] for r in rows)  # noqa: E731
@@ -305,7 +311,9 @@ def bench_in_flight(steps: int = 40) -> dict:
         )
     return {
         "setup": f"`streamppo up` on the vowels example (tiny model, one process per service over the local broker), "
-        f"vLLM generator, `max_staleness` 1, {steps} updates; streaming with records of up to "
+        f"vLLM generator, `max_staleness` 1, {steps} updates, up to {max_new_tokens} tokens a response (the tiny "
+        "model rarely ends one early: long responses, so that updates land while they are sampled); streaming with "
+        "records of up to "
         f"{STREAM_GROUPS_PER_RECORD} groups. updates/s from the first update to the last.",
         "runs": runs,
     }
