@@ -307,6 +307,60 @@ def test_the_engines_workers_take_the_learners_broadcast(engine, tiny_model, pro
         sender.close()
 
 
+def test_a_plain_vllm_engine_takes_streamppos_snapshots_through_vllms_weight_transfer_interface(
+    tiny_model, tokenizer, tmp_path
+):
+    """streamppo's engine in vLLM's weight-transfer registry, registered by the plugin entry point in the engine's
+    own processes: an engine that streamppo did not start (as a ``vllm serve`` would be) names it in its config and
+    loads a snapshot through vLLM's ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``; a
+    damaged snapshot is refused with nothing loaded."""
+    from vllm import LLM
+    from vllm import SamplingParams as VllmParams
+    from vllm.inputs import TokensPrompt
+
+    from services.generator.vllm_plugin import REFUSED
+
+    store = WeightStore(tmp_path)
+    updated = perturbed(load_actor(tiny_model), seed=8)
+    good = store.save("actor", 1, updated)
+    bad = store.save("actor", 2, perturbed(load_actor(tiny_model), seed=9))
+    with open(bad.uri, "r+b") as fh:
+        fh.seek(-64, 2)
+        fh.write(b"\x00" * 64)
+    llm = LLM(
+        model=str(tiny_model),
+        dtype="float32",
+        kv_cache_memory_bytes=2**28,
+        logprobs_mode="processed_logprobs",
+        weight_transfer_config={"backend": "streamppo"},
+    )
+    prompt = tokenizer("the quick brown fox", return_tensors="pt")["input_ids"]
+
+    def gap_to(actor) -> float:
+        """Max |vLLM log-prob − transformers log-prob under ``actor``| over 12 tokens vLLM samples."""
+        params = VllmParams(max_tokens=12, temperature=1.0, seed=3, logprobs=0, ignore_eos=True, detokenize=False)
+        completion = llm.generate(TokensPrompt(prompt_token_ids=prompt[0].tolist()), params, use_tqdm=False)[0]
+        ids = list(completion.outputs[0].token_ids)
+        sampled = torch.tensor([step[t].logprob for step, t in zip(completion.outputs[0].logprobs, ids)])
+        with torch.no_grad():
+            logits = actor(torch.cat([prompt, torch.tensor([ids])], dim=1)).logits[0, prompt.shape[1] - 1 : -1]
+        reference = torch.log_softmax(logits.float(), dim=-1)[torch.arange(len(ids)), torch.tensor(ids)]
+        return float((reference - sampled).abs().max())
+
+    try:
+        llm.collective_rpc("start_weight_update")
+        llm.collective_rpc("update_weights", kwargs={"update_info": {"chain": good.chain}})
+        llm.collective_rpc("finish_weight_update")
+        llm.reset_prefix_cache()
+        assert gap_to(updated) < 1e-4
+        llm.collective_rpc("start_weight_update")
+        with pytest.raises(Exception, match=REFUSED + ".*has blake3"):
+            llm.collective_rpc("update_weights", kwargs={"update_info": {"chain": bad.chain}})
+        assert gap_to(updated) < 1e-4, "the refused snapshot touched no weight"
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def test_sigterm_ends_a_run_with_its_engine(model_cache, tmp_path):
     """`streamppo run` stopped by SIGTERM (a scheduler, `timeout`) shuts its vLLM engine down: no engine process
     is left behind with the model in memory."""

@@ -1,9 +1,11 @@
 """The vLLM backend of the generator: sampling with behaviour log-probs, and weight updates in place.
 
-Weights reach the engine through :class:`SnapshotLoader`, a vLLM worker extension: inside the worker process it
-maps a snapshot from the weight store, checks its digest and hands the tensors (views of the file's pages) to the
-worker's own ``reload_weights``; the prefix cache is reset afterwards, as its entries were computed with the old
-weights. Nothing is copied through the engine's RPC channel but the file's path.
+Weights reach the engine through vLLM's weight-transfer interface (``start_weight_update``, ``update_weights``,
+``finish_weight_update``, as vLLM's ``AsyncLLM`` drives it) and streamppo's engine in vLLM's registry
+(:mod:`services.generator.vllm_transfer`): inside each worker process it maps a snapshot from the weight store,
+checks its digests and reloads the tensors (views of the file's pages) in place, or loads the learner's broadcast;
+the prefix cache is reset afterwards, as its entries were computed with the old weights. Nothing is copied through
+the engine's RPC channel but the file's path.
 
 With LoRA (``model.lora``) the engine keeps its base weights for good and serves adapters (vLLM's LoRA support,
 on CPU too): each verified adapter snapshot is written as an adapter folder and used as the next requests' LoRA
@@ -32,61 +34,11 @@ from common.models import actor_skeleton, add_lora
 from common.sampling import Samples, SamplingParams
 from common.schema import split_link
 from common.weights import WeightIntegrityError, check_fits, open_weights, snapshot_shapes
+from services.generator.vllm_plugin import BACKEND, REFUSED
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SnapshotLoader", "VllmSampler"]
-
-
-class SnapshotLoader:
-    """Mixed into vLLM's worker (``worker_extension_cls``); its methods run in the worker process."""
-
-    def load_snapshot(self, chain: list[str]) -> str | None:
-        """Load a verified snapshot chain in place; returns why it was refused (weights untouched), or None."""
-        try:
-            with open_weights(chain) as state:
-                self.model_runner.reload_weights(weights_iterator=iter(state.items()))
-        except WeightIntegrityError as exc:  # raised before reload_weights is called
-            return str(exc)
-        _repack_tied_cpu_linears(self.model_runner.get_model())
-        return None
-
-    def join_broadcast(self, address: str, timeout_s: float, algorithm: str, name: str) -> None:
-        """Start receiving the learner's broadcasts in this worker (``common.broadcast``: a thread of its own)."""
-        from common.broadcast import WeightReceiver
-
-        self.broadcast_receiver = WeightReceiver(address, timeout_s, algorithm, name)
-
-    def load_broadcast(self, version: int, digest: str) -> bool:
-        """Reload the weights in place from the received tensors, if they are ``version`` with ``digest``."""
-        receiver = getattr(self, "broadcast_receiver", None)
-        if receiver is None:
-            return False
-
-        def reload(state: dict[str, torch.Tensor]) -> None:
-            self.model_runner.reload_weights(weights_iterator=iter(state.items()))
-            _repack_tied_cpu_linears(self.model_runner.get_model())
-
-        try:
-            return receiver.load_into(version, digest, reload)
-        except Exception as exc:  # weights half-reloaded, maybe: the caller reloads them all from the store
-            log.error("broadcast of v%d did not load in the engine: %s", version, exc)
-            return False
-
-
-def _repack_tied_cpu_linears(model: torch.nn.Module) -> None:
-    """Re-pack linears whose weight is tied to a reloaded one (vLLM CPU, tied embeddings).
-
-    On CPU, vLLM packs each linear's weight for oneDNN once, after loading. ``reload_weights`` re-packs the layers
-    it loaded, but an ``lm_head`` tied to ``embed_tokens`` receives no tensor of its own: its weight is updated
-    through the tie, its packed copy is not, and the logits keep coming from the old embedding. Layers that keep
-    their weight next to the packed copy (embeddings; packed linears drop theirs) are re-packed from it here.
-    """
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        method = getattr(module, "quant_method", None)
-        if hasattr(module, "cpu_linear") and method is not None and weight is not None and weight.numel() > 0:
-            method.process_weights_after_loading(module)
+__all__ = ["VllmSampler"]
 
 
 class VllmSampler:
@@ -135,7 +87,7 @@ class VllmSampler:
             ),
             # The log-probs of the distribution each token was drawn from (temperature, top-k/p applied).
             logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.SnapshotLoader",
+            weight_transfer_config={"backend": BACKEND},
             **({"enable_lora": True, "max_lora_rank": lora.rank, "max_loras": 1} if lora is not None else {}),
         )
         self.good_snapshot: list[str] | None = None  # the chain of the last update that loaded; None: the folder's
@@ -151,12 +103,12 @@ class VllmSampler:
         started = time.perf_counter()
         llm = LLM(**self.engine_args)
         if self.good_snapshot is not None and self.lora is None:  # adapters: the LoRA request still holds them
-            refused = _first_refusal(llm.collective_rpc("load_snapshot", args=(self.good_snapshot,)))
+            refused = _transfer(llm, {"chain": self.good_snapshot})
             if refused:  # the last good snapshot was pruned or damaged since: nothing good left to return to
                 raise WeightIntegrityError(f"cannot restore the last good weights: {refused}")
             llm.reset_prefix_cache()
         if self.broadcast is not None:  # a new engine's workers join the learner's next group
-            llm.collective_rpc("join_broadcast", args=self.broadcast)
+            _join_broadcast(llm, self.broadcast)
         llm.llm_engine.set_weight_version(str(self.version))
         self.engine_starts += 1
         log.info(
@@ -202,7 +154,7 @@ class VllmSampler:
         for attempt in (1, 2):
             try:
                 with self._updating(version):
-                    refused = _first_refusal(self.llm.collective_rpc("load_snapshot", args=(list(chain),)))
+                    refused = _transfer(self.llm, {"chain": list(chain)})
                     if refused:
                         raise WeightIntegrityError(refused)
             except WeightIntegrityError:
@@ -241,13 +193,18 @@ class VllmSampler:
         """Each engine worker receives the broadcasts itself (one receiver per worker: under tensor parallelism,
         ``weights.broadcast.receivers`` counts workers); the tensors never pass through this process."""
         self.broadcast = (address, timeout_s, algorithm, name)
-        self.llm.collective_rpc("join_broadcast", args=self.broadcast)
+        _join_broadcast(self.llm, self.broadcast)
 
     def load_broadcast(self, version: int, digest: str, chain: list[str]) -> bool:
         if self.broadcast is None:
             return False
         with self._updating(None):
-            if not all(self.llm.collective_rpc("load_broadcast", args=(version, digest))):
+            try:
+                refused = _transfer(self.llm, {"version": version, "digest": digest})
+            except Exception as exc:  # weights half-reloaded, maybe: the caller reloads them all from the store
+                log.error("broadcast of v%d did not load in the engine: %s", version, exc)
+                return False
+            if refused:
                 return False  # a worker without it: the caller reads the store, which every worker then loads
             self.version = version
             self.llm.llm_engine.set_weight_version(str(version))
@@ -376,7 +333,20 @@ class VllmSampler:
         return Samples(group_index, tokens, lengths, finished, logprobs, versions)
 
 
-def _first_refusal(answers: list) -> str | None:
-    """One answer per engine worker (several under tensor parallelism): each loads its shard from the snapshot and
-    refuses it on its own; any refusal refuses the update."""
-    return next((answer for answer in answers if answer), None)
+def _join_broadcast(llm, receiver_args: tuple) -> None:
+    llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {"broadcast": list(receiver_args)}})
+
+
+def _transfer(llm, update_info: dict) -> str | None:
+    """One weight update through vLLM's weight-transfer interface, in every engine worker (several under tensor
+    parallelism, each loading its shard and refusing on its own). Returns why the weights were refused before any
+    was touched (the engine keeps its weights), or None once they are loaded; anything else raises."""
+    llm.collective_rpc("start_weight_update")
+    try:
+        llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+    except Exception as exc:  # the worker has ended the update itself
+        if REFUSED in str(exc):
+            return str(exc).split(REFUSED, 1)[1]
+        raise
+    llm.collective_rpc("finish_weight_update")
+    return None
