@@ -122,6 +122,17 @@ POLICY_LOSSES = Kind(
             "PPO's clipped surrogate −min(ρ·A, clip(ρ, 1−ε_low, 1+ε_high)·A), with an optional dual clip",
             reads=("clip_low", "clip_high", "dual_clip"),
         ),
+        Variant(
+            "gspo",
+            "GSPO: PPO's clip on one ratio per response, the geometric mean of its token ratios (pair it with "
+            "loss_agg seq-mean-token-mean)",
+            reads=("gspo_clip_low", "gspo_clip_high"),
+        ),
+        Variant(
+            "cispo",
+            "CISPO: −sg[clip(ρ, 1−ε_low, 1+ε_high)]·A·log π, every token keeping its gradient",
+            reads=("clip_low", "clip_high"),
+        ),
     ],
 )
 

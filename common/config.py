@@ -222,6 +222,13 @@ class AlgorithmSection(_Section):
 
     score_clip: float | None = Field(None, gt=0)
     missing_eos_penalty: float | None = Field(None, description="Subtracted from the score of truncated responses.")
+    overlong_buffer: int | None = Field(
+        None,
+        gt=0,
+        description="DAPO's overlong shaping: a response longer than generation.max_new_tokens − overlong_buffer "
+        "tokens loses overlong_penalty × (its excess / overlong_buffer) of its score, the whole penalty at the limit.",
+    )
+    overlong_penalty: float = Field(1.0, gt=0, description="With overlong_buffer: the penalty at the length limit.")
     dynamic_sampling: bool = Field(
         False,
         description="Drop groups whose scores are all equal (zero advantage: they teach nothing) at the advantage "
@@ -262,6 +269,36 @@ class ParallelOptions(_Section):
         return self
 
 
+Band = tuple[Annotated[float, Field(gt=0)], Annotated[float, Field(gt=0)]]
+
+
+class OffPolicy(_Section):
+    """How the learner corrects for tokens sampled by another policy than π_old (``common.ppo.off_policy_weights``),
+    from ``r = π_old / π_behaviour``."""
+
+    applies_to: Literal["none", "stale", "all"] = Field(
+        "stale",
+        description="stale: tokens sampled by another version than π_old's; all: every token, as the sampler's "
+        "numerics never match the learner's; none: no correction.",
+    )
+    token_cap: float | None = Field(2.0, ge=1, description="Truncated importance weight min(r, token_cap); null: 1.")
+    token_band: Band | None = Field(None, description="[lo, hi]: a token whose r is outside gets weight 0 (IcePop).")
+    sequence_band: Band | None = Field(
+        None, description="[lo, hi]: a response whose product of r is outside gets weight 0 on every token."
+    )
+    geometric_band: Band | None = Field(
+        None, description="[lo, hi]: a response whose geometric mean of r is outside gets weight 0 on every token."
+    )
+
+    @model_validator(mode="after")
+    def _bands_are_ordered(self):
+        for name in ("token_band", "sequence_band", "geometric_band"):
+            band = getattr(self, name)
+            if band is not None and not band[0] < 1.0 < band[1]:
+                raise ValueError(f"{name} {list(band)} must hold 1 strictly inside: [lo < 1 < hi]")
+        return self
+
+
 class LearnerSection(_Section):
     groups_per_update: int | None = Field(
         None,
@@ -278,6 +315,8 @@ class LearnerSection(_Section):
     clip_low: float = Field(0.2, gt=0, lt=1, description="ε_low of the ratio clip.")
     clip_high: float = Field(0.2, gt=0, description="ε_high of the ratio clip.")
     dual_clip: float | None = Field(None, gt=1)
+    gspo_clip_low: float = Field(3e-4, gt=0, lt=1, description="ε_low of GSPO's clip of a response's ratio.")
+    gspo_clip_high: float = Field(4e-4, gt=0, description="ε_high of GSPO's clip of a response's ratio.")
     value_clip: float | None = Field(0.2, gt=0)
     value_coef: float = Field(1.0, gt=0, description="Scale of the critic's loss (it has its own optimizer).")
     entropy_coef: float = Field(0.0, ge=0)
@@ -286,7 +325,7 @@ class LearnerSection(_Section):
     loss_agg: _declared(LOSS_AGGREGATIONS) = Field(
         "token-mean", description="How per-token losses add up: " + LOSS_AGGREGATIONS.describe()
     )
-    off_policy_correction: bool = Field(True, description="Truncated importance weight on stale experience.")
+    off_policy: OffPolicy = OffPolicy()
     checkpoint_dir: Path | None = Field(None, description="Default: <run.dir>/checkpoints.")
     checkpoint_every: int = Field(
         1,
@@ -294,7 +333,6 @@ class LearnerSection(_Section):
         description="Updates between checkpoints (and on shutdown). Input is "
         "committed at checkpoints only; a crash re-applies the updates since the last one.",
     )
-    importance_cap: float = Field(2.0, ge=1)
     max_tokens_per_microbatch: int | None = Field(
         None,
         gt=0,
@@ -565,6 +603,14 @@ class RunConfig(_Section):
                 f"algorithm.dynamic_sampling drops groups whose scores are all equal, which a group estimator gives "
                 f"no advantage; algorithm.estimator {estimator.name} is not one (its advantages do not come from the "
                 "group)"
+            )
+        if self._explicit("algorithm.overlong_penalty") and self.algorithm.overlong_buffer is None:
+            raise ValueError("algorithm.overlong_penalty is set, but only algorithm.overlong_buffer reads it")
+        if (self.algorithm.overlong_buffer or 0) >= self.generation.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be shorter than "
+                f"generation.max_new_tokens ({self.generation.max_new_tokens}): the penalty starts that many tokens "
+                "before the limit"
             )
         if self._explicit("algorithm.max_sampling_factor") and not self.algorithm.dynamic_sampling:
             raise ValueError("algorithm.max_sampling_factor is set, but only algorithm.dynamic_sampling reads it")

@@ -35,7 +35,9 @@ __all__ = [
     "gae",
     "group_mean_std",
     "groups_without_signal",
+    "cispo_loss",
     "grpo",
+    "gspo_loss",
     "kl_estimate",
     "last_token_index",
     "logprobs_from_logits",
@@ -43,6 +45,8 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "missing_eos_penalty",
+    "off_policy_weights",
+    "overlong_penalty",
     "policy_loss",
     "register_advantage_estimator",
     "register_policy_loss",
@@ -50,7 +54,6 @@ __all__ = [
     "reinforce_pp_baseline",
     "rloo",
     "token_rewards",
-    "truncated_importance_weights",
     "value_loss",
 ]
 
@@ -187,7 +190,9 @@ def _kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 @KL_ESTIMATORS.register("k3")
 def _kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    # Schulman's unbiased, always non-negative estimator; the clamp keeps exp() finite on wild inputs.
+    # Schulman's unbiased, always non-negative estimator; the clamp of its input keeps exp() finite on wild inputs.
+    # Its value is not clamped (verl clamps it to [-10, 10]): a clamp there zeroes the gradient of exactly the
+    # tokens that moved furthest from the reference (KL in the loss), and hides how far they moved from the metrics.
     log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
     return torch.exp(log_ratio) - log_ratio - 1.0
 
@@ -218,6 +223,24 @@ def missing_eos_penalty(scores: torch.Tensor, finished: torch.Tensor, penalty: f
         ``(B,)``.
     """
     return scores - penalty * (~finished.bool()).to(scores.dtype)
+
+
+def overlong_penalty(
+    scores: torch.Tensor, lengths: torch.Tensor, max_length: int, buffer: int, penalty: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025): a response longer than ``max_length − buffer`` loses
+    ``penalty · (length − (max_length − buffer)) / buffer`` of its score, ``penalty`` at ``max_length``.
+
+    Args:
+        scores: ``(B,)``.
+        lengths: ``(B,)`` response lengths in tokens.
+        max_length: the longest response the sampler may produce.
+        buffer: how many tokens before ``max_length`` the penalty starts.
+    Returns:
+        ``(B,)``.
+    """
+    excess = (lengths.to(scores.dtype) - (max_length - buffer)).clamp(min=0.0)
+    return scores - penalty * excess / buffer
 
 
 def token_rewards(
@@ -317,7 +340,10 @@ def gae(
 def group_mean_std(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per sequence, the mean, the (Bessel-corrected) standard deviation and the size of its group's scores.
 
-    A group of one has mean 0 and std 1, as in verl's ``core_algos.py`` (its advantage is its score).
+    A group of one has mean 0 and std 1, as in verl's ``core_algos.py`` (its advantage is its score). A group whose
+    scores are all equal has ``score − mean`` and std exactly 0 in any dtype: the statistics are taken of each score
+    less its group's first score (exactly 0 for equal scores), not of the scores themselves, whose sum rounds (six
+    float32 scores of 2.1 have a mean of 2.0999999, and GRPO's ``(s − mean) / (std + ε)`` would give them ±0.19).
 
     Args:
         scores: ``(N,)``.
@@ -328,10 +354,14 @@ def group_mean_std(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[tor
     _, inverse = torch.unique(group_index, return_inverse=True)
     groups = int(inverse.max()) + 1 if len(inverse) else 0
     size = torch.zeros(groups, dtype=scores.dtype, device=scores.device).index_add_(0, inverse, torch.ones_like(scores))
-    total = torch.zeros_like(size).index_add_(0, inverse, scores)
-    mean = total / size
-    squares = torch.zeros_like(size).index_add_(0, inverse, (scores - mean[inverse]) ** 2)
+    position = torch.arange(len(scores), device=scores.device)
+    first = torch.full((groups,), len(scores), device=scores.device).scatter_reduce_(0, inverse, position, "amin")
+    shift = scores[first]
+    offsets = scores - shift[inverse]
+    offset_mean = torch.zeros_like(size).index_add_(0, inverse, offsets) / size
+    squares = torch.zeros_like(size).index_add_(0, inverse, (offsets - offset_mean[inverse]) ** 2)
     std = torch.sqrt(squares / (size - 1).clamp(min=1.0))
+    mean = shift + offset_mean
     single = size == 1
     mean, std = torch.where(single, 0.0, mean), torch.where(single, 1.0, std)
     return mean[inverse], std[inverse], size[inverse]
@@ -513,20 +543,99 @@ def agg_loss(
     return LOSS_AGGREGATIONS[mode](loss, mask.to(loss.dtype), num_tokens, norm_length)
 
 
-def truncated_importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """Decoupled-PPO off-policy correction ``min(π_old / π_behaviour, C)`` per token, ``(B, T)``, no gradient."""
-    log_ratio = (old_logp - behaviour_logp).clamp(max=20.0)
-    return torch.exp(log_ratio).clamp(max=cap).detach()
+@dataclass(frozen=True)
+class OffPolicyStats:
+    masked_tokens: torch.Tensor
+    """Share of the corrected tokens whose weight is 0: outside a band, or in a response masked whole."""
+    masked_sequences: torch.Tensor
+    """Share of the responses with a corrected token that a sequence band masked whole."""
+    weight_mean: torch.Tensor
+    """Mean weight over the corrected tokens."""
+
+
+def _outside(values: torch.Tensor, band: tuple[float, float] | None) -> torch.Tensor:
+    if band is None:
+        return torch.zeros_like(values, dtype=torch.bool)
+    return (values < band[0]) | (values > band[1])
+
+
+def off_policy_weights(
+    old_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    corrected: torch.Tensor,
+    token_cap: float | None = 2.0,
+    token_band: tuple[float, float] | None = None,
+    sequence_band: tuple[float, float] | None = None,
+    geometric_band: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, OffPolicyStats]:
+    """Per-token weights that correct for sampling by another policy than π_old (a stale version, or the sampler's
+    own numerics, which never match the learner's exactly), from ``r_t = π_old / π_behaviour``, no gradient:
+
+    - ``token_cap``: truncated importance sampling, ``min(r_t, C)`` (decoupled PPO; verl's token TIS);
+    - ``token_band``: a token whose ``r_t`` is outside ``[lo, hi]`` gets 0 (IcePop's token mask);
+    - ``sequence_band``: a response whose ``∏ r_t`` is outside gets 0 on every token (sequence-level masking);
+    - ``geometric_band``: the same on the geometric mean ``exp(mean_t log r_t)``, which does not shrink and grow
+      with the response's length.
+
+    Only the ``corrected`` tokens are weighed (the others get 1), and a response's products and means run over them.
+
+    Args:
+        old_logp, behaviour_logp: ``(B, T)`` the learner's π_old and the sampler's log-probs of the same tokens.
+        corrected: ``(B, T)`` bool, the real tokens to correct (all of them, or those of a stale version).
+    Returns:
+        ``(weights, stats)``; ``weights`` ``(B, T)``, 1 outside ``corrected``.
+    """
+    with torch.no_grad():
+        corrected = corrected.bool()
+        log_ratio = torch.where(corrected, (old_logp - behaviour_logp).clamp(-20.0, 20.0), 0.0)
+        ratio = torch.exp(log_ratio)
+        weights = ratio.clamp(max=token_cap) if token_cap is not None else torch.ones_like(ratio)
+        keep = ~_outside(ratio, token_band)
+        count = corrected.sum(dim=-1)
+        sequence_out = _outside(torch.exp(log_ratio.sum(dim=-1)), sequence_band)
+        sequence_out |= _outside(torch.exp(log_ratio.sum(dim=-1) / count.clamp(min=1)), geometric_band)
+        sequence_out &= count > 0
+        keep &= ~sequence_out.unsqueeze(-1)
+        weights = torch.where(corrected, weights * keep, 1.0)
+        n = corrected.sum().clamp(min=1)
+        stats = OffPolicyStats(
+            masked_tokens=((weights == 0) & corrected).sum() / n,
+            masked_sequences=sequence_out.sum() / (count > 0).sum().clamp(min=1),
+            weight_mean=(weights * corrected).sum() / n,
+        )
+    return weights, stats
 
 
 @dataclass(frozen=True)
 class PolicyLossStats:
     clip_frac: torch.Tensor
-    """Share of real tokens where the clipped term was the one taken."""
+    """Share of real tokens where the clip acted (the clipped term was taken, or the ratio was clipped)."""
     approx_kl: torch.Tensor
     """Masked mean of ``k3(π_new, π_old)``: how far this update moved the policy."""
     dual_clip_frac: torch.Tensor
     """Share of real tokens whose loss was bounded by the dual clip."""
+
+
+def _finish_policy_loss(
+    losses: torch.Tensor,
+    log_ratio: torch.Tensor,
+    mask_f: torch.Tensor,
+    clip_frac: torch.Tensor,
+    importance_weights: torch.Tensor | None,
+    agg: str,
+    num_tokens: float | None,
+    norm_length: int | None,
+    dual_clip_frac: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """What every policy loss does last: the off-policy correction multiplied in, the aggregation, the stats."""
+    if importance_weights is not None:
+        losses = losses * importance_weights
+    loss = agg_loss(losses, mask_f, agg, num_tokens, norm_length)
+    with torch.no_grad():
+        approx_kl = masked_mean(torch.exp(-log_ratio) - 1.0 + log_ratio, mask_f)
+    if dual_clip_frac is None:
+        dual_clip_frac = torch.zeros((), dtype=losses.dtype, device=losses.device)
+    return loss, PolicyLossStats(clip_frac.detach(), approx_kl, dual_clip_frac.detach())
 
 
 @register_policy_loss("ppo")
@@ -570,19 +679,85 @@ def policy_loss(
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     losses = torch.maximum(unclipped, clipped)
     clip_frac = masked_mean((clipped > unclipped).to(logp.dtype), mask_f)
-    dual_clip_frac = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    dual_clip_frac = None
     if dual_clip is not None:
         bound = -advantages * dual_clip
         bounded = torch.minimum(losses, bound)
         negative = advantages < 0
         dual_clip_frac = masked_mean(((losses > bound) & negative).to(logp.dtype), mask_f)
         losses = torch.where(negative, bounded, losses)
-    if importance_weights is not None:
-        losses = losses * importance_weights
-    loss = agg_loss(losses, mask_f, agg, num_tokens, norm_length)
-    with torch.no_grad():
-        approx_kl = masked_mean(torch.exp(-log_ratio) - 1.0 + log_ratio, mask_f)
-    return loss, PolicyLossStats(clip_frac.detach(), approx_kl, dual_clip_frac.detach())
+    return _finish_policy_loss(
+        losses, log_ratio, mask_f, clip_frac, importance_weights, agg, num_tokens, norm_length, dual_clip_frac
+    )
+
+
+@register_policy_loss("gspo")
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    gspo_clip_low: float = 3e-4,
+    gspo_clip_high: float = 4e-4,
+    importance_weights: torch.Tensor | None = None,
+    agg: str = "seq-mean-token-mean",
+    num_tokens: float | None = None,
+    norm_length: int | None = None,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """GSPO (Zheng et al. 2025), in its token form: one importance ratio per response, the geometric mean of its
+    token ratios ``s_i = exp(mean_t (log π − log π_old))``, clipped as PPO clips a token's ratio.
+
+    ``s_{i,t} = sg[s_i] · π(y_t) / sg[π(y_t)]``: its value is ``s_i`` on every token, its gradient ``s_i·∇log π(y_t)``,
+    so that aggregated ``seq-mean-token-mean`` (as the paper and verl do) the gradient is the paper's. As in verl the
+    log of the ratio is clamped at 10. Its ε are settings of their own (``learner.gspo_clip_low``, ``gspo_clip_high``),
+    about 1000× smaller than PPO's (the paper's 3e-4 and 4e-4), since a response's mean log-ratio moves far less
+    than a token's.
+
+    Args, returns: as :func:`policy_loss` (no dual clip). Shapes ``(B, T)``.
+    """
+    mask_f = mask.to(logp.dtype)
+    log_ratio = logp - old_logp
+    sequence_log_ratio = (log_ratio * mask_f).sum(dim=-1) / mask_f.sum(dim=-1).clamp(min=1.0)  # (B,)
+    token_log_ratio = (logp - logp.detach() + sequence_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
+    ratio = torch.exp(token_log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - gspo_clip_low, 1.0 + gspo_clip_high)
+    losses = torch.maximum(unclipped, clipped)
+    clip_frac = masked_mean((clipped > unclipped).to(logp.dtype), mask_f)
+    return _finish_policy_loss(
+        losses, log_ratio.clamp(-20.0, 20.0), mask_f, clip_frac, importance_weights, agg, num_tokens, norm_length
+    )
+
+
+@register_policy_loss("cispo")
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    importance_weights: torch.Tensor | None = None,
+    agg: str = "token-mean",
+    num_tokens: float | None = None,
+    norm_length: int | None = None,
+) -> tuple[torch.Tensor, PolicyLossStats]:
+    """CISPO (MiniMax-M1, 2025): ``−sg[clip(ratio, 1−ε_low, 1+ε_high)]·A·log π`` per token.
+
+    The clip bounds the importance weight, not the update: every token keeps a gradient (``−clip(ratio)·A·∇log π``),
+    where PPO's clip zeroes it on the tokens it clips, often the rare, high-information ones. The loss's value is
+    not a surrogate objective's (it carries ``log π``); only its gradient means something. As in verl, both bounds
+    apply (the paper leaves the lower one wide).
+
+    Args, returns: as :func:`policy_loss` (no dual clip). Shapes ``(B, T)``.
+    """
+    mask_f = mask.to(logp.dtype)
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    losses = -weight.detach() * advantages * logp
+    clip_frac = masked_mean((weight != ratio).to(logp.dtype), mask_f)
+    return _finish_policy_loss(losses, log_ratio, mask_f, clip_frac, importance_weights, agg, num_tokens, norm_length)
 
 
 @dataclass(frozen=True)

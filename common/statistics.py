@@ -61,7 +61,11 @@ _STATISTICS = (
     Statistic("response_length", "mean response length in tokens", True, True),
     Statistic("finished_frac", "share of responses that ended with EOS"),
     Statistic("logprob_mismatch", "mean |log π_old − log π_behaviour|: sampler against learner", True, True),
-    Statistic("logprob_mismatch_max", "largest such gap of a token"),
+    Statistic("logprob_mismatch_max", "largest such gap of a token", True),
+    Statistic("off_policy_tokens", "share of tokens the off-policy correction applies to (learner.off_policy)"),
+    Statistic("off_policy_masked", "share of those it gave weight 0 (outside a band)", True),
+    Statistic("off_policy_masked_sequences", "share of responses with such tokens that a sequence band masked"),
+    Statistic("off_policy_weight", "mean weight it gave those tokens"),
     Statistic(
         "staleness",
         "mean versions between the learner and the policy that sampled each sequence",

@@ -3,6 +3,7 @@ configuration's choices and its cross-field checks all follow the declarations."
 
 import inspect
 import json
+import math
 
 import pytest
 import torch
@@ -48,8 +49,35 @@ def test_the_config_takes_its_choices_and_checks_from_the_declarations(make_conf
     with pytest.raises(ConfigError, match="algorithm.gamma is set, but no chosen variant reads it"):
         make_config("algorithm.gamma=0.9", example="grpo.yaml")
     assert make_config("algorithm.estimator=reinforce_pp", "algorithm.gamma=0.9", example="grpo.yaml")
-    with pytest.raises(ConfigError, match="learner.policy_loss: Value error, unknown policy loss 'gspo'"):
-        make_config("learner.policy_loss=gspo")
+    with pytest.raises(ConfigError, match="learner.policy_loss: Value error, unknown policy loss 'sapo'"):
+        make_config("learner.policy_loss=sapo")
+    assert make_config("learner.policy_loss=gspo", "learner.gspo_clip_high=0.001").learner.gspo_clip_high == 0.001
+    with pytest.raises(ConfigError, match="learner.clip_low is set, but no chosen variant reads it"):
+        make_config("learner.policy_loss=gspo", "learner.clip_low=0.1")  # GSPO's ε are its own
+    with pytest.raises(ConfigError, match="learner.gspo_clip_low is set, but no chosen variant reads it"):
+        make_config("learner.policy_loss=cispo", "learner.gspo_clip_low=0.1")
+
+
+@pytest.mark.parametrize("loss", ["gspo", "cispo"])
+def test_the_learner_trains_with_the_chosen_policy_loss_and_its_settings(loss, make_config, monkeypatch):
+    from services.embedded import run_embedded
+
+    calls = []
+    chosen = ppo.POLICY_LOSSES[loss]
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs)
+        return chosen(*args, **kwargs)
+
+    monkeypatch.setitem(ppo.POLICY_LOSSES, loss, recorded)
+    clip = {"gspo": "learner.gspo_clip_high=0.002", "cispo": "learner.clip_high=0.28"}[loss]
+    config = make_config(f"learner.policy_loss={loss}", clip, "run.steps=1", "data.eval_prompts=0", example="grpo.yaml")
+    run_embedded(config, progress=False)
+    assert calls, "the learner called the chosen loss"
+    setting, value = clip.removeprefix("learner.").split("=")
+    assert all(call[setting] == float(value) for call in calls)
+    record = json.loads((config.run.dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert math.isfinite(record["policy_loss"])
 
 
 @pytest.fixture
@@ -99,3 +127,20 @@ def test_a_new_estimator_is_its_function_and_its_declaration(sign_estimator, mak
         # What the learner trained on is what the estimator made.
         assert record["advantage_mean"] == pytest.approx(float(ppo.masked_mean(advantages, mask)), abs=1e-6)
         assert "value_loss" not in record, "no critic anywhere"
+
+
+def test_overlong_shaping_reaches_the_advantages():
+    """The advantage stage shapes each score by its response's length before the estimator sees it: with Dr. GRPO
+    the advantages are the shaped scores less their group's mean."""
+    from common.config import AlgorithmSection
+    from services.advantage.estimation import estimate_advantages
+
+    lengths = torch.tensor([4, 7, 8, 8])  # limit 8, buffer 2: penalties 0, 0.5, 1, 1
+    mask = (torch.arange(8) < lengths[:, None]).float()
+    zeros = torch.zeros(4, 8)
+    algorithm = AlgorithmSection(estimator="dr_grpo", overlong_buffer=2, kl_coef=0.0)
+    est = estimate_advantages(
+        torch.ones(4), zeros, zeros, zeros, mask, torch.ones(4, dtype=torch.bool), torch.tensor([0, 0, 1, 1]),
+        algorithm, 0.0, max_new_tokens=8,
+    )  # fmt: skip
+    assert torch.allclose(est.advantages[:, 0], torch.tensor([0.25, -0.25, 0.0, 0.0]))

@@ -169,6 +169,10 @@ def test_incomplete_kafka_security_is_rejected(overrides, message):
         (["algorithm.estimator=ppo"], "algorithm.estimator"),
         (["algorithm.kl_in=advantage"], "algorithm.kl_in"),
         (["learner.loss_agg=seq-sum"], "learner.loss_agg"),
+        (["learner.off_policy.token_band=[1.2, 2.0]"], r"token_band \[1.2, 2.0\] must hold 1 strictly inside"),
+        (["learner.off_policy.applies_to=fresh"], "learner.off_policy.applies_to"),
+        (["algorithm.overlong_penalty=0.5"], "algorithm.overlong_penalty is set, but only algorithm.overlong_buffer"),
+        (["algorithm.overlong_buffer=64"], r"overlong_buffer \(64\) must be shorter than generation.max_new_tokens"),
     ],
 )
 def test_algorithm_settings_that_do_not_fit_the_estimator_are_rejected(overrides, message):

@@ -181,11 +181,44 @@ def test_dual_clip_bounds_the_loss_for_negative_advantages():
 
 def test_importance_weights_scale_the_per_token_loss():
     logp, old, adv, mask = _ratio_setup([1.0, 1.0], [1.0, 1.0])
-    weights = ppo.truncated_importance_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[-5.0, -0.1]]), cap=2.0)
+    behaviour = torch.tensor([[-5.0, -0.1]])
+    weights, _ = ppo.off_policy_weights(torch.tensor([[0.0, 0.0]]), behaviour, mask.bool(), token_cap=2.0)
     assert weights[0, 0].item() == pytest.approx(2.0)  # e^5, truncated at C
     assert weights[0, 1].item() == pytest.approx(math.exp(0.1), rel=1e-6)
     loss, _ = ppo.policy_loss(logp, old, adv, mask, importance_weights=weights)
     assert loss.item() == pytest.approx(-(2.0 + math.exp(0.1)) / 2, rel=1e-6)
+
+
+def test_off_policy_weights_on_worked_numbers():
+    # log r = log π_old − log π_behaviour per token. Row 0: 0.1, −0.1, 1.0 (r = 1.105, 0.905, 2.718);
+    # row 1: 0.2, 0.2, padding (r = 1.221, 1.221); row 2: −0.3, 0.0, 0.0, not corrected (a fresh response).
+    log_r = torch.tensor([[0.1, -0.1, 1.0], [0.2, 0.2, 0.0], [-0.3, 0.0, 0.0]])
+    corrected = torch.tensor([[True, True, True], [True, True, False], [False, False, False]])
+    old, behaviour = log_r, torch.zeros(3, 3)
+    e = math.exp
+
+    weights, stats = ppo.off_policy_weights(old, behaviour, corrected, token_cap=2.0)
+    expected = torch.tensor([[e(0.1), e(-0.1), 2.0], [e(0.2), e(0.2), 1.0], [1.0, 1.0, 1.0]])
+    assert torch.allclose(weights, expected, rtol=1e-6)
+    assert stats.masked_tokens.item() == 0.0
+
+    # IcePop: row 0's third token (r = 2.718) is outside [0.5, 2]; masked, the rest weighted as before.
+    weights, stats = ppo.off_policy_weights(old, behaviour, corrected, token_cap=2.0, token_band=(0.5, 2.0))
+    assert weights[0, 2].item() == 0.0 and weights[0, 0].item() == pytest.approx(e(0.1))
+    assert stats.masked_tokens.item() == pytest.approx(1 / 5)
+
+    # The product: row 0's is e^1.0 = 2.718, row 1's e^0.4 = 1.49; a band [0.5, 2] masks row 0 whole.
+    weights, stats = ppo.off_policy_weights(old, behaviour, corrected, token_cap=None, sequence_band=(0.5, 2.0))
+    assert (weights[0] == 0).all() and torch.allclose(weights[1], torch.tensor([1.0, 1.0, 1.0]))
+    assert stats.masked_sequences.item() == pytest.approx(1 / 2)
+    assert (weights[2] == 1).all(), "a response with no corrected token is never masked"
+
+    # The geometric mean: row 0's e^(1.0/3) = 1.396, row 1's e^0.2 = 1.221; a band [0.8, 1.3] masks row 0 only,
+    # though its product (2.718) is far further out than its geometric mean.
+    weights, _ = ppo.off_policy_weights(old, behaviour, corrected, token_cap=None, geometric_band=(0.8, 1.3))
+    assert (weights[0] == 0).all() and (weights[1, :2] == 1).all()
+    weights, _ = ppo.off_policy_weights(old, behaviour, corrected, token_cap=None, geometric_band=(0.8, 1.4))
+    assert (weights[:2, :2] == 1).all()
 
 
 def test_value_loss_is_the_clipped_maximum():
@@ -437,3 +470,144 @@ def test_dr_grpo_aggregation_divides_token_sums_by_a_constant_length():
     assert float(ppo.agg_loss(loss, mask, "seq-mean-token-mean")) == pytest.approx((2.0 + 4.0) / 2)
     with pytest.raises(ValueError, match="needs norm_length"):
         ppo.agg_loss(loss, mask, "seq-mean-token-sum-norm")
+
+
+# --------------------------------------------------------------------------------------------- numerics of groups
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_a_group_of_equal_scores_gets_exactly_zero_advantage_in_any_dtype(estimator, dtype):
+    """Six scores of 2.1 (not representable): a mean taken by summing rounds to 2.0999999 in float32, and GRPO's
+    (s − mean) / (std + ε) then gave every response −0.24 instead of 0 (verl has that defect)."""
+    scores = [2.1] * 6 + [0.3] * 3 + [1.0, 0.0, 1.0]
+    groups = torch.tensor([0] * 6 + [1] * 3 + [2] * 3)
+    rewards, mask = outcome_rewards(scores, [4] * 12)
+    x = ppo.EstimatorInput(rewards.to(dtype), torch.zeros_like(rewards, dtype=dtype), mask.to(dtype), groups)
+    advantages, _ = estimate(estimator, x)
+    assert (advantages[:9] == 0).all(), advantages[:9, 0]
+    assert (advantages[9:, 0] != 0).all(), "the group with signal keeps it"
+    as_summed = torch.tensor([2.1] * 6)
+    assert (as_summed - as_summed.sum() / 6).abs().max() > 0, "the case this guards against is real in float32"
+
+
+def test_k3_is_not_clamped_so_the_tokens_furthest_from_the_reference_keep_their_gradient():
+    # log(π_ref/π) = 3: k3 = e³ − 3 − 1 ≈ 16.09; verl clamps it to 10 and that token's gradient to 0.
+    logp = torch.tensor([[-4.0]], requires_grad=True)
+    k3 = ppo.kl_estimate(logp, torch.tensor([[-1.0]]), "k3")
+    assert k3.item() == pytest.approx(math.exp(3) - 4, rel=1e-6)
+    k3.sum().backward()
+    assert logp.grad.item() == pytest.approx(-(math.exp(3) - 1), rel=1e-6)  # d/dlogp of e^(ref−logp) − (ref−logp)
+
+
+def test_overlong_penalty_on_worked_numbers():
+    # limit 20 tokens, buffer 5: no penalty up to 15, then linear to the whole penalty at 20
+    scores = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    lengths = torch.tensor([10, 15, 16, 20])
+    shaped = ppo.overlong_penalty(scores, lengths, max_length=20, buffer=5, penalty=1.0)
+    assert torch.allclose(shaped, torch.tensor([1.0, 1.0, 0.8, 0.0]))
+    assert torch.allclose(ppo.overlong_penalty(scores, lengths, 20, 5, penalty=0.5), torch.tensor([1, 1, 0.9, 0.5]))
+
+
+# --------------------------------------------------------------------------------------------- GSPO and CISPO
+
+
+def test_gspo_on_worked_numbers():
+    # Response 0: token log-ratios 0.1, 0.3 → s = e^0.2 = 1.2214, A = 1 → clipped at 1 + 0.1: −1.1 on each token, no
+    # gradient. Response 1: log-ratios −0.3, 0, 0 → s = e^−0.1 = 0.9048 (inside), A = −1 → 0.9048 on each token.
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.1, 0.3, 0.0], [-0.3, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    advantages = torch.tensor([[1.0] * 3, [-1.0] * 3])
+    loss, stats = ppo.gspo_loss(
+        logp, old, advantages, mask, gspo_clip_low=0.1, gspo_clip_high=0.1, agg="seq-mean-token-mean"
+    )
+    s1 = math.exp(-0.1)
+    assert loss.item() == pytest.approx((-1.1 + s1) / 2, rel=1e-6)
+    loss.backward()
+    assert (logp.grad[0] == 0).all()
+    # d/dlogp_t of ½ · mean_t(−A·s) = ½ · ⅓ · s on every token of response 1 (∂s/∂logp_t = s/3 through the mean)
+    assert torch.allclose(logp.grad[1], torch.full((3,), s1 / 6), rtol=1e-6)
+    assert stats.clip_frac.item() == pytest.approx(2 / 5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gspo_token_form_has_the_sequence_objectives_gradient(seed):
+    """The paper's objective, one clipped ratio per response computed directly, written as a loop over responses:
+    the token form (value and gradient) must agree with it."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 2, 7, 4]
+    mask = (torch.arange(7) < torch.tensor(lengths)[:, None]).float()
+    old = torch.randn(4, 7, generator=g) * mask
+    start = (old + 0.02 * torch.randn(4, 7, generator=g)) * mask
+    scores = torch.randn(4, generator=g)
+    advantages = scores[:, None].expand(4, 7)
+    token_form = start.clone().requires_grad_(True)
+    loss, _ = ppo.gspo_loss(token_form, old, advantages, mask, 0.003, 0.004, agg="seq-mean-token-mean")
+    loss.backward()
+    sequence_form = start.clone().requires_grad_(True)
+    total = 0.0
+    for i, n in enumerate(lengths):
+        s = torch.exp((sequence_form[i, :n] - old[i, :n]).mean())
+        total = total + torch.maximum(-scores[i] * s, -scores[i] * s.clamp(1 - 0.003, 1 + 0.004))
+    (total / len(lengths)).backward()
+    assert loss.item() == pytest.approx(total.item() / len(lengths), rel=1e-5)
+    assert torch.allclose(token_form.grad, sequence_form.grad, atol=1e-7)
+
+
+def test_cispo_clips_the_weight_not_the_gradient():
+    # token 0: ratio 1.5, A = 1 → weight clipped to 1.2, gradient −1.2 (PPO's clip would give it none);
+    # token 1: ratio 0.9 (inside), A = −2 → gradient +2·0.9; over 2 tokens (token-mean).
+    logp, old, adv, mask = _ratio_setup([1.5, 0.9], [1.0, -2.0])
+    loss, stats = ppo.cispo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    loss.backward()
+    assert torch.allclose(logp.grad[0], torch.tensor([-1.2 / 2, 2 * 0.9 / 2]), rtol=1e-6)
+    assert loss.item() == pytest.approx((-1.2 * math.log(1.5) + 2 * 0.9 * math.log(0.9)) / 2, rel=1e-6)
+    assert stats.clip_frac.item() == pytest.approx(0.5)
+    ppo_loss, _ = ppo.policy_loss(logp.detach().requires_grad_(True), old, adv, mask)
+    assert ppo_loss.item() != loss.item()
+
+
+# verl's policy losses, as written at commit b178a3cd56f58b2d502255daba591e92833930a7 (2026-01-29) of
+# volcengine/verl, verl/trainer/ppo/core_algos.py: compute_policy_loss_gspo and compute_policy_loss_cispo, their
+# arithmetic transcribed without the config plumbing (Apache-2.0).
+def verl_gspo(old_log_prob, log_prob, advantages, response_mask, low, high):
+    negative_approx_kl = log_prob - old_log_prob
+    seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
+    negative_approx_kl_seq = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths
+    log_seq_importance_ratio = log_prob - log_prob.detach() + negative_approx_kl_seq.detach().unsqueeze(-1)
+    seq_importance_ratio = torch.exp(torch.clamp(log_seq_importance_ratio, max=10.0))
+    pg_losses1 = -advantages * seq_importance_ratio
+    pg_losses2 = -advantages * torch.clamp(seq_importance_ratio, 1 - low, 1 + high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    per_sequence = (pg_losses * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1)  # seq-mean-token-mean
+    return per_sequence.mean()
+
+
+def verl_cispo(old_log_prob, log_prob, advantages, response_mask, low, high):
+    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
+    pg_losses = -torch.clamp(ratio, 1 - low, 1 + high).detach() * advantages * log_prob
+    return (pg_losses * response_mask).sum() / response_mask.sum()  # token-mean
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("loss", ["gspo", "cispo"])
+def test_gspo_and_cispo_match_verl(loss, seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 9, (6,), generator=g)
+    mask = (torch.arange(8) < lengths[:, None]).float()
+    old = -torch.rand(6, 8, generator=g) * 3
+    start = old + 0.3 * torch.randn(6, 8, generator=g)  # ratios from about 0.4 to 2.5: some clipped, some not
+    advantages = torch.randn(6, 1, generator=g).expand(6, 8)
+    low, high = (0.003, 0.004) if loss == "gspo" else (0.2, 0.28)
+    ours_in, verl_in = start.clone().requires_grad_(True), start.clone().requires_grad_(True)
+    if loss == "gspo":
+        ours, _ = ppo.gspo_loss(ours_in, old, advantages, mask, low, high, agg="seq-mean-token-mean")
+        theirs = verl_gspo(old, verl_in, advantages, mask, low, high)
+    else:
+        ours, _ = ppo.cispo_loss(ours_in, old, advantages, mask, low, high, agg="token-mean")
+        theirs = verl_cispo(old, verl_in, advantages, mask, low, high)
+    ours.backward()
+    theirs.backward()
+    assert abs(ours.item() - theirs.item()) < 5e-7
+    assert torch.allclose(ours_in.grad, verl_in.grad, atol=5e-7)

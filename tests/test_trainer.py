@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import sampled_experience
 
-from common.config import AlgorithmSection, LearnerSection
+from common.config import AlgorithmSection, LearnerSection, OffPolicy
 from common.models import load_actor, load_critic
 from common.sequences import pack, response_logprobs
 from services.learner.trainer import PPOTrainer
@@ -83,26 +83,44 @@ def test_value_loss_falls_over_updates(tiny_model, experience):
     assert losses[-1] < losses[0] * 0.7
 
 
-def test_stale_experience_gets_importance_weights(tiny_model, experience):
+def test_stale_experience_gets_importance_weights_and_any_experience_with_applies_to_all(tiny_model, experience):
     tokenizer, exp = experience
     # The sampler's log-probs 0.5 below the learner's: π_old / π_behaviour = e^0.5 ≈ 1.65 on every token, under
     # the cap of 2.
     shifted = dataclasses.replace(exp, behaviour_logprobs=exp.behaviour_logprobs - 0.5 * exp.mask)
 
-    def update(correction: bool, version: int):
-        trainer = make_trainer(tiny_model, tokenizer, off_policy_correction=correction)
+    def update(applies_to: str, version: int):
+        trainer = make_trainer(tiny_model, tokenizer, off_policy=OffPolicy(applies_to=applies_to))
         trainer.version = version  # the experience (v0) is `version` versions behind
         stats = trainer.train(shifted)
         return stats, {k: v.clone() for k, v in trainer.actor.state_dict().items()}
 
-    corrected, corrected_actor = update(True, 1)
-    ignored, ignored_actor = update(False, 1)
-    fresh, fresh_actor = update(True, 0)
+    corrected, corrected_actor = update("stale", 1)
+    ignored, ignored_actor = update("none", 1)
+    fresh, fresh_actor = update("stale", 0)
+    always, always_actor = update("all", 0)
     assert corrected["staleness"] == 1 and fresh["staleness"] == 0
     # One step from π_old (ratio 1, nothing clipped): the weighted loss is the plain one times e^0.5.
     assert corrected["policy_loss"] == pytest.approx(math.exp(0.5) * ignored["policy_loss"], rel=1e-4)
+    assert corrected["off_policy_tokens"] == 1.0 and corrected["off_policy_weight"] == pytest.approx(math.exp(0.5))
     assert any(not torch.equal(corrected_actor[k], ignored_actor[k]) for k in corrected_actor), "weights applied"
     assert all(torch.equal(fresh_actor[k], ignored_actor[k]) for k in fresh_actor), "on-policy data: no weights"
+    assert fresh["off_policy_tokens"] == 0.0
+    # applies_to all: the sampler's mismatch is corrected at staleness 0 too, exactly as a stale batch's.
+    assert always["policy_loss"] == pytest.approx(corrected["policy_loss"], rel=1e-6)
+    assert all(torch.equal(always_actor[k], corrected_actor[k]) for k in always_actor)
+
+
+def test_a_band_masks_the_tokens_outside_it_from_the_update(tiny_model, experience):
+    tokenizer, exp = experience
+    # Every token's ratio is e^0.5 ≈ 1.65: outside a token band [0.5, 1.5], so every token is masked and the policy
+    # loss is zero; inside [0.5, 2], so nothing is.
+    shifted = dataclasses.replace(exp, behaviour_logprobs=exp.behaviour_logprobs - 0.5 * exp.mask)
+    outside = make_trainer(tiny_model, tokenizer, off_policy=OffPolicy(applies_to="all", token_band=(0.5, 1.5)))
+    inside = make_trainer(tiny_model, tokenizer, off_policy=OffPolicy(applies_to="all", token_band=(0.5, 2.0)))
+    masked, kept = outside.train(shifted), inside.train(shifted)
+    assert masked["off_policy_masked"] == 1.0 and masked["policy_loss"] == 0.0
+    assert kept["off_policy_masked"] == 0.0 and kept["policy_loss"] != 0.0
 
 
 def test_a_critic_free_trainer_has_no_critic_to_train_save_or_publish(tiny_model, experience, tmp_path):

@@ -35,12 +35,19 @@ def estimate_advantages(
     group_index: torch.Tensor,
     algorithm: AlgorithmSection,
     kl_coef: float,
+    max_new_tokens: int,
 ) -> Estimate:
     """Shapes: ``scores``, ``finished`` and ``group_index`` ``(N,)``; everything else ``(N, T)``. ``values`` are
-    zeros in a critic-free run. ``kl_coef`` is the learner's current β (it adapts); everything else comes from the
-    ``algorithm`` section, the chosen estimator receiving the settings its declaration names."""
+    zeros in a critic-free run. ``kl_coef`` is the learner's current β (it adapts), ``max_new_tokens`` the longest
+    response the generator may sample; everything else comes from the ``algorithm`` section, the chosen estimator
+    receiving the settings its declaration names."""
     if algorithm.missing_eos_penalty is not None:
         scores = ppo.missing_eos_penalty(scores, finished, algorithm.missing_eos_penalty)
+    if algorithm.overlong_buffer is not None:
+        lengths = mask.sum(dim=-1)
+        scores = ppo.overlong_penalty(
+            scores, lengths, max_new_tokens, algorithm.overlong_buffer, algorithm.overlong_penalty
+        )
     kl = ppo.kl_estimate(behaviour_logprobs, ref_logprobs, algorithm.kl_estimator) * mask
     beta = kl_coef if algorithm.kl_in == "reward" else 0.0
     rewards = ppo.token_rewards(scores, kl, mask, beta, clip=algorithm.score_clip)

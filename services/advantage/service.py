@@ -74,6 +74,7 @@ class AdvantageService(Service):
             torch.from_numpy(message.group_index),
             algorithm,
             self.kl_coef,
+            self.config.generation.max_new_tokens,
         )
         lineage = shaping_lineage(algorithm, self.kl_coef)
         if self.critic is not None:

@@ -144,8 +144,9 @@ class _Batch:
     mask: torch.Tensor  # (N, T) 1.0 at response tokens
     advantages: torch.Tensor  # (N, T) whitened if configured
     old_logp: torch.Tensor  # (N, T) log π_old, recomputed by the learner before the first step
-    importance: torch.Tensor | None  # (N, T) truncated π_old / π_behaviour, for off-policy tokens only
+    importance: torch.Tensor  # (N, T) the off-policy correction's weights (1 where none applies)
     staleness: torch.Tensor  # (N,) learner version − the version that sampled each sequence (< 0: rolled back)
+    correction: dict[str, float]  # what the off-policy correction did, for the update's statistics
 
 
 @dataclass(frozen=True)
@@ -238,12 +239,28 @@ class PPOTrainer:
         staleness = self.version - exp.policy_versions
         versions = exp.token_versions if exp.token_versions is not None else exp.policy_versions.unsqueeze(-1)
         # Tokens sampled by another version than π_old's: older, or (below zero staleness) one a crash rolled back.
-        off_policy = (versions != self.version) & mask.bool()
-        importance = None
-        if self.cfg.off_policy_correction and bool(off_policy.any()):
-            weights = ppo.truncated_importance_weights(old_logp, exp.behaviour_logprobs, self.cfg.importance_cap)
-            importance = torch.where(off_policy, weights, torch.ones_like(weights))
-        return _Batch(packed, mask, advantages, old_logp, importance, staleness)
+        correction = self.cfg.off_policy
+        corrected = {
+            "none": torch.zeros_like(mask, dtype=torch.bool),
+            "stale": (versions != self.version) & mask.bool(),
+            "all": mask.bool(),
+        }[correction.applies_to]
+        importance, stats = ppo.off_policy_weights(
+            old_logp,
+            exp.behaviour_logprobs,
+            corrected,
+            correction.token_cap,
+            correction.token_band,
+            correction.sequence_band,
+            correction.geometric_band,
+        )
+        statistics = {
+            "off_policy_tokens": float(corrected.sum() / mask.sum().clamp(min=1)),
+            "off_policy_masked": float(stats.masked_tokens),
+            "off_policy_masked_sequences": float(stats.masked_sequences),
+            "off_policy_weight": float(stats.weight_mean),
+        }
+        return _Batch(packed, mask, advantages, old_logp, importance, staleness, statistics)
 
     def _run_epochs(self, exp: Experience, batch: _Batch) -> dict[str, float]:
         """``ppo_epochs`` passes over shuffled mini-batches, one optimizer step each; the statistics' means."""
@@ -321,7 +338,7 @@ class PPOTrainer:
                 batch.old_logp[rows, :width],
                 batch.advantages[rows, :width],
                 m,
-                importance_weights=batch.importance[rows, :width] if batch.importance is not None else None,
+                importance_weights=batch.importance[rows, :width],
                 **agg,
                 **POLICY_LOSSES.settings(cfg),
             )
@@ -371,6 +388,7 @@ class PPOTrainer:
             "finished_frac": float(exp.finished.float().mean()),
             "logprob_mismatch": float(ppo.masked_mean(gap, mask)),
             "logprob_mismatch_max": float((gap * mask).max()) if n else 0.0,
+            **batch.correction,
             "staleness": float(batch.staleness.float().mean()),
             # Sequences whose tokens more than one version sampled: new weights landed while they were sampled.
             "sampled_across_updates": float(_across_versions(exp, mask).float().mean()) if n else 0.0,
