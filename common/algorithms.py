@@ -39,6 +39,8 @@ class Variant:
     anywhere."""
     needs_groups: bool = False
     """True: it compares the ``generation.n`` responses to one prompt, so ``n`` must be at least 2."""
+    needs_kl_in_reward: bool = False
+    """True: its signal is the KL in the token rewards, so ``algorithm.kl_in`` must be ``reward``."""
 
 
 class Kind:
@@ -104,6 +106,12 @@ ESTIMATORS = Kind(
         Variant("dr_grpo", "s_i − mean_g on every token (Dr. GRPO)", needs_groups=True),
         Variant("rloo", "s_i − the mean of the other responses to its prompt (RLOO)", needs_groups=True),
         Variant("reinforce_pp", "discounted returns, whitened over the batch (REINFORCE++)", reads=("gamma",)),
+        Variant(
+            "distill",
+            "each token's own reward, undiscounted: with the reference a teacher, k1 and kl_coef 1, −(log π − log "
+            "π_teacher) on every token (on-policy distillation)",
+            needs_kl_in_reward=True,
+        ),
         Variant(
             "reinforce_pp_baseline",
             "s_i − mean_g on every token, whitened over the batch (REINFORCE++ with a group baseline)",

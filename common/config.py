@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -173,15 +174,60 @@ class GenerationSection(_Section):
     )
 
 
+JUDGE_TEMPLATE = (
+    "Rate how well the answer answers the question, from 0 (wrong) to 10 (right). Reply with the number only.\n\n"
+    "Question: {prompt}\nReference answer: {label}\nAnswer: {response}"
+)
+
+
+class JudgeSection(_Section):
+    """A generative reward: a language model reads the prompt, the answer and the label, and writes a score."""
+
+    model: str = Field(description="The judge: a local causal LM folder, or 'builtin:<name>'.")
+    template: str = Field(
+        JUDGE_TEMPLATE, description="The judge's prompt; {prompt}, {response} and {label} are filled in."
+    )
+    chat: bool = Field(True, description="Wrap the prompt in the judge's chat template (an instruct model).")
+    pattern: str = Field(
+        r"(-?\d+(?:\.\d+)?)", description="Regular expression whose first group, in its first match, is the score."
+    )
+    on_unparsed: Literal["default", "dead_letter"] = Field(
+        "default",
+        description="A judge's text without a score: default: that answer gets default_score; dead_letter: its batch "
+        "goes to the dead letters. Counted either way.",
+    )
+    default_score: float = 0.0
+    max_new_tokens: int = Field(8, gt=0, description="The most the judge writes per answer (greedy).")
+    backend: Literal["auto", "vllm", "transformers"] = Field("auto", description="auto: vLLM where installed.")
+    kv_cache_gib: float = Field(0.25, gt=0, description="With vLLM: the judge engine's KV cache.")
+
+    @model_validator(mode="after")
+    def _template_and_pattern_work(self):
+        try:
+            self.template.format(prompt="", response="", label="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"template may name only {{prompt}}, {{response}} and {{label}}: {exc!r}") from None
+        if "{response}" not in self.template:
+            raise ValueError("template must show the judge the answer: it has no {response}")
+        try:
+            groups = re.compile(self.pattern).groups
+        except re.error as exc:
+            raise ValueError(f"pattern is not a regular expression: {exc}") from None
+        if groups < 1:
+            raise ValueError("pattern needs a group around the score, e.g. 'Score: (\\d+)'")
+        return self
+
+
 class RewardSection(_Section):
     function: str | None = Field(None, description="'module:function' taking (prompts, responses) -> scores.")
     model: str | None = Field(None, description="Sequence-classification reward model folder (one label).")
+    judge: JudgeSection | None = Field(None, description="A language model that reads each answer and writes a score.")
     batch_size: int = Field(16, gt=0)
 
     @model_validator(mode="after")
     def _exactly_one_source(self):
-        if (self.function is None) == (self.model is None):
-            raise ValueError("set exactly one of reward.function and reward.model")
+        if sum(source is not None for source in (self.function, self.model, self.judge)) != 1:
+            raise ValueError("set exactly one of reward.function, reward.model and reward.judge")
         return self
 
 
@@ -597,6 +643,11 @@ class RunConfig(_Section):
             raise ValueError(
                 f"algorithm.estimator {estimator.name} compares the responses to one prompt: "
                 f"generation.n must be at least 2 (it is {self.generation.n})"
+            )
+        if estimator.needs_kl_in_reward and self.algorithm.kl_in != "reward":
+            raise ValueError(
+                f"algorithm.estimator {estimator.name} learns from the KL in the token rewards: algorithm.kl_in must "
+                "be reward"
             )
         if self.algorithm.dynamic_sampling and not estimator.needs_groups:
             raise ValueError(

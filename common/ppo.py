@@ -53,6 +53,7 @@ __all__ = [
     "reinforce_pp",
     "reinforce_pp_baseline",
     "rloo",
+    "token_own_rewards",
     "token_rewards",
     "value_loss",
 ]
@@ -483,11 +484,34 @@ def reinforce_pp_baseline(
     return advantages, advantages
 
 
+def token_own_rewards(token_rewards: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's own reward, ``r_t``, as its advantage: no discount, no sum over the tokens after it; whitened over
+    the batch's tokens (the mean a baseline, which leaves the expected gradient as it is).
+
+    With the reference model a teacher, the KL in the rewards (``kl_in: reward``, k1) and β = 1, ``r_t = −(log π −
+    log π_teacher)`` (plus any score on the last token): the per-token reverse KL to the teacher, on-policy
+    distillation's signal (Agarwal et al. 2024, GKD; Lu & Thinking Machines 2025). Without the baseline every
+    advantage is negative where the student puts more mass than the teacher on what it samples, which is most
+    tokens, and the update mostly pushes mass off whatever was sampled (towards ending early, say).
+
+    Args:
+        token_rewards: ``(N, T)``.
+        mask: ``(N, T)``.
+    Returns:
+        ``(advantages, returns)``: the whitened rewards and the rewards themselves, each ``(N, T)``, zero at padding.
+    """
+    with torch.no_grad():
+        returns = token_rewards * mask.to(token_rewards.dtype)
+        advantages = masked_whiten(returns, mask)
+    return advantages, returns
+
+
 register_advantage_estimator("gae")(lambda x, gamma, lam: gae(x.token_rewards, x.values * x.mask, x.mask, gamma, lam))
 register_advantage_estimator("grpo")(lambda x: grpo(x.token_rewards, x.mask, x.group_index))
 register_advantage_estimator("dr_grpo")(lambda x: grpo(x.token_rewards, x.mask, x.group_index, scale_by_std=False))
 register_advantage_estimator("rloo")(lambda x: rloo(x.token_rewards, x.mask, x.group_index))
 register_advantage_estimator("reinforce_pp")(lambda x, gamma: reinforce_pp(x.token_rewards, x.mask, gamma))
+register_advantage_estimator("distill")(lambda x: token_own_rewards(x.token_rewards, x.mask))
 register_advantage_estimator("reinforce_pp_baseline")(
     lambda x: reinforce_pp_baseline(x.token_rewards, x.mask, x.group_index)
 )

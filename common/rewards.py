@@ -18,6 +18,7 @@ __all__ = [
     "RewardError",
     "RewardFunction",
     "RewardModelScorer",
+    "checked_scores",
     "encode_pairs",
     "load_reward_function",
 ]
@@ -42,7 +43,7 @@ def load_reward_function(spec: str) -> RewardFn:
     return fn
 
 
-def _checked(scores, count: int, source: str) -> torch.Tensor:
+def checked_scores(scores, count: int, source: str) -> torch.Tensor:
     try:
         values = [float(s) for s in scores]
     except (TypeError, ValueError) as exc:
@@ -72,7 +73,7 @@ class RewardFunction:
 
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[str]) -> torch.Tensor:
         texts = (list(prompts), list(responses)) + ((list(labels),) if self.takes_labels else ())
-        return _checked(self.fn(*texts), len(responses), f"reward function {self.spec}")
+        return checked_scores(self.fn(*texts), len(responses), f"reward function {self.spec}")
 
 
 def encode_pairs(tokenizer, prompts: Sequence[str], responses: Sequence[str], max_length: int):
@@ -107,4 +108,4 @@ class RewardModelScorer:
             chunk = slice(start, start + self.batch_size)
             enc = encode_pairs(self.tokenizer, prompts[chunk], responses[chunk], self.max_length)
             scores.append(self.model(**enc.to(self.model.device)).logits[:, 0].float().cpu())
-        return _checked(torch.cat(scores).tolist() if scores else [], len(responses), self.name)
+        return checked_scores(torch.cat(scores).tolist() if scores else [], len(responses), self.name)

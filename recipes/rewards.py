@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from common.rewards import RewardError
 
-__all__ = ["final_number_matches", "vowel_fraction"]
+__all__ = ["final_number_matches", "no_score", "vowel_fraction"]
 
 
 def vowel_fraction(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
@@ -17,6 +17,11 @@ def vowel_fraction(prompts: Sequence[str], responses: Sequence[str]) -> list[flo
         letters = [c for c in response.lower() if c.isalpha()]
         scores.append(sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0)
     return scores
+
+
+def no_score(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
+    """0 for every response: for runs whose only signal is the KL to the reference (on-policy distillation)."""
+    return [0.0] * len(responses)
 
 
 def final_number_matches(prompts: Sequence[str], responses: Sequence[str], labels: Sequence[str]) -> list[float]:

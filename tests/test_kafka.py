@@ -197,6 +197,35 @@ def test_streamppo_up_runs_every_role_as_processes_with_lora_on_the_vllm_generat
     assert {m.lineage["scorer.replica"] for m in scored.values()} == {"scorer-0", "scorer-1"}, "both scorers worked"
 
 
+@pytest.mark.slow
+def test_a_judge_scores_a_run_over_the_broker(own_broker, make_config, tmp_path, model_cache):
+    """`reward.judge`: the scorer process runs SmolLM2-135M-Instruct (no good judge, a real one) on each answer and
+    parses its number; the run trains on the judge's scores, and every scored batch names its judge and how many of
+    its answers got the default score."""
+    steps, run_id = 2, unique("judge")
+    judge = "{model: builtin:smollm2-135m-instruct, backend: transformers, max_new_tokens: 4}"
+    overrides = [
+        "reward.function=null",
+        f"reward.judge={judge}",
+        "generation.backend=transformers",
+        "data.batch_size=4",
+        "generation.n=2",
+        "learner.mini_batch_size=8",
+    ]
+    run_up(own_broker, tmp_path, model_cache, steps, run_id, overrides)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert len(records) == steps
+    scored = run_messages(make_config(*own_broker), "scored", run_id, steps)
+    assert len(scored) == steps
+    for message in scored.values():
+        assert message.lineage["reward.judge"].startswith(str(model_cache / "models" / "smollm2-135m-instruct"))
+        assert 0 <= message.lineage["reward.judge.unparsed"] <= len(message.scores)
+        assert "reward.function" not in message.lineage
+    # The learner trained on what the judge gave: each update's mean reward is its batch's mean score.
+    by_step = {m.step: float(m.scores.mean()) for m in scored.values()}
+    assert [r["reward_mean"] for r in records] == pytest.approx([by_step[s] for s in sorted(by_step)], abs=1e-6)
+
+
 def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path):
     """What compose's `topics` job runs: every data topic with its partitions, its .dlq, and `weights`."""
     from kafka import KafkaConsumer

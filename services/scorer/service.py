@@ -12,6 +12,7 @@ from common.models import load_actor, load_reward_model, load_tokenizer, resolve
 from common.rewards import RewardError, RewardFunction, RewardModelScorer
 from common.schema import RolloutBatch, ScoredBatch, derive
 from common.sequences import batched_response_logprobs, lengths_to_mask, pack
+from services.scorer.judge import JudgeScorer, judge_id, judge_writer
 from services.service import InputError, Service, check_token_ids
 
 
@@ -30,6 +31,21 @@ class ScorerService(Service):
         if config.reward.function is not None:
             self.reward = RewardFunction(config.reward.function)
             self.lineage["reward.function"] = config.reward.function
+        elif config.reward.judge is not None:
+            judge = config.reward.judge
+            judge_path = resolve_model(judge.model, m.cache_dir)
+            dtype = m.dtype_of("reward")
+            write = judge_writer(judge, judge_path, dtype, m.device, m.trust_remote_code, config.run.seed)
+            self.reward = JudgeScorer(
+                write,
+                judge.template,
+                judge.pattern,
+                judge.on_unparsed,
+                judge.default_score,
+                config.reward.batch_size,
+                name=f"judge {judge_path.name}",
+            )
+            self.lineage["reward.judge"] = judge_id(judge_path, judge.template, judge.pattern)
         else:
             rm_path = resolve_model(config.reward.model, m.cache_dir)
             self.reward = RewardModelScorer(
@@ -47,12 +63,15 @@ class ScorerService(Service):
             scores = self.reward(message.prompt_text, message.response_text, message.prompt_label)
         except RewardError as exc:  # e.g. a label with no answer in it: this batch cannot be scored, others may
             raise InputError(str(exc)) from None
+        lineage = self.lineage
+        if isinstance(self.reward, JudgeScorer):  # how many of this batch's answers got the default score
+            lineage = {**lineage, "reward.judge.unparsed": self.reward.last_unparsed}
         return [
             derive(
                 message,
                 ScoredBatch,
                 self.replica_id,
-                self.lineage,
+                lineage,
                 scores=scores.numpy(),
                 ref_logprobs=ref_logprobs.numpy(),
             )
