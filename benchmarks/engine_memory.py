@@ -49,6 +49,8 @@ def engine_memory(steps: int = 600, settings: tuple[str, ...] = (), every_s: flo
                     except psutil.NoSuchProcess:
                         continue
                 updates = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+                if updates >= steps:  # the run is ending: its engine is being shut down
+                    continue
                 if engine and updates:
                     samples.append(
                         {"updates": updates, "engine_rss_mib": rss / 2**20, "s": time.perf_counter() - started}
