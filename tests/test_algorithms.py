@@ -42,7 +42,8 @@ def test_a_function_for_an_undeclared_variant_is_refused():
 def test_the_config_takes_its_choices_and_checks_from_the_declarations(make_config):
     for name, variant in ESTIMATORS.variants.items():
         example = "config.yaml" if variant.uses_critic else "grpo.yaml"
-        config = make_config(f"algorithm.estimator={name}", example=example)
+        kl_in = ["algorithm.kl_in=reward"] if variant.needs_kl_in_reward else []  # grpo.yaml has it in the loss
+        config = make_config(f"algorithm.estimator={name}", *kl_in, example=example)
         assert config.algorithm.uses_critic == variant.uses_critic
     with pytest.raises(ConfigError, match="algorithm.lam is set, but no chosen variant reads it"):
         make_config("algorithm.estimator=reinforce_pp", "algorithm.lam=0.9", example="grpo.yaml")
