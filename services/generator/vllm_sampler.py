@@ -344,8 +344,12 @@ def _transfer(llm, update_info: dict) -> str | None:
     llm.collective_rpc("start_weight_update")
     try:
         llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
-    except Exception as exc:  # the worker has ended the update itself
+    except Exception as exc:  # the worker that raised has ended the update itself
         if REFUSED in str(exc):
+            try:  # under tensor parallelism the other workers' updates are still open (streamppo's finish does nothing)
+                llm.collective_rpc("finish_weight_update")
+            except Exception:  # the worker that refused has none open
+                pass
             return str(exc).split(REFUSED, 1)[1]
         raise
     llm.collective_rpc("finish_weight_update")
