@@ -406,8 +406,9 @@ def _streaming(c: dict) -> list[str]:
         "groups at `max_staleness` 1 and 2, the longest answers, for the same updates/s).",
         "",
         "What keeps streaming from the bound here is a stage after the generator: each record costs the advantage "
-        "service real, unscaled work whatever its rows (GAE's loop runs over every position of the record's 2,048 "
-        "columns), which weighs 1 / SCALE = 20 times more here than on the hardware priced. Its compute for the 12 "
+        "service real, unscaled work whatever its rows (GAE's loop runs over every position up to the record's "
+        "longest response), which weighs 1 / SCALE = 20 times more here than on the hardware priced. Its compute for "
+        "the 12 "
         f"updates at `max_staleness` 2: {stage_costs}. With records of an eighth of a prompt batch it, not "
         "generation, is the slowest stage; larger records give it back, at the price of waiting for more groups.",
         "",

@@ -91,11 +91,12 @@ class SimulatedSampler:
         return samples
 
     def made(self, lengths: np.ndarray, prompts: int) -> Samples:
-        """Random responses of ``lengths`` (``prompts`` groups of ``len(lengths) / prompts``)."""
-        rows, width = len(lengths), int(self.cost.profile.max_response_tokens)
+        """Random responses of ``lengths`` (``prompts`` groups of ``len(lengths) / prompts``), as wide as the longest,
+        as an engine returns them."""
+        rows, width = len(lengths), max(1, int(lengths.max()))
         tokens = self.cost.rng.integers(FIRST_TOKEN, VOCAB, (rows, width))
         mask = np.arange(width)[None, :] < lengths[:, None]
-        finished = lengths < width
+        finished = lengths < int(self.cost.profile.max_response_tokens)
         tokens[np.arange(rows)[finished], lengths[finished] - 1] = 2  # a finished response ends with its EOS
         logprobs = np.where(mask, -self.cost.rng.exponential(1.0, (rows, width)), 0.0).astype(np.float32)
         return Samples(
