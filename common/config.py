@@ -200,6 +200,9 @@ class JudgeSection(_Section):
     max_new_tokens: int = Field(8, gt=0, description="The most the judge writes per answer (greedy).")
     backend: Literal["auto", "vllm", "transformers"] = Field("auto", description="auto: vLLM where installed.")
     kv_cache_gib: float = Field(0.25, gt=0, description="With vLLM: the judge engine's KV cache.")
+    max_model_len: int = Field(
+        2048, gt=0, description="With vLLM: the longest judge prompt plus text; its KV cache must hold one."
+    )
 
     @model_validator(mode="after")
     def _template_and_pattern_work(self):

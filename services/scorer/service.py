@@ -55,6 +55,10 @@ class ScorerService(Service):
             )
             self.lineage["reward.model"] = str(rm_path)
 
+    def close(self) -> None:
+        if isinstance(self.reward, JudgeScorer):
+            self.reward.close()
+
     @torch.no_grad()
     def process(self, message: RolloutBatch) -> list[ScoredBatch]:
         check_token_ids(message, self.reference, "reference model")
