@@ -640,6 +640,16 @@ class PolicyLossStats:
     """Share of real tokens whose loss was bounded by the dual clip."""
 
 
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float, mask_f: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token ``max(−ρ·A, −clip(ρ, 1−ε_low, 1+ε_high)·A)``, ``(B, T)``, and the share of real tokens where
+    the clipped term was taken."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), masked_mean((clipped > unclipped).to(ratio.dtype), mask_f)
+
+
 def _finish_policy_loss(
     losses: torch.Tensor,
     log_ratio: torch.Tensor,
@@ -698,11 +708,7 @@ def policy_loss(
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     mask_f = mask.to(logp.dtype)
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    losses = torch.maximum(unclipped, clipped)
-    clip_frac = masked_mean((clipped > unclipped).to(logp.dtype), mask_f)
+    losses, clip_frac = _clipped_surrogate(torch.exp(log_ratio), advantages, clip_low, clip_high, mask_f)
     dual_clip_frac = None
     if dual_clip is not None:
         bound = -advantages * dual_clip
@@ -744,10 +750,7 @@ def gspo_loss(
     sequence_log_ratio = (log_ratio * mask_f).sum(dim=-1) / mask_f.sum(dim=-1).clamp(min=1.0)  # (B,)
     token_log_ratio = (logp - logp.detach() + sequence_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
     ratio = torch.exp(token_log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - gspo_clip_low, 1.0 + gspo_clip_high)
-    losses = torch.maximum(unclipped, clipped)
-    clip_frac = masked_mean((clipped > unclipped).to(logp.dtype), mask_f)
+    losses, clip_frac = _clipped_surrogate(ratio, advantages, gspo_clip_low, gspo_clip_high, mask_f)
     return _finish_policy_loss(
         losses, log_ratio.clamp(-20.0, 20.0), mask_f, clip_frac, importance_weights, agg, num_tokens, norm_length
     )
