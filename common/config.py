@@ -25,6 +25,7 @@ from common.algorithms import (
     POLICY_LOSSES,
     Kind,
 )
+from common.schema import TOPIC_MESSAGE, BatchMessage
 
 __all__ = ["ConfigError", "RunConfig", "load_config"]
 
@@ -37,6 +38,18 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TrackingOptions(_Section):
+    mlflow_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI: a server (http://...) or a database (sqlite:///...); "
+        "default sqlite:///<run.dir>/mlflow.db.",
+    )
+    project: str = Field("streamppo", min_length=1, description="The MLflow experiment and the W&B project.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: W&B writes <run.dir>/wandb only (`wandb sync` uploads it later)."
+    )
+
+
 class RunSection(_Section):
     dir: Path = Field(Path("runs/default"), description="Run directory: metrics, weight store, final model.")
     seed: int = 0
@@ -47,6 +60,24 @@ class RunSection(_Section):
         description="Continue from the learner's last checkpoint (`--resume`): the feeder "
         "publishes only the steps after it, e.g. on a new, empty broker.",
     )
+    archive_log: bool = Field(
+        False,
+        description="At the end of an embedded run (`streamppo run`), write its log to <run.dir>/log for "
+        "`streamppo trace`, `export` and `rescore`: the in-memory bus ends with the process. A run on a broker is "
+        "archived with `streamppo archive`.",
+    )
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        [],
+        description="Where the learner also sends each update's statistics (the lines of metrics.jsonl), with the "
+        "run's config as parameters and the final models and report as artifacts.",
+    )
+    tracking: TrackingOptions = TrackingOptions()
+
+    @model_validator(mode="after")
+    def _trackers_once(self):
+        if len(set(self.trackers)) != len(self.trackers):
+            raise ValueError(f"trackers {self.trackers} names one twice")
+        return self
 
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -500,6 +531,46 @@ class WeightsSection(_Section):
     broadcast: BroadcastSection = BroadcastSection()
 
 
+class TopicRetention(_Section):
+    hours: float | None = Field(None, gt=0)
+    bytes: int | None = Field(None, gt=0, description="Per partition, as Kafka's retention.bytes.")
+
+
+class RetentionSection(_Section):
+    """How long the log is kept. Set on the data topics (and their dead letters) when streamppo creates them, and
+    kept by the batch store for the files of batches that travel by reference: a record and its file go together."""
+
+    hours: float | None = Field(
+        168.0,
+        gt=0,
+        description="Kafka's retention.ms of the data topics, in hours (its default: 7 days); null: forever.",
+    )
+    bytes: int | None = Field(None, gt=0, description="Kafka's retention.bytes (per partition); null: no limit.")
+    topics: dict[str, TopicRetention] = Field(
+        {}, description="Per topic (prompts, rollouts, scored, experience), what differs from the above."
+    )
+    remove_committed_batches: bool = Field(
+        False,
+        description="Remove a referenced batch's file as soon as its reader commits past its record (the log then "
+        "cannot replay or export that record): for disks that cannot keep a run's batches for its retention.",
+    )
+
+    @model_validator(mode="after")
+    def _known_topics(self):
+        data = [topic for topic, cls in TOPIC_MESSAGE.items() if issubclass(cls, BatchMessage)]
+        unknown = sorted(set(self.topics) - set(data))
+        if unknown:
+            raise ValueError(f"retention of unknown topic(s) {unknown}; data topics: {data}")
+        return self
+
+    def of(self, topic: str) -> tuple[float | None, int | None]:
+        """``(hours, bytes)`` for ``topic`` (a data topic or its dead letters)."""
+        own = self.topics.get(topic.removesuffix(".dlq"))
+        hours = own.hours if own is not None and own.hours is not None else self.hours
+        size = own.bytes if own is not None and own.bytes is not None else self.bytes
+        return hours, size
+
+
 class KafkaSection(_Section):
     """How the services reach Kafka when they run as processes (``--bootstrap`` overrides ``bootstrap``)."""
 
@@ -511,6 +582,7 @@ class KafkaSection(_Section):
         "namespaces on one cluster share nothing. Default: run.run_id.",
     )
     partitions: int = Field(4, gt=0, description="Partitions of the data topics when streamppo creates them.")
+    retention: RetentionSection = RetentionSection()
     max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
     session_timeout_ms: int = Field(
         6000,
@@ -742,6 +814,12 @@ class RunConfig(_Section):
     @property
     def batch_store(self) -> Path:
         return self.pipeline.batch_store or self.run.dir / "batches"
+
+    def batch_retention(self, topic: str) -> tuple[float | None, int | None]:
+        """``(seconds, bytes)`` the batch store keeps ``topic``'s files: its records' retention, the bytes summed
+        over its partitions."""
+        hours, size = self.kafka.retention.of(topic)
+        return (None if hours is None else hours * 3600, None if size is None else size * self.kafka.partitions)
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -196,9 +196,10 @@ class WeightStore:
         delta = None
         if last is not None and last.version == version - 1 and len(last.chain) < self.full_every:
             delta = delta_state(last.state, state, max_bytes=state_nbytes(state) // 2)
-        metadata = {"model": model_name, "version": str(version)}
-        if delta is not None:
-            metadata["base"] = split_link(last.chain[-1])[0]
+        # At most one metadata entry: safetensors writes its metadata map in hash order, which differs between
+        # processes, and the digest covers the header, so a second entry would give the same weights another digest
+        # in another process (streamppo replay compares digests across processes). The file's name says the rest.
+        metadata = {"base": split_link(last.chain[-1])[0]} if delta is not None else None
         path = self.root / f"{model_name}-v{version:08d}.safetensors"
         digest = _write_safetensors(
             path, state if delta is None else delta, self.digest, f"the {model_name} v{version} snapshot", metadata

@@ -13,6 +13,7 @@ import yaml
 
 from services import exit_codes
 from services.roles import ROLES
+from services.runlog.commands import add_log_commands
 
 __all__ = ["build_parser", "main"]
 
@@ -259,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_pipeline_commands(sub)
     _add_tool_commands(sub)
+    add_log_commands(sub)
     return parser
 
 
@@ -275,6 +277,7 @@ def _configure_logging(verbose: bool) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     if not verbose:  # kafka-python logs every failed connection attempt; the services report broker trouble once
         logging.getLogger("kafka").setLevel(logging.CRITICAL)
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # run.trackers: its store's migrations at INFO
 
 
 def _dispatch(args) -> int:

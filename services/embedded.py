@@ -20,12 +20,15 @@ from common.config import RunConfig
 from common.report import load_metrics, summarise
 from common.statistics import progress_labels
 from services.roles import ROLES, pipeline_topics
+from services.runlog.archive import archive_bus
 from services.runtime import ServiceRunner
 from services.transport import MemoryBus
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PipelineStalled", "RunSummary", "run_embedded"]
+__all__ = ["LOG_DIR", "PipelineStalled", "RunSummary", "run_embedded"]
+
+LOG_DIR = "log"  # <run.dir>/log: the run's log, archived at its end (run.archive_log)
 
 
 class PipelineStalled(RuntimeError):
@@ -51,11 +54,14 @@ def _start_from_scratch(config: RunConfig) -> Path:
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    if (run_dir / LOG_DIR).exists():
+        shutil.rmtree(run_dir / LOG_DIR)  # the log of the run before, which this one replaces
     checkpoints = Path(config.checkpoint_dir)
     if checkpoints.exists():
         log.warning("clearing the checkpoints in %s: an embedded run always starts from scratch", checkpoints)
         shutil.rmtree(checkpoints)
-    (run_dir / "config.json").write_text(config.model_dump_json(indent=2))
+    # The settings as given, defaults left out: what `load_config` takes back (streamppo replay).
+    (run_dir / "config.json").write_text(config.model_dump_json(indent=2, exclude_unset=True))
     return run_dir
 
 
@@ -99,6 +105,8 @@ def run_embedded(config: RunConfig, progress: bool = True, bus: MemoryBus | None
         for runner in runners:
             if runner.service.done():
                 runner.service.finish()
+        if config.run.archive_log:
+            archive_bus(bus, run_dir / LOG_DIR, config.run.run_id)
     finally:
         bar.close()
         for runner in runners:

@@ -21,8 +21,10 @@ def check_run_inputs(config: RunConfig) -> None:
     from common.data import PromptSchedule, load_prompts
     from common.models import resolve_model
     from common.rewards import load_reward_function
+    from services.learner.trackers import check_trackers
 
     config.pipeline.signing_key()  # a key named but not there is a ConfigError
+    check_trackers(config)
     prompts = load_prompts(config.data.prompts)
     PromptSchedule(len(prompts), config.data.batch_size, config.data.shuffle, config.run.seed)
     if config.reward.function is not None:

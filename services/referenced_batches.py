@@ -3,8 +3,10 @@
 On the way out, a batch whose encoding exceeds ``pipeline.inline_max_bytes`` is written to the run's batch store and
 its topic carries a :class:`~common.schema.BatchReference`. On the way in, a reference is resolved to the batch it
 names (digest checked) and remembered with its record's offset; once the replica's group commits past that record,
-its file is removed, since its content lives on in the outputs made from it (or, for the learner, in its
-checkpoint). A reference that is dead-lettered keeps its file, for inspection.
+its file may go, since its content lives on in the outputs made from it (or, for the learner, in its checkpoint):
+it is removed then with ``kafka.retention.remove_committed_batches``, else kept as long as its record is
+(:meth:`~common.batch_store.BatchStore.expire`), so the log stays whole. A reference that is dead-lettered keeps its
+file, for inspection.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ __all__ = ["ReferencedBatches"]
 
 
 class ReferencedBatches:
-    def __init__(self, store: BatchStore, inline_max_bytes: int):
-        self.store, self.inline_max_bytes = store, inline_max_bytes
+    def __init__(self, store: BatchStore, inline_max_bytes: int, remove_committed: bool = False):
+        self.store, self.inline_max_bytes, self.remove_committed = store, inline_max_bytes, remove_committed
         self.read: dict[int, list[tuple[int, BatchReference]]] = {}  # per partition: (offset, reference)
 
     def record_value(self, message: Message) -> tuple[bytes, bool]:
@@ -40,7 +42,11 @@ class ReferencedBatches:
         self.read[record.partition] = [(offset, ref) for offset, ref in kept if offset != record.offset]
 
     def release(self, committed: Record) -> None:
-        """Remove the files of the batches read up to ``committed``, which the group has now committed past."""
+        """Forget the batches read up to ``committed``, which the group has now committed past; with
+        ``remove_committed``, remove their files."""
+        if not self.remove_committed:
+            self.read.pop(committed.partition, None)
+            return
         kept = []
         for offset, reference in self.read.pop(committed.partition, []):
             if offset <= committed.offset:

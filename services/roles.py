@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from common.config import RunConfig
+from common.config import RetentionSection, RunConfig
 from common.schema import TOPIC_MESSAGE
 from services.transport.base import TopicSpec, dlq_topic
 
@@ -99,18 +99,29 @@ ROLES: dict[str, Role] = {
 }
 
 
-def pipeline_topics(partitions: int = 1) -> list[TopicSpec]:
+def pipeline_topics(partitions: int = 1, retention: RetentionSection | None = None) -> list[TopicSpec]:
     """Every topic the pipeline uses (those of ``common.schema.TOPIC_MESSAGE``), each with its dead-letter topic,
-    and the status topic.
+    and the status topic; the data topics and dead letters kept as ``retention`` says (else the broker's default).
 
     The weights and status topics have one partition and are compacted: their readers want the newest record per
     model, per replica.
     """
+
+    def kept(topic: str) -> dict:
+        if retention is None:
+            return {}
+        hours, size = retention.of(topic)
+        return {"retention_ms": -1 if hours is None else round(hours * 3_600_000), "retention_bytes": size}
+
     specs = []
     for name in TOPIC_MESSAGE:
         weights = name == WEIGHTS_TOPIC
-        specs.append(TopicSpec(name, 1 if weights else partitions, compacted=weights, verify=weights))
-        specs.append(TopicSpec(dlq_topic(name), 1))
+        specs.append(
+            TopicSpec(
+                name, 1 if weights else partitions, compacted=weights, verify=weights, **({} if weights else kept(name))
+            )
+        )
+        specs.append(TopicSpec(dlq_topic(name), 1, **kept(name)))
     specs.append(TopicSpec(STATUS_TOPIC, 1, compacted=True))
     specs.append(TopicSpec(LOG_TOPIC, 1, compacted=True))
     return specs

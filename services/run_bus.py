@@ -40,7 +40,7 @@ def kafka_bus(
     bus = NamespacedBus(kafka, config.namespace)
     if not make:
         return bus
-    bus.create_topics(pipeline_topics(k.partitions), replace_wrong=replace_wrong_topics)
+    bus.create_topics(pipeline_topics(k.partitions, k.retention), replace_wrong=replace_wrong_topics)
     bus.log_identity(LOG_TOPIC, create=True)  # the topics and their identity are the run's log
     return bus
 

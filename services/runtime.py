@@ -117,7 +117,12 @@ class ServiceRunner:
         self.log_ends: dict[int, int] = {}  # per input partition: the highest end offset seen
         self.uncommitted: dict[int, Record] = {}  # per partition: the newest record handled but not yet committed
         config = service.config
-        self.referenced = ReferencedBatches(BatchStore(config.batch_store), config.pipeline.inline_max_bytes)
+        retention = config.kafka.retention
+        self.referenced = ReferencedBatches(
+            BatchStore(config.batch_store, retention=config.batch_retention),
+            config.pipeline.inline_max_bytes,
+            remove_committed=retention.remove_committed_batches,
+        )
         # The batch ids this replica handled; a service that restores state (the learner) gives back the ids its
         # state covers, so a batch applied before a crash, but not committed, is recognised when it comes again.
         restored = service.restored()

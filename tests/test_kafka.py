@@ -224,11 +224,45 @@ def test_a_judge_scores_a_run_over_the_broker(own_broker, make_config, tmp_path,
     # The learner trained on what the judge gave: each update's mean reward is its batch's mean score.
     by_step = {m.step: float(m.scores.mean()) for m in scored.values()}
     assert [r["reward_mean"] for r in records] == pytest.approx([by_step[s] for s in sorted(by_step)], abs=1e-6)
+    # The run's log outlives its broker: `streamppo archive` copies it into files, and `trace` reads them and names
+    # the judge and the replicas (`up` starts one of each) that made an update.
+    settings = [*run_settings(tmp_path, model_cache, steps, run_id), *overrides, *own_broker]
+    archive = subprocess.run(
+        streamppo_command("archive", "--out", str(tmp_path / "log"), overrides=settings),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert archive.returncode == 0, archive.stderr
+    trace = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "trace",
+            "--log",
+            str(tmp_path / "log"),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ]
+        + ["--update", "2", "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert trace.returncode == 0, trace.stderr
+    made = json.loads(trace.stdout)
+    assert made["groups"] and [g["group"] for g in made["groups"]] == records[1]["groups"]
+    assert made["rewards"] == [f"reward.judge={scored[records[1]['batch_ids'][0]].lineage['reward.judge']}"]
+    assert made["generators"] == ["generator-0"] and made["scorers"] == ["scorer-0"]
 
 
 def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path):
     """What compose's `topics` job runs: every data topic with its partitions, its .dlq, and `weights`."""
     from kafka import KafkaConsumer
+    from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
     from services.roles import pipeline_topics
     from services.transport.local_broker import LocalBroker
@@ -248,6 +282,8 @@ def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path
                 "kafka.partitions=3",
                 "--set",
                 "kafka.idempotent_producer=false",
+                "--set",
+                "kafka.retention.topics={experience: {hours: 2, bytes: 1000000}}",
             ],
             cwd=REPO,
             capture_output=True,
@@ -264,6 +300,21 @@ def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path
                 assert len(probe.partitions_for_topic(name)) == spec.partitions, name
         finally:
             probe.close()
+        # kafka.retention: 7 days (Kafka's default, set explicitly) unless a topic says otherwise, its dead letters
+        # alike; the compacted weights topic keeps its newest record per model for good.
+        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        try:
+            topics = ["experience", "experience.dlq", "prompts", "weights"]
+            (answer,) = admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, f"vowels.{t}") for t in topics]
+            )
+            kept = {res[3].removeprefix("vowels."): {c[0]: c[1] for c in res[4]} for res in answer.resources}
+        finally:
+            admin.close()
+        assert kept["experience"]["retention.ms"] == kept["experience.dlq"]["retention.ms"] == str(2 * 3_600_000)
+        assert kept["experience"]["retention.bytes"] == "1000000"
+        assert kept["prompts"]["retention.ms"] == str(168 * 3_600_000)
+        assert kept["weights"]["cleanup.policy"] == "compact"
 
 
 def leave_mid_rebalance(bootstrap: str, topic: str, group: str) -> None:

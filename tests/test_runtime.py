@@ -400,16 +400,18 @@ def test_consecutive_steps_go_to_consecutive_partitions(bus, make_config):
     assert sorted((decode(r.value).step, r.partition) for r in records) == [(0, 0), (1, 1), (2, 0), (3, 1)]
 
 
+BY_REFERENCE = [  # every batch over 1,000 bytes (all of these) travels by reference
+    "data.batch_size=2",
+    "generation.n=2",
+    "generation.max_new_tokens=4",
+    "learner.mini_batch_size=4",
+    "pipeline.inline_max_bytes=1000",
+]
+
+
 @pytest.fixture
 def by_reference(make_config):
-    """Every batch over 1,000 bytes (all of these) travels by reference."""
-    return make_config(
-        "data.batch_size=2",
-        "generation.n=2",
-        "generation.max_new_tokens=4",
-        "learner.mini_batch_size=4",
-        "pipeline.inline_max_bytes=1000",
-    )
+    return make_config(*BY_REFERENCE)
 
 
 def _rollouts_by_reference(bus, config) -> tuple[bytes, BatchReference]:
@@ -419,7 +421,13 @@ def _rollouts_by_reference(bus, config) -> tuple[bytes, BatchReference]:
     return record, decode(record)
 
 
-def test_a_batch_over_the_inline_limit_travels_by_reference_until_it_is_committed_past(bus, by_reference):
+@pytest.mark.parametrize("remove_committed", [False, True])
+def test_a_batch_over_the_inline_limit_travels_by_reference_and_its_file_stays_as_its_record_does(
+    bus, make_config, remove_committed
+):
+    """By default a referenced batch's file is kept while its record is (kafka.retention), so the log can be
+    replayed and exported; with remove_committed_batches it goes once its reader commits past its record."""
+    by_reference = make_config(*BY_REFERENCE, f"kafka.retention.remove_committed_batches={remove_committed}")
     record, reference = _rollouts_by_reference(bus, by_reference)
     assert isinstance(reference, BatchReference) and reference.carries == "rollouts" and len(record) < 1000
     path = Path(reference.uri)
@@ -431,7 +439,7 @@ def test_a_batch_over_the_inline_limit_travels_by_reference_until_it_is_committe
     scored = decode(BatchStore.get(scored_reference))
     assert scored.batch_id == rollouts.batch_id
     assert np.array_equal(scored.response_tokens, rollouts.response_tokens)
-    assert not path.exists(), "the scorer committed past the rollouts: their file is removed"
+    assert path.exists() != remove_committed, "the scorer committed past the rollouts"
     assert Path(scored_reference.uri).exists(), "not yet consumed"
 
 

@@ -270,6 +270,7 @@ class GeneratorService(Service):
             **message.lineage,
             **params.lineage(),
             "generator.backend": self.sampler.backend,
+            "generator.replica": self.replica_id,
             "actor.model": self.model_id,
         }
 

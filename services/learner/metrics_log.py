@@ -20,7 +20,10 @@ class MetricsLog:
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         return json.loads(lines[-1])["step"] if lines else 0
 
-    def restore(self, records: list[dict]) -> None:
-        """Append those of ``records`` past the file's last step (lines a crash kept from being written)."""
+    def restore(self, records: list[dict]) -> list[dict]:
+        """Append those of ``records`` past the file's last step (lines a crash kept from being written); returns
+        them."""
         last = self.last_step()
-        self.append([record for record in records if record["step"] > last])
+        missing = [record for record in records if record["step"] > last]
+        self.append(missing)
+        return missing

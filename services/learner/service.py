@@ -62,6 +62,7 @@ from services.learner.groups import GroupBuffer, StepLedger, groups_of
 from services.learner.metrics_log import MetricsLog
 from services.learner.parallel import init_ranks, shard_model
 from services.learner.ranks import LearnerRanks
+from services.learner.trackers import Trackers
 from services.learner.trainer import Experience, PPOTrainer
 from services.service import Dropped, InputError, Progress, Service, check_token_ids
 
@@ -116,8 +117,11 @@ class LearnerService(Service):
         self.started = time.time()
         self.epoch = 0  # taken in start(): 0 only for a learner that announces without having started (tests)
         self.sender: WeightSender | None = None  # the broadcast path, opened in start() when configured
+        self.trackers = Trackers()  # run.trackers: rank 0's alone
         if self.ranks.leads:  # the other ranks load the checkpoint when rank 0 leads them to
-            self._resume()
+            restored = self._resume()
+            self.trackers = Trackers.open(config, self.run_dir, resumed=restored is not None)
+            self.trackers.log(restored or [])
 
     def _trainable(self, load, path: Path, dtype: str):
         """A model to train: sharded over the ranks with fp32 master weights and ``dtype`` compute, or (single
@@ -134,14 +138,16 @@ class LearnerService(Service):
         return LearnerRanks(config) if config.learner.parallel.processes > 1 else None
 
     def close(self) -> None:
+        self.trackers.close()
         if self.sender is not None:
             self.sender.close()
         self.trainer.release()
 
-    def _resume(self) -> None:
+    def _resume(self) -> list[dict] | None:
+        """Take up the last checkpoint's state; returns the metrics lines it wrote again (None: no checkpoint)."""
         checkpoint = load_latest_checkpoint(self.config.checkpoint_dir)
         if checkpoint is None:
-            return
+            return None
         folder, meta = checkpoint
         self.trainer.load(folder)
         self.buffer.load(folder)
@@ -154,7 +160,7 @@ class LearnerService(Service):
         # "applied": the unbounded id list of checkpoints written before the window existed
         self.progress = Progress(meta["offsets"], meta.get("handled", meta.get("applied", [])), meta.get("log"))
         # A learner killed between its checkpoint and its metrics lines writes those lines now.
-        self.metrics_log.restore(meta["records"])
+        restored = self.metrics_log.restore(meta["records"])
         log.info(
             "%s: resumed from checkpoint at v%d (%d updates; input offsets %s)",
             self.replica_id,
@@ -162,6 +168,7 @@ class LearnerService(Service):
             self.updates,
             self.progress.offsets,
         )
+        return restored
 
     def restored(self) -> Progress | None:
         return self.progress
@@ -214,6 +221,9 @@ class LearnerService(Service):
             self.run_dir,
             {name: (module, self.trainer.full_state(name)) for name, module, _ in self.trainer.models()},
             self.tokenizer,
+        )
+        self.trackers.artifacts(
+            [self.run_dir / "final", self.run_dir / "metrics.jsonl", *sorted(self.run_dir.glob("generations*"))]
         )
         log.info("%s: %d updates done; final models in %s", self.replica_id, self.updates, self.run_dir / "final")
 
@@ -393,6 +403,7 @@ class LearnerService(Service):
         log.debug("%s: checkpoint v%d in %.2f s", self.replica_id, self.trainer.version, time.perf_counter() - started)
         # Written after the checkpoint, so metrics.jsonl never shows an update a restart would apply again.
         self.metrics_log.append(self.unsaved_records)
+        self.trackers.log(self.unsaved_records)
         self.unsaved_records, self.since_checkpoint, self.changed = [], 0, False
         return True
 
@@ -456,6 +467,9 @@ class LearnerService(Service):
                 )
             )
         self.published = announcements
+        for record in self.unsaved_records:  # the update's metrics line names what it made (streamppo replay)
+            if record["step"] == version:
+                record["digests"] = {a.model: a.digest for a in announcements}
         self._announced_progress()
         return announcements
 

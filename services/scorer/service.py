@@ -5,6 +5,8 @@ Both models are frozen, so scorer replicas are interchangeable and scale on thei
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from common.config import RunConfig
@@ -14,6 +16,35 @@ from common.schema import RolloutBatch, ScoredBatch, derive
 from common.sequences import batched_response_logprobs, lengths_to_mask, pack
 from services.scorer.judge import JudgeScorer, judge_id, judge_writer
 from services.service import InputError, Service, check_token_ids
+
+
+def load_reward(config: RunConfig) -> tuple[Callable, dict]:
+    """The reward ``config.reward`` names (a function, a judge or a reward model), called with prompts, responses
+    and labels, and the lineage that says which it is."""
+    m = config.model
+    if config.reward.function is not None:
+        return RewardFunction(config.reward.function), {"reward.function": config.reward.function}
+    if config.reward.judge is not None:
+        judge = config.reward.judge
+        judge_path = resolve_model(judge.model, m.cache_dir)
+        write = judge_writer(judge, judge_path, m.dtype_of("reward"), m.device, m.trust_remote_code, config.run.seed)
+        scorer = JudgeScorer(
+            write,
+            judge.template,
+            judge.pattern,
+            judge.on_unparsed,
+            judge.default_score,
+            config.reward.batch_size,
+            name=f"judge {judge_path.name}",
+        )
+        return scorer, {"reward.judge": judge_id(judge_path, judge.template, judge.pattern)}
+    rm_path = resolve_model(config.reward.model, m.cache_dir)
+    scorer = RewardModelScorer(
+        load_reward_model(rm_path, m.dtype_of("reward"), m.trust_remote_code, m.device),
+        load_tokenizer(rm_path, m.trust_remote_code),
+        batch_size=config.reward.batch_size,
+    )
+    return scorer, {"reward.model": str(rm_path)}
 
 
 class ScorerService(Service):
@@ -27,33 +58,8 @@ class ScorerService(Service):
             path, m.dtype_of("reference"), m.trust_remote_code, role="reference model", device=m.device
         ).requires_grad_(False)
         self.pad_token_id = load_tokenizer(path, m.trust_remote_code).pad_token_id
-        self.lineage = {"reference.model": str(path), "scorer.replica": self.replica_id}
-        if config.reward.function is not None:
-            self.reward = RewardFunction(config.reward.function)
-            self.lineage["reward.function"] = config.reward.function
-        elif config.reward.judge is not None:
-            judge = config.reward.judge
-            judge_path = resolve_model(judge.model, m.cache_dir)
-            dtype = m.dtype_of("reward")
-            write = judge_writer(judge, judge_path, dtype, m.device, m.trust_remote_code, config.run.seed)
-            self.reward = JudgeScorer(
-                write,
-                judge.template,
-                judge.pattern,
-                judge.on_unparsed,
-                judge.default_score,
-                config.reward.batch_size,
-                name=f"judge {judge_path.name}",
-            )
-            self.lineage["reward.judge"] = judge_id(judge_path, judge.template, judge.pattern)
-        else:
-            rm_path = resolve_model(config.reward.model, m.cache_dir)
-            self.reward = RewardModelScorer(
-                load_reward_model(rm_path, m.dtype_of("reward"), m.trust_remote_code, m.device),
-                load_tokenizer(rm_path, m.trust_remote_code),
-                batch_size=config.reward.batch_size,
-            )
-            self.lineage["reward.model"] = str(rm_path)
+        self.reward, reward_lineage = load_reward(config)
+        self.lineage = {"reference.model": str(path), "scorer.replica": self.replica_id, **reward_lineage}
 
     def close(self) -> None:
         if isinstance(self.reward, JudgeScorer):

@@ -37,6 +37,8 @@ class TopicSpec:
     partitions: int = 1
     compacted: bool = False
     verify: bool = False  # refuse an existing topic whose partitions or compaction differ from these
+    retention_ms: int | None = None  # None: the broker's default; -1: for good
+    retention_bytes: int | None = None  # per partition
 
 
 @dataclass(frozen=True)

@@ -122,15 +122,16 @@ class KafkaBus(Bus):
                 self._wait_until_gone(list(wrong))
                 missing += [spec for spec in kept if spec.name in wrong]
             for spec in missing:
-                topic = NewTopic(
-                    spec.name,
-                    spec.partitions,
-                    self.settings.replication_factor,
-                    topic_configs={
-                        "max.message.bytes": str(self.settings.max_message_bytes),
-                        "cleanup.policy": "compact" if spec.compacted else "delete",
-                    },
-                )
+                configs = {
+                    "max.message.bytes": str(self.settings.max_message_bytes),
+                    "cleanup.policy": "compact" if spec.compacted else "delete",
+                }
+                if not spec.compacted:
+                    if spec.retention_ms is not None:
+                        configs["retention.ms"] = str(spec.retention_ms)
+                    if spec.retention_bytes is not None:
+                        configs["retention.bytes"] = str(spec.retention_bytes)
+                topic = NewTopic(spec.name, spec.partitions, self.settings.replication_factor, topic_configs=configs)
                 try:
                     admin.create_topics([topic])
                 except TopicAlreadyExistsError:
