@@ -391,6 +391,13 @@ class LearnerSection(_Section):
     micro_batch_size: int | None = Field(None, gt=0, description="Sequences per forward pass; default: the mini-batch.")
     actor_lr: float = Field(1e-5, gt=0)
     critic_lr: float = Field(1e-5, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="The learning rates over the run's updates (run.steps), set at each update: constant; linear "
+        "to lr_min_ratio × lr at the last update (TRL's default, per optimizer step there); cosine down to it.",
+    )
+    lr_warmup_updates: int = Field(0, ge=0, description="Updates over which the rates rise linearly to their value.")
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="Where linear and cosine end, as a share of the rate.")
     weight_decay: float = Field(0.0, ge=0)
     clip_low: float = Field(0.2, gt=0, lt=1, description="ε_low of the ratio clip.")
     clip_high: float = Field(0.2, gt=0, description="ε_high of the ratio clip.")

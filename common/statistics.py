@@ -96,6 +96,7 @@ _STATISTICS = (
     Statistic("value_clip_frac", "share of tokens whose clipped value error was larger"),
     Statistic("grad_norm_actor", "actor's gradient norm before clipping", True),
     Statistic("grad_norm_critic", "critic's gradient norm before clipping", True),
+    Statistic("lr_factor", "the learning rates' share of their configured value (learner.lr_schedule)"),
     # The learner's bookkeeping of the update.
     Statistic("step", "updates applied, this one included"),
     Statistic("groups", "the keys (step/row) of the groups trained on"),
@@ -107,6 +108,7 @@ _STATISTICS = (
     Statistic("no_signal_groups", "groups dropped so far for want of signal (algorithm.dynamic_sampling)"),
     Statistic("staleness_max", "versions between the learner and the oldest policy that sampled a sequence"),
     Statistic("staleness_counts", "groups trained at each staleness ({versions: groups})"),
+    Statistic("digests", "the digests of the snapshots this update made ({model: digest}; streamppo replay)"),
 )
 LEARNER_STATISTICS: dict[str, Statistic] = {statistic.name: statistic for statistic in _STATISTICS}
 

@@ -222,13 +222,15 @@ def test_referenced_batches_are_kept_for_their_topic_s_retention_then_expire(tmp
 
 
 @pytest.mark.slow
-def test_the_learner_feeds_mlflow_and_wandb_and_they_read_back(make_config, tmp_path):
-    """The real libraries: MLflow's local database read back through its client, W&B's offline run file parsed."""
+def test_the_learner_feeds_mlflow_wandb_and_tensorboard_and_they_read_back(make_config, tmp_path):
+    """The real libraries: MLflow's local database read back through its client, W&B's offline run file parsed,
+    TensorBoard's events through its reader."""
     from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from services.embedded import run_embedded
 
-    config = make_config("run.steps=2", "run.trackers=[mlflow,wandb]", "data.eval_prompts=0")
+    config = make_config("run.steps=2", "run.trackers=[mlflow,wandb,tensorboard]", "data.eval_prompts=0")
     run_embedded(config, progress=False)
     run_dir = config.run.dir
     lines = metrics(run_dir)
@@ -254,6 +256,11 @@ def test_the_learner_feeds_mlflow_and_wandb_and_they_read_back(make_config, tmp_
     logged = {item.key: json.loads(item.value_json) for item in run_record.config.update}
     assert logged["run"]["run_id"] == config.run.run_id and logged["algorithm"] == config.algorithm.model_dump()
     assert any(r.WhichOneof("record_type") == "artifact" for r in records), "the final models as an artifact"
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("reward_mean")]
+    assert scalars == [(r["step"], pytest.approx(r["reward_mean"])) for r in lines]
 
 
 def wandb_records(path: Path) -> list:

@@ -184,3 +184,24 @@ def test_every_statistic_the_trainer_reports_is_named_in_the_table(tiny_model, e
     reported |= set(make_trainer(tiny_model, tokenizer, grpo).train(with_reference))
     assert "kl_loss" in reported
     assert reported and reported <= set(LEARNER_STATISTICS), sorted(reported - set(LEARNER_STATISTICS))
+
+
+def test_the_learning_rate_schedule_is_a_function_of_the_update_so_a_restart_continues_it(tiny_model, experience):
+    from services.learner.trainer import lr_factor
+
+    tokenizer, exp = experience
+    trainer = make_trainer(tiny_model, tokenizer, lr_schedule="linear")
+    trainer.total_updates = 4
+    trainer.version = 2  # as a learner back from its checkpoint at v2
+    stats = trainer.train(exp)
+    assert stats["lr_factor"] == 0.5 and trainer.actor_optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-2)
+    assert trainer.critic_optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-2)
+
+    assert [lr_factor(u, 4, "constant") for u in range(4)] == [1.0] * 4
+    # Linear to 0 one update past the last, as TRL's per-step linear schedule: 1, 3/4, 1/2, 1/4.
+    assert [lr_factor(u, 4, "linear") for u in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    assert [lr_factor(u, 5, "linear", warmup=1, min_ratio=0.2) for u in range(5)] == pytest.approx(
+        [1.0, 1.0, 0.8, 0.6, 0.4]
+    )
+    assert [lr_factor(u, 3, "cosine") for u in range(3)] == pytest.approx([1.0, 0.75, 0.25])
+    assert [lr_factor(u, 10, "cosine", warmup=4) for u in range(3)] == [0.25, 0.5, 0.75]

@@ -95,6 +95,7 @@ class LearnerService(Service):
             seed=config.run.seed,
             ranks=self.ranks,
             max_response_length=config.generation.max_new_tokens,
+            total_updates=config.run.steps,
         )
         self.store = WeightStore(config.weight_store, config.weights.digest, config.weights.full_every)
         self.run_dir = Path(config.run.dir)

@@ -8,6 +8,7 @@ the learner service decodes experience into :class:`Experience`, calls :meth:`PP
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +159,20 @@ class _Pass:
     weight: float
 
 
+def lr_factor(update: int, total: int, schedule: str, warmup: int = 0, min_ratio: float = 0.0) -> float:
+    """The learning rate of update ``update`` (0-based) of ``total``, as a share of the configured one: a linear
+    warmup over the first ``warmup`` updates, then constant, linear or cosine down to ``min_ratio`` (linear reaches
+    it one update past the last, as TRL's per-step schedule does)."""
+    if update < warmup:
+        return (update + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min((update - warmup) / max(total - warmup, 1), 1.0)
+    if schedule == "linear":
+        return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 class PPOTrainer:
     def __init__(
         self,
@@ -170,10 +185,12 @@ class PPOTrainer:
         seed: int = 0,
         ranks: Ranks | None = None,
         max_response_length: int | None = None,
+        total_updates: int | None = None,
     ):
         """``actor`` and ``critic`` come sharded already when ``ranks.sharded`` (:func:`.parallel.shard_model`): the
         optimizers must see the sharded parameters. ``critic`` is None with a critic-free estimator.
-        ``max_response_length`` (the sampler's limit) normalises the ``seq-mean-token-sum-norm`` loss."""
+        ``max_response_length`` (the sampler's limit) normalises the ``seq-mean-token-sum-norm`` loss;
+        ``total_updates`` (``run.steps``) is where the learning-rate schedule ends."""
         if (critic is None) == algorithm.uses_critic:
             raise ValueError(
                 f"estimator {algorithm.estimator} {'needs' if algorithm.uses_critic else 'takes no'} critic"
@@ -183,6 +200,7 @@ class PPOTrainer:
         self.cfg, self.algo = learner, algorithm
         self.temperature, self.pad_token_id = temperature, pad_token_id
         self.max_response_length = max_response_length
+        self.total_updates = total_updates
         self.actor_optimizer = torch.optim.AdamW(
             _trainable(actor), lr=learner.actor_lr, weight_decay=learner.weight_decay
         )
@@ -209,12 +227,28 @@ class PPOTrainer:
         normalised by the whole mini-batch, so the update is the one a single process would make.
         """
         exp = exp.to(self.ranks.device)
+        rate = self._set_learning_rates()
         batch = self._prepare(exp)
         means = self._run_epochs(exp, batch)
         kl_per_sequence = (exp.kl * batch.mask).sum(dim=1)
         self.kl_controller.update(float(kl_per_sequence.mean()), len(batch.mask))
         self.version += 1
-        return {**means, **self._batch_statistics(exp, batch, kl_per_sequence)}
+        return {**means, **self._batch_statistics(exp, batch, kl_per_sequence), "lr_factor": rate}
+
+    def _set_learning_rates(self) -> float:
+        """Each optimizer's rate for the update this version makes: a function of the version alone, so a learner
+        back from its checkpoint continues the schedule where it was."""
+        rate = lr_factor(
+            self.version,
+            self.total_updates or self.version + 1,
+            self.cfg.lr_schedule,
+            self.cfg.lr_warmup_updates,
+            self.cfg.lr_min_ratio,
+        )
+        for optimizer, base in ((self.actor_optimizer, self.cfg.actor_lr), (self.critic_optimizer, self.cfg.critic_lr)):
+            for group in optimizer.param_groups if optimizer is not None else ():
+                group["lr"] = base * rate
+        return rate
 
     # ------------------------------------------------------------------ the steps of one update
 
