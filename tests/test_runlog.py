@@ -244,6 +244,7 @@ def test_the_learner_feeds_mlflow_wandb_and_tensorboard_and_they_read_back(make_
     assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r["reward_mean"])) for r in lines]
     artifacts = {a.path for a in client.list_artifacts(ids["mlflow"], "final/actor")}
     assert "final/actor/config.json" in artifacts
+    assert "report/reward.png" in {a.path for a in client.list_artifacts(ids["mlflow"], "report")}
 
     (run_file,) = (run_dir / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb")
     records = wandb_records(run_file)

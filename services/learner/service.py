@@ -223,9 +223,7 @@ class LearnerService(Service):
             {name: (module, self.trainer.full_state(name)) for name, module, _ in self.trainer.models()},
             self.tokenizer,
         )
-        self.trackers.artifacts(
-            [self.run_dir / "final", self.run_dir / "metrics.jsonl", *sorted(self.run_dir.glob("generations*"))]
-        )
+        self.trackers.finish(self.run_dir)
         log.info("%s: %d updates done; final models in %s", self.replica_id, self.updates, self.run_dir / "final")
 
     def _possible_version(self, version: int) -> bool:

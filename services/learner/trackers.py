@@ -195,7 +195,18 @@ class Trackers:
             for tracker in self.open_trackers.values():
                 tracker.log(record)
 
-    def artifacts(self, paths: list[Path]) -> None:
+    def finish(self, run_dir: Path) -> None:
+        """Send the run's results as artifacts: the final models, metrics.jsonl, the eval answers and, where
+        matplotlib is installed, the report (``streamppo report``'s plots and summary)."""
+        if not self.open_trackers:
+            return
+        run_dir = Path(run_dir)
+        paths = [run_dir / "final", run_dir / "metrics.jsonl", *sorted(run_dir.glob("generations*"))]
+        if importlib.util.find_spec("matplotlib") is not None:
+            from common.report import write_report
+
+            write_report(run_dir)
+            paths.append(run_dir / "report")
         for tracker in self.open_trackers.values():
             tracker.artifacts(paths)
 
