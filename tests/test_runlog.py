@@ -14,6 +14,7 @@ import pytest
 from common.batch_store import BatchStore
 from common.log_archive import ArchiveError, LogArchive
 from common.schema import ExperienceBatch, PromptBatch, RolloutBatch, ScoredBatch, decode, encode, group_key
+from services.runlog.archive import batch_reference
 from services.runlog.reader import ArchiveReader
 from services.runlog.rescore import average_ranks, compare_scores
 
@@ -338,7 +339,7 @@ def test_a_replay_detects_an_altered_experience_record(archived_run, tmp_path):
             continue
         for record in original.archive.records(topic):
             altered.append(record)
-            reference = _reference(record.value)
+            reference = batch_reference(record.value)
             if reference is not None:
                 altered.keep_batch_file(original.archive.batch_file(reference.uri))
     altered.close()
@@ -355,12 +356,3 @@ def test_a_replay_detects_an_altered_experience_record(archived_run, tmp_path):
     first = trained[group_key(1, 0)]
     assert f"replay differs from the run from v{first} (actor" in result.stderr
     assert all(": same " in line for line in result.stdout.splitlines() if line.startswith(f"v{first - 1} "))
-
-
-def _reference(value: bytes):
-    from common.schema import BatchReference, SchemaError
-
-    try:
-        return decode(value, expected=BatchReference)
-    except SchemaError:
-        return None

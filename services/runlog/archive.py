@@ -12,21 +12,21 @@ from services.roles import LOG_TOPIC, pipeline_topics
 from services.runlog.reader import BusReader
 from services.transport.base import Bus
 
-__all__ = ["archive_bus"]
+__all__ = ["archive_bus", "batch_reference"]
 
 
 def archive_bus(bus: Bus, dest: Path, run_id: str, partitions: int = 1) -> dict:
     """Write every pipeline topic of ``bus`` to ``dest``; returns the manifest (records per topic, and the
     referenced batches whose files could not be kept, with why)."""
     specs = {spec.name: spec.partitions for spec in pipeline_topics(partitions)}
-    reader = BusReader(bus=bus, partitions=specs, run_id=run_id)
+    reader = BusReader(bus=bus, partitions=specs)
     writer = LogArchiveWriter(dest, run_id, bus.log_identity(LOG_TOPIC))
     missing = []
     for topic, count in specs.items():
         writer.add_topic(topic, count)
         for record in reader.records(topic):
             writer.append(record)
-            reference = _reference_in(record.value)
+            reference = batch_reference(record.value)
             if reference is not None:
                 try:
                     BatchStore.get(reference)  # whole and as digested, or not kept
@@ -38,9 +38,9 @@ def archive_bus(bus: Bus, dest: Path, run_id: str, partitions: int = 1) -> dict:
     return writer.manifest
 
 
-def _reference_in(value: bytes) -> BatchReference | None:
+def batch_reference(value: bytes) -> BatchReference | None:
+    """The reference a record's value is, or None for a message sent whole (or bytes that are neither)."""
     try:
-        message = decode(value, expected=BatchReference)
+        return decode(value, expected=BatchReference)
     except SchemaError:
         return None
-    return message

@@ -45,7 +45,7 @@ def _open(args):
 
     bus = kafka_bus(config, args.bootstrap, make=False)
     partitions = {spec.name: spec.partitions for spec in pipeline_topics(config.kafka.partitions)}
-    return BusReader(bus=bus, partitions=partitions, run_id=config.run.run_id), config, run_dir
+    return BusReader(bus=bus, partitions=partitions), config, run_dir
 
 
 def _say_unreadable(reader) -> None:

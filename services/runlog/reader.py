@@ -71,10 +71,6 @@ class ArchiveReader(LogReader):
     def open(cls, root: Path) -> ArchiveReader:
         return cls(archive=LogArchive(root))
 
-    @property
-    def run_id(self) -> str:
-        return self.archive.run_id
-
     def records(self, topic: str) -> Iterator[ArchivedRecord]:
         return self.archive.records(topic)
 
@@ -90,7 +86,6 @@ class BusReader(LogReader):
     bus: Bus = None  # type: ignore[assignment]
     partitions: dict[str, int] = field(default_factory=dict)  # topic -> partitions it has
     idle_s: float = 10.0  # a partition whose end is still unknown after this long counts as empty
-    run_id: str = ""
 
     def records(self, topic: str) -> Iterator[ArchivedRecord]:
         consumer = self.bus.consumer(topic, None, "streamppo-log-reader")
