@@ -327,7 +327,7 @@ def test_a_replay_detects_an_altered_experience_record(archived_run, tmp_path):
 
     _, run_dir = archived_run
     original = ArchiveReader.open(run_dir / "log")
-    altered = LogArchiveWriter(tmp_path / "log", original.run_id, original.archive.identity)
+    altered = LogArchiveWriter(tmp_path / "log", original.archive.run_id, original.archive.identity)
     for topic in original.archive.topics():
         altered.add_topic(topic, original.archive.manifest["topics"][topic]["partitions"])
         if topic == "experience":
