@@ -954,6 +954,7 @@ def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_bro
             "pipeline.max_staleness=1",
             "learner.checkpoint_every=2",
             "pipeline.inline_max_bytes=2000",
+            "kafka.retention.remove_committed_batches=true",  # files go at commit: kills must not strand them
             "generation.streaming=true",
             "generation.groups_per_record=4",
             "learner.groups_per_update=8",
@@ -986,7 +987,8 @@ def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_bro
     assert [r["policy_version"] for r in records] == [float(v) for v in range(1, steps + 1)], "no update lost"
     assert_each_group_once(records, run_id, prompt_batches)
     assert all(r["staleness_max"] <= 1 for r in records), "no group trained past max_staleness"
-    # A file is removed once its record is committed past; a kill may orphan one (written, never sent or removed).
+    # With remove_committed_batches a file goes once its record is committed past; a kill may orphan one (written,
+    # never sent or removed).
     store = tmp_path / "run" / "batches"
     assert store.is_dir(), "batches went by reference (the store is made by the first one)"
     left = list(store.iterdir())
