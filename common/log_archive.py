@@ -65,6 +65,7 @@ class LogArchiveWriter:
         self.manifest["topics"].setdefault(topic, {"partitions": partitions, "records": 0})
 
     def append(self, record: ArchivedRecord) -> None:
+        """Add ``record`` (or any record with its fields: a transport ``Record``, as a broker yields it)."""
         if self._open != (record.topic, record.partition) or self._in_segment >= SEGMENT_RECORDS:
             self._close_segment()
             folder = self.root / record.topic

@@ -17,7 +17,7 @@ from pathlib import Path
 from common.batch_store import BatchStore, BatchStoreError
 from common.log_archive import ArchivedRecord, LogArchive
 from common.schema import TOPIC_MESSAGE, BatchReference, SchemaError, decode
-from services.transport.base import Bus
+from services.transport.base import Bus, Record
 
 __all__ = ["ArchiveReader", "BusReader", "LogReader", "Unreadable", "topic_of"]
 
@@ -87,15 +87,14 @@ class BusReader(LogReader):
     partitions: dict[str, int] = field(default_factory=dict)  # topic -> partitions it has
     idle_s: float = 10.0  # a partition whose end is still unknown after this long counts as empty
 
-    def records(self, topic: str) -> Iterator[ArchivedRecord]:
+    def records(self, topic: str) -> Iterator[Record]:
         consumer = self.bus.consumer(topic, None, "streamppo-log-reader")
         expected = self.partitions.get(topic, 1)
         try:
             last_record = time.monotonic()
             while True:
                 batch = consumer.poll(timeout_s=0.5, max_records=500)
-                for r in batch:
-                    yield ArchivedRecord(r.topic, r.partition, r.offset, r.key, r.value, r.timestamp)
+                yield from batch  # transport Records: the fields of an ArchivedRecord, as the archive writes them
                 if batch:
                     last_record = time.monotonic()
                     continue
