@@ -252,11 +252,65 @@ class JudgeSection(_Section):
         return self
 
 
+class SandboxSection(_Section):
+    """Where a tool runs a model's Python code (``services/environment/sandbox.py``)."""
+
+    isolation: Literal["auto", "bwrap", "rlimits"] = Field(
+        "auto",
+        description="bwrap: namespaces (no network, read-only file system outside the scratch folder); rlimits: "
+        "resource limits and a Python audit hook only; auto: bwrap where it is installed and works, else rlimits "
+        "(logged).",
+    )
+    python: str | None = Field(
+        None, description="The interpreter that runs the code; default /usr/bin/python3 where it exists."
+    )
+    cpu_seconds: float = Field(2.0, gt=0, description="CPU time per run (RLIMIT_CPU).")
+    wall_seconds: float = Field(5.0, gt=0, description="Wall-clock time per run; then every process of it is killed.")
+    memory_mb: int = Field(512, ge=32, description="Address space per process (RLIMIT_AS).")
+    output_bytes: int = Field(
+        8192, gt=0, description="Output kept, and the most any file the code writes may hold (RLIMIT_FSIZE)."
+    )
+    processes: int = Field(
+        16, gt=0, description="Processes of the sandbox's user (RLIMIT_NPROC; applied where it runs as nobody)."
+    )
+
+
+class EnvironmentSection(_Section):
+    """Multi-turn episodes: what the model talks to between its turns (``services/environment/``)."""
+
+    name: str = Field(
+        "services.environment.tools:ToolEnvironment",
+        description="The environment class, 'module:Class' (a services.environment.base.Environment); the default "
+        "serves the built-in tools.",
+    )
+    tools: list[str] = Field(
+        default_factory=lambda: ["calculator"], description="The built-in tools the default environment serves."
+    )
+    max_turns: int = Field(4, gt=0, description="The model's turns per episode at most; then it ends truncated.")
+    max_episode_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Response tokens per episode at most, the model's and the environment's (default: "
+        "max_turns × generation.max_new_tokens); an episode that reaches it ends truncated.",
+    )
+    turn_timeout_s: float = Field(
+        30.0, gt=0, description="How long an environment may take to answer a turn; then the episode ends truncated."
+    )
+    timeout_reward: float = Field(0.0, description="The environment's reward for an episode ended by a timeout.")
+    workers: int = Field(4, gt=0, description="Environment steps run at once (threads of the generator's process).")
+    sandbox: SandboxSection = SandboxSection()
+
+
 class RewardSection(_Section):
     function: str | None = Field(None, description="'module:function' taking (prompts, responses) -> scores.")
     model: str | None = Field(None, description="Sequence-classification reward model folder (one label).")
     judge: JudgeSection | None = Field(None, description="A language model that reads each answer and writes a score.")
     batch_size: int = Field(16, gt=0)
+    environment_weight: float = Field(
+        1.0,
+        description="An episode's score is the reward's plus this times what its environment returned (environment"
+        "_reward; 0 for a single answer). With recipes.rewards:no_score the environment alone scores.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_source(self):
@@ -684,6 +738,18 @@ class RunConfig(_Section):
     pipeline: PipelineSection = PipelineSection()
     weights: WeightsSection = WeightsSection()
     kafka: KafkaSection = KafkaSection()
+    environment: EnvironmentSection | None = Field(
+        None, description="Multi-turn episodes with an environment (tools); none: each response is one answer."
+    )
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The longest a response can be: one answer's generation.max_new_tokens, or an episode's budget (the model's
+        and the environment's tokens)."""
+        env = self.environment
+        if env is None:
+            return self.generation.max_new_tokens
+        return env.max_episode_tokens or env.max_turns * self.generation.max_new_tokens
 
     @model_validator(mode="after")
     def _batch_sizes_fit(self):
@@ -739,7 +805,7 @@ class RunConfig(_Section):
             )
         if self._explicit("algorithm.overlong_penalty") and self.algorithm.overlong_buffer is None:
             raise ValueError("algorithm.overlong_penalty is set, but only algorithm.overlong_buffer reads it")
-        if (self.algorithm.overlong_buffer or 0) >= self.generation.max_new_tokens:
+        if (self.algorithm.overlong_buffer or 0) >= self.max_response_tokens:
             raise ValueError(
                 f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be shorter than "
                 f"generation.max_new_tokens ({self.generation.max_new_tokens}): the penalty starts that many tokens "

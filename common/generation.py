@@ -26,8 +26,11 @@ def sample_responses(
     params: SamplingParams,
     eos_token_id: int,
     pad_token_id: int,
+    tokenizer=None,
 ) -> Samples:
-    """Sample ``params.n`` responses for each of the ``B`` right-padded prompts ``(B, P)`` with ``model.generate``."""
+    """Sample ``params.n`` responses for each of the ``B`` right-padded prompts ``(B, P)`` with ``model.generate``.
+    ``params.stop`` needs the ``tokenizer`` (transformers matches stop strings on tokens); a response that ends at
+    one is not ``finished`` (no EOS), and rows of a batch that stop early are padded, so sample one at a time."""
     group_index = torch.arange(prompt_tokens.shape[0]).repeat_interleave(params.n)
     prompts = prompt_tokens[group_index]
     lengths = prompt_lengths[group_index]
@@ -46,6 +49,7 @@ def sample_responses(
         pad_token_id=pad_token_id,
         output_scores=True,
         return_dict_in_generate=True,
+        **({"stop_strings": list(params.stop), "tokenizer": tokenizer} if params.stop else {}),
     )
     tokens = out.sequences[:, packed.input_ids.shape[1] :].cpu()
     is_eos = tokens == eos_token_id

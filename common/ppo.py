@@ -443,7 +443,8 @@ def reinforce_pp(
     token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): discounted returns of the KL-shaped token rewards, ``R_t = r_t + γ·R_{t+1}`` within
-    each response, whitened over the whole batch to give the advantages.
+    each response, whitened over the whole batch to give the advantages. ``t + 1`` is the next masked-in position:
+    an episode's environment tokens are skipped, not a reset (as in :func:`gae`).
 
     Args:
         token_rewards: ``(N, T)``.
@@ -457,8 +458,9 @@ def reinforce_pp(
         returns = torch.zeros_like(token_rewards)
         running = torch.zeros_like(token_rewards[:, 0])
         for t in reversed(range(token_rewards.shape[1])):
-            running = (token_rewards[:, t] + gamma * running) * mask[:, t]
-            returns[:, t] = running
+            m = mask[:, t]
+            running = m * (token_rewards[:, t] + gamma * running) + (1.0 - m) * running
+            returns[:, t] = running * m
         advantages = masked_whiten(returns, mask)
     return advantages, returns
 

@@ -19,9 +19,12 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     seed: int = 0
+    stop: tuple[str, ...] = ()  # strings that end a response besides EOS (kept in it): an episode's tool calls
 
     def lineage(self) -> dict:
-        return {f"sampling.{k}": v for k, v in self.__dict__.items()}
+        return {f"sampling.{k}": v for k, v in self.__dict__.items() if k != "stop"} | (
+            {"sampling.stop": "\x1f".join(self.stop)} if self.stop else {}
+        )
 
 
 @dataclass(frozen=True)
@@ -34,11 +37,34 @@ class Samples:
     finished: torch.Tensor  # (N,) bool: ended with EOS
     behaviour_logprobs: torch.Tensor  # (N, T) float32, 0 at padding
     token_versions: torch.Tensor | None = None  # (N, T) int32, 0 at padding; None: all by the weights loaded
+    # (N, T) bool, True at the tokens the model sampled; None: every real token (a single answer). An episode's
+    # environment tokens are False: context for the model, never trained.
+    model_mask: torch.Tensor | None = None
+    turns: torch.Tensor | None = None  # (N,) long, the model's turns in each response; None: 1 each
+    environment_reward: torch.Tensor | None = None  # (N,) float32, an episode's rewards from its environment; None: 0
+
+    def real(self) -> torch.Tensor:
+        """``(N, T)`` bool: the real tokens of each response (the model's and an environment's)."""
+        return torch.arange(self.response_tokens.shape[1]) < self.response_lengths.unsqueeze(-1)
+
+    def models(self) -> torch.Tensor:
+        """``(N, T)`` bool: the tokens the model sampled."""
+        return self.model_mask if self.model_mask is not None else self.real()
+
+    def turn_counts(self) -> torch.Tensor:
+        """``(N,)`` long: the model's turns in each response."""
+        return self.turns if self.turns is not None else torch.ones(len(self.response_lengths), dtype=torch.long)
+
+    def environment_rewards(self) -> torch.Tensor:
+        """``(N,)`` float32: what each episode's environment returned as reward, summed (0 for a single answer)."""
+        if self.environment_reward is not None:
+            return self.environment_reward
+        return torch.zeros(len(self.response_lengths), dtype=torch.float32)
 
     def labelled(self, version: int) -> torch.Tensor:
-        """``(N, T)`` token versions of responses sampled whole by ``version``: it at every token, 0 at padding."""
-        real = torch.arange(self.response_tokens.shape[1]) < self.response_lengths.unsqueeze(-1)
-        return torch.where(real, version, 0).to(torch.int32)
+        """``(N, T)`` token versions of responses sampled whole by ``version``: it at each of the model's tokens, 0
+        elsewhere."""
+        return torch.where(self.models(), version, 0).to(torch.int32)
 
     @staticmethod
     def concat(parts: list[Samples]) -> Samples:
@@ -53,6 +79,7 @@ class Samples:
         for part in parts:
             offsets.append(part.group_index + prompts)
             prompts += int(part.group_index.max()) + 1 if len(part.group_index) else 0
+        episodes = any(p.model_mask is not None for p in parts)
         return Samples(
             torch.cat(offsets),
             cat([part.response_tokens for part in parts]),
@@ -60,6 +87,9 @@ class Samples:
             torch.cat([part.finished for part in parts]),
             cat([part.behaviour_logprobs for part in parts]),
             None if any(p.token_versions is None for p in parts) else cat([p.token_versions for p in parts]),
+            cat([p.models() for p in parts]) if episodes else None,
+            torch.cat([p.turn_counts() for p in parts]) if episodes else None,
+            torch.cat([p.environment_rewards() for p in parts]) if episodes else None,
         )
 
 

@@ -265,8 +265,36 @@ def _one_version_per_token(raw: dict) -> dict:
     return raw | {"token_versions": {"dtype": "int32", "shape": shape, "data": versions.tobytes()}}
 
 
-def _rollouts_v1_to_v3(raw: dict) -> dict:
-    return _one_version_per_token(_unlabelled_v1_to_v2(raw))
+def _every_token_the_models(raw: dict) -> dict:
+    """Before episodes a response was one answer: every real token the model's, in one turn."""
+    tokens, lengths = raw.get("response_tokens"), raw.get("response_lengths")
+    try:
+        shape = [int(d) for d in tokens["shape"]]
+        count = np.frombuffer(lengths["data"], "<i8")
+        real = _real_tokens(count, shape[1])
+    except Exception:  # not arrays as the wire has them: validation names what is wrong
+        return raw
+    return raw | {
+        "response_mask": {"dtype": "bool", "shape": shape, "data": real.tobytes()},
+        "turns": {"dtype": "int64", "shape": [len(count)], "data": np.ones(len(count), "<i8").tobytes()},
+        "environment_reward": {
+            "dtype": "float32",
+            "shape": [len(count)],
+            "data": np.zeros(len(count), "<f4").tobytes(),
+        },
+    }
+
+
+def _rollouts_v3_to_v4(raw: dict) -> dict:
+    return _every_token_the_models(raw)
+
+
+def _rollouts_v2_to_v4(raw: dict) -> dict:
+    return _every_token_the_models(_one_version_per_token(raw))
+
+
+def _rollouts_v1_to_v4(raw: dict) -> dict:
+    return _rollouts_v2_to_v4(_unlabelled_v1_to_v2(raw))
 
 
 @dataclass
@@ -276,9 +304,10 @@ class RolloutBatch(BatchMessage):
         "N = B·n sampled responses (n per prompt) with the behaviour policy's per-token log-probs and the policy "
         "version that sampled each token. The header's policy_version is the oldest of them."
     )
-    # Version 2 added prompt_label, version 3 token_versions, here and so in every schema that extends this one.
-    VERSION: ClassVar[int] = 3
-    UPGRADES: ClassVar[dict] = {1: _rollouts_v1_to_v3, 2: _one_version_per_token}
+    # Version 2 added prompt_label, version 3 token_versions, version 4 response_mask and turns (episodes), here
+    # and so in every schema that extends this one.
+    VERSION: ClassVar[int] = 4
+    UPGRADES: ClassVar[dict] = {1: _rollouts_v1_to_v4, 2: _rollouts_v2_to_v4, 3: _rollouts_v3_to_v4}
 
     group_index: np.ndarray = array("int64", "N", doc="Row of the prompt batch each response was sampled for.")
     prompt_text: list = _wire(StringList("N", "Prompt of each response, as text."))
@@ -289,12 +318,16 @@ class RolloutBatch(BatchMessage):
     response_tokens: np.ndarray = array(
         "int64", "N", "T", doc="Response token ids, right-padded; EOS included when sampled."
     )
-    response_lengths: np.ndarray = array("int64", "N", doc="Real tokens in each response row (the response mask).")
+    response_lengths: np.ndarray = array(
+        "int64",
+        "N",
+        doc="Real tokens in each response row: the model's and, in an episode, the environment's (see response_mask).",
+    )
     finished: np.ndarray = array(
         "bool", "N", doc="True where the response ended with EOS, False where it was truncated."
     )
     behaviour_logprobs: np.ndarray = array(
-        "float32", "N", "T", doc="log π_behaviour(token) at sampling temperature; 0 at padding."
+        "float32", "N", "T", doc="log π_behaviour(token) at sampling temperature; 0 where response_mask is False."
     )
     token_versions: np.ndarray = array(
         "int32",
@@ -302,14 +335,38 @@ class RolloutBatch(BatchMessage):
         "T",
         doc="Policy version of the weights that sampled each response token; 0 at padding. A response's versions "
         "differ when new weights were loaded while it was sampled (generation.in_flight_updates); its staleness is "
-        "judged by the oldest.",
+        "judged by the oldest. 0 at padding and at the environment's tokens.",
+    )
+    response_mask: np.ndarray = array(
+        "bool",
+        "N",
+        "T",
+        doc="True where the model sampled the token: it is trained and has a behaviour log-prob, a reference "
+        "log-prob and a KL. False at padding and, in a multi-turn episode, at the environment's tokens (tool output, "
+        "observations): those are context only. A single answer's mask is its first response_lengths tokens.",
+    )
+    turns: np.ndarray = array(
+        "int64",
+        "N",
+        doc="The model's turns in each response: 1 for a single answer; in an episode, one more after each "
+        "observation.",
+    )
+    environment_reward: np.ndarray = array(
+        "float32",
+        "N",
+        doc="What the environment's steps returned as reward over each episode, summed; 0 for a single answer. The "
+        "scorer's reward section says how it enters the score.",
     )
 
     @classmethod
     def check(cls, values: dict, dims: dict[str, int]) -> None:
         super().check(values, dims)
-        versions = values["token_versions"]
-        real = _real_tokens(values["response_lengths"], versions.shape[1])
+        versions, mask = values["token_versions"], values["response_mask"]
+        if (mask & ~_real_tokens(values["response_lengths"], mask.shape[1])).any():
+            raise SchemaError(f"{cls.SCHEMA}: response_mask marks padding (past response_lengths) as the model's")
+        if values["turns"].size and values["turns"].min() < 1:
+            raise SchemaError(f"{cls.SCHEMA}: turns must be at least 1")
+        real = mask
         if real.any() and int(versions[real].min()) != values["policy_version"]:
             raise SchemaError(
                 f"{cls.SCHEMA}: policy_version {values['policy_version']} is not the oldest of token_versions "
@@ -322,18 +379,23 @@ class RolloutBatch(BatchMessage):
 
     def newest_version(self) -> int:
         """The newest version that sampled a token of the record (the header's when it has none)."""
-        real = _real_tokens(self.response_lengths, self.token_versions.shape[1])
+        real = self.response_mask
         return int(self.token_versions[real].max()) if real.any() else self.policy_version
 
     def row_versions(self) -> np.ndarray:
         """``(N,)`` the oldest version that sampled a token of each response (the header's for an empty one)."""
-        real = _real_tokens(self.response_lengths, self.token_versions.shape[1])
+        real = self.response_mask
         oldest = np.where(real, self.token_versions, np.iinfo(np.int32).max).min(axis=1, initial=np.iinfo(np.int32).max)
-        return np.where(self.response_lengths > 0, oldest, self.policy_version).astype(np.int64)
+        return np.where(real.any(axis=1), oldest, self.policy_version).astype(np.int64)
 
     @property
     def response_tokens_total(self) -> int:
+        """Real response tokens: the model's and the environment's (both were processed downstream)."""
         return int(self.response_lengths.sum())
+
+    def model_tokens(self) -> np.ndarray:
+        """``(N,)`` the tokens of each response the model sampled (its length without the environment's)."""
+        return self.response_mask.sum(axis=1).astype(np.int64)
 
     def groups(self) -> list[int]:
         """The rows of the prompt batch whose groups this record carries (ascending)."""
@@ -357,7 +419,7 @@ class RolloutBatch(BatchMessage):
                 value = [v for v, k in zip(value, keep) if k]
             fields[f.name] = value
         taken = type(self)(**fields)
-        real = _real_tokens(taken.response_lengths, taken.token_versions.shape[1])
+        real = taken.response_mask
         if real.any():  # the header names the oldest version left
             taken.policy_version = int(taken.token_versions[real].min())
         return taken
@@ -371,7 +433,9 @@ class ScoredBatch(RolloutBatch):
     scores: np.ndarray = array(
         "float32", "N", doc="Reward model (or reward function) score of each response, unshaped."
     )
-    ref_logprobs: np.ndarray = array("float32", "N", "T", doc="log π_ref(token) at sampling temperature; 0 at padding.")
+    ref_logprobs: np.ndarray = array(
+        "float32", "N", "T", doc="log π_ref(token) at sampling temperature; 0 where response_mask is False."
+    )
 
 
 def _experience_v2_to_v3(raw: dict) -> dict:
@@ -379,35 +443,64 @@ def _experience_v2_to_v3(raw: dict) -> dict:
     return raw | {"no_signal_groups": {"dtype": "int64", "shape": [0], "data": b""}}
 
 
-def _experience_v3_to_v4(raw: dict) -> dict:
-    return _one_version_per_token(raw)
+def _experience_v4_to_v5(raw: dict) -> dict:
+    return _every_token_the_models(raw)
 
 
-def _experience_v2_to_v4(raw: dict) -> dict:
-    return _experience_v3_to_v4(_experience_v2_to_v3(raw))
+def _experience_v3_to_v5(raw: dict) -> dict:
+    return _experience_v4_to_v5(_one_version_per_token(raw))
 
 
-def _experience_v1_to_v4(raw: dict) -> dict:
-    return _experience_v2_to_v4(_unlabelled_v1_to_v2(raw))
+def _experience_v2_to_v5(raw: dict) -> dict:
+    return _experience_v3_to_v5(_experience_v2_to_v3(raw))
+
+
+def _experience_v1_to_v5(raw: dict) -> dict:
+    return _experience_v2_to_v5(_unlabelled_v1_to_v2(raw))
 
 
 @dataclass
 class ExperienceBatch(ScoredBatch):
     SCHEMA: ClassVar[str] = "experience"
     DOC: ClassVar[str] = "Scored rollouts with critic values, KL-shaped token rewards, and raw (unwhitened) GAE."
-    # Version 3 added no_signal_groups (dynamic sampling), version 4 token_versions (from the rollouts' version 3).
-    VERSION: ClassVar[int] = 4
-    UPGRADES: ClassVar[dict] = {1: _experience_v1_to_v4, 2: _experience_v2_to_v4, 3: _experience_v3_to_v4}
+    # Version 3 added no_signal_groups (dynamic sampling), version 4 token_versions (from the rollouts' version 3),
+    # version 5 response_mask and turns (the rollouts' version 4).
+    VERSION: ClassVar[int] = 5
+    UPGRADES: ClassVar[dict] = {
+        1: _experience_v1_to_v5,
+        2: _experience_v2_to_v5,
+        3: _experience_v3_to_v5,
+        4: _experience_v4_to_v5,
+    }
 
     values: np.ndarray = array(
-        "float32", "N", "T", doc="Critic V(s_t) for the state before each response token; 0 at padding."
+        "float32",
+        "N",
+        "T",
+        doc="Critic V(s_t) for the state before each of the model's tokens; 0 where response_mask is False.",
     )
-    kl: np.ndarray = array("float32", "N", "T", doc="Per-token KL estimate between behaviour and reference policy.")
+    kl: np.ndarray = array(
+        "float32",
+        "N",
+        "T",
+        doc="Per-token KL estimate between behaviour and reference policy; 0 where response_mask is False.",
+    )
     token_rewards: np.ndarray = array(
-        "float32", "N", "T", doc="−β·kl on every token plus the (clipped, penalised) score on the last."
+        "float32",
+        "N",
+        "T",
+        doc="−β·kl on each of the model's tokens plus the (clipped, penalised) score on its last; 0 elsewhere.",
     )
-    advantages: np.ndarray = array("float32", "N", "T", doc="GAE advantages, not whitened.")
-    returns: np.ndarray = array("float32", "N", "T", doc="GAE returns, advantages + values.")
+    advantages: np.ndarray = array(
+        "float32",
+        "N",
+        "T",
+        doc="Advantages (GAE or the estimator's), not whitened; 0 where response_mask is False: GAE runs over the "
+        "model's tokens only, an environment's tokens between two of them being skipped.",
+    )
+    returns: np.ndarray = array(
+        "float32", "N", "T", doc="Returns, advantages + values; 0 where response_mask is False."
+    )
     no_signal_groups: np.ndarray = array(
         "int64",
         "G",

@@ -32,6 +32,10 @@ from common.schema import (
 PROTOS = Path(__file__).resolve().parent.parent / "protos"
 
 
+# The fields that rollouts version 4 (experience 5) added for multi-turn episodes.
+EPISODE_FIELDS = ("response_mask", "turns", "environment_reward")
+
+
 def sample_message(cls, rng: np.random.Generator, dims: dict[str, int] | None = None):
     """A valid message of ``cls`` with random content."""
     dims = dims or {"B": 2, "N": 3, "P": 4, "T": 5, "L": 2, "G": 1}
@@ -56,8 +60,11 @@ def sample_message(cls, rng: np.random.Generator, dims: dict[str, int] | None = 
             values[name] = {"str": "x-1", "int": 7, "float": 1.5, "bool": True, "bytes": b"\x00\x01"}[wire.kind]
     if cls is WeightAnnouncement:  # a chain ends with the snapshot announced
         values["chain"][-1] = f"{values['digest']} {values['uri']}"
+    if "response_mask" in values:  # the model's tokens lie among the real ones; an episode has a turn at least
+        values["response_mask"] &= np.arange(dims["T"]) < values["response_lengths"][:, None]
+        values["turns"] = values["turns"] % 3 + 1
     if "token_versions" in values:  # the header names the oldest version that sampled a token
-        real = np.arange(dims["T"]) < values["response_lengths"][:, None]
+        real = values["response_mask"]
         values["policy_version"] = int(values["token_versions"][real].min()) if real.any() else 7
     return cls(**values)
 
@@ -292,6 +299,8 @@ def test_messages_from_before_labels_read_with_empty_labels(cls):
     del raw["prompt_label"]
     raw.pop("no_signal_groups", None)  # experience version 3 added it
     raw.pop("token_versions", None)  # rollouts version 3 (experience 4) added it
+    for name in EPISODE_FIELDS:  # rollouts version 4 (experience 5) added them
+        raw.pop(name, None)
     old = decode(msgpack.packb(raw, use_bin_type=True))
     assert old.prompt_label == [""] * len(current.prompt_text) and old.prompt_text == current.prompt_text
     raw["prompt_text"] = "not a list"  # an upgrade does not hide what is wrong with the old record
@@ -304,6 +313,8 @@ def test_experience_from_before_dynamic_sampling_reads_with_no_group_dropped():
     raw = msgpack.unpackb(encode(current), raw=False)
     raw["version"] = 2
     del raw["no_signal_groups"], raw["token_versions"]
+    for name in EPISODE_FIELDS:
+        del raw[name]
     old = decode(msgpack.packb(raw, use_bin_type=True))
     assert old.no_signal_groups.shape == (0,) and old.no_signal_groups.dtype == np.int64
     np.testing.assert_array_equal(old.advantages, current.advantages)
@@ -314,16 +325,61 @@ def test_records_from_before_token_versions_read_as_sampled_by_their_header_vers
     current = sample_message(cls, np.random.default_rng(9), {"B": 2, "N": 3, "P": 4, "T": 5, "L": 2, "G": 1})
     current.response_lengths, current.policy_version = np.array([5, 2, 0]), 7
     raw = msgpack.unpackb(encode(current), raw=False)
-    raw["version"] = cls.VERSION - 1
-    del raw["token_versions"]
+    raw["version"] = 3 if cls is ExperienceBatch else 2
+    for name in EPISODE_FIELDS + ("token_versions",):
+        del raw[name]
     old = decode(msgpack.packb(raw, use_bin_type=True))
     assert old.token_versions.tolist() == [[7] * 5, [7, 7, 0, 0, 0], [0] * 5], "the header's, 0 at padding"
     assert old.row_versions().tolist() == [7, 7, 7]
 
 
+@pytest.mark.parametrize("cls", [RolloutBatch, ScoredBatch, ExperienceBatch], ids=lambda c: c.SCHEMA)
+def test_records_from_before_episodes_read_as_single_answers(cls):
+    current = sample_message(cls, np.random.default_rng(11), {"B": 2, "N": 3, "P": 4, "T": 5, "L": 2, "G": 1})
+    current.response_lengths = np.array([5, 2, 0])
+    current.response_mask = np.arange(5) < current.response_lengths[:, None]
+    current.token_versions = np.where(current.response_mask, 3, 0).astype(np.int32)
+    current.policy_version = 3
+    raw = msgpack.unpackb(encode(current), raw=False)
+    raw["version"] = cls.VERSION - 1
+    for name in EPISODE_FIELDS:
+        del raw[name]
+    old = decode(msgpack.packb(raw, use_bin_type=True))
+    assert old.response_mask.tolist() == current.response_mask.tolist(), "every real token the model's"
+    assert old.turns.tolist() == [1, 1, 1] and old.environment_reward.tolist() == [0.0, 0.0, 0.0]
+    assert old.model_tokens().tolist() == [5, 2, 0]
+
+
+def test_a_mask_that_marks_padding_as_the_models_is_refused():
+    message = sample_message(RolloutBatch, np.random.default_rng(12), {"B": 2, "N": 2, "P": 4, "T": 4, "L": 2})
+    message.response_lengths = np.array([2, 4])
+    message.response_mask = np.array([[True, False, True, False], [True] * 4])  # row 0: a model token past length
+    message.token_versions = np.where(message.response_mask, 1, 0).astype(np.int32)
+    message.policy_version = 1
+    with pytest.raises(SchemaError, match="response_mask marks padding"):
+        decode(encode(message))
+    message.response_mask[0, 2] = False
+    message.turns = np.array([1, 0])
+    with pytest.raises(SchemaError, match="turns must be at least 1"):
+        decode(encode(message))
+
+
+def test_an_episodes_versions_are_its_model_tokens():
+    message = sample_message(RolloutBatch, np.random.default_rng(13), {"B": 1, "N": 1, "P": 4, "T": 6, "L": 2})
+    # Two model turns (versions 4, then 5 after an in-flight update) around two environment tokens (version 0).
+    message.response_lengths = np.array([6])
+    message.response_mask = np.array([[True, True, False, False, True, True]])
+    message.token_versions = np.array([[4, 4, 0, 0, 5, 5]], dtype=np.int32)
+    message.policy_version, message.turns = 4, np.array([2])
+    decoded = decode(encode(message))
+    assert decoded.row_versions().tolist() == [4] and decoded.newest_version() == 5
+    assert decoded.model_tokens().tolist() == [4] and decoded.response_tokens_total == 6
+
+
 def test_a_response_is_as_old_as_its_oldest_token():
     message = sample_message(RolloutBatch, np.random.default_rng(10), {"B": 2, "N": 3, "P": 4, "T": 4, "L": 2})
     message.response_lengths, message.policy_version = np.array([4, 2, 0]), 5
+    message.response_mask = np.arange(4) < message.response_lengths[:, None]
     # Row 0: new weights landed after its second token; row 1: its padding says nothing; row 2: empty.
     message.token_versions = np.array([[5, 5, 6, 6], [6, 6, 0, 0], [0, 0, 0, 0]], dtype=np.int32)
     assert message.row_versions().tolist() == [5, 6, 5]

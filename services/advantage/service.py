@@ -16,7 +16,7 @@ import torch
 from common.config import RunConfig
 from common.models import load_critic, load_tokenizer, resolve_model
 from common.schema import ExperienceBatch, ScoredBatch, WeightAnnouncement, derive
-from common.sequences import batched_response_values, lengths_to_mask, pack
+from common.sequences import batched_response_values, pack
 from common.weights import load_snapshot_into
 from services.advantage.estimation import estimate_advantages, shaping_lineage
 from services.service import Service, check_token_ids, load_announced_weights
@@ -61,7 +61,8 @@ class AdvantageService(Service):
     def process(self, message: ScoredBatch) -> list[ExperienceBatch]:
         tokens = torch.from_numpy(message.response_tokens)
         lengths = torch.from_numpy(message.response_lengths)
-        mask = lengths_to_mask(lengths, tokens.shape[1])
+        # The model's tokens: an episode's environment tokens are context for the critic, never a step of GAE.
+        mask = torch.from_numpy(message.response_mask)
         values = self._values(message, tokens, lengths) * mask
         algorithm = self.config.algorithm
         est = estimate_advantages(
@@ -74,7 +75,7 @@ class AdvantageService(Service):
             torch.from_numpy(message.group_index),
             algorithm,
             self.kl_coef,
-            self.config.generation.max_new_tokens,
+            self.config.max_response_tokens,
         )
         lineage = shaping_lineage(algorithm, self.kl_coef)
         if self.critic is not None:

@@ -52,8 +52,10 @@ class TransformersSampler(GroupByGroup):
         pad_token_id: int,
         device: str = "cpu",
         lora=None,
+        tokenizer=None,
     ):
         self.model = load_actor(model_dir, dtype, trust_remote_code, device=device)
+        self.tokenizer = tokenizer  # for stop strings
         if lora is not None:  # adapters to swap in; the base weights stay as loaded
             self.model = add_lora(self.model, lora).eval()
         self.skeleton = self.model
@@ -62,7 +64,9 @@ class TransformersSampler(GroupByGroup):
         self.submitted: dict[str, tuple[list[int], SamplingParams]] = {}  # streaming: the groups not yet sampled
 
     def sample(self, prompt_tokens, prompt_lengths, params):
-        return sample_responses(self.model, prompt_tokens, prompt_lengths, params, self.eos_token_id, self.pad_token_id)
+        return sample_responses(
+            self.model, prompt_tokens, prompt_lengths, params, self.eos_token_id, self.pad_token_id, self.tokenizer
+        )
 
     def load_snapshot(self, chain: list[str], version: int | None = None) -> None:
         load_snapshot_into(self.model, chain)
@@ -121,4 +125,5 @@ def make_sampler(config, model_dir: Path, tokenizer) -> Sampler:
         tokenizer.pad_token_id,
         config.model.device,
         config.model.lora,
+        tokenizer,
     )

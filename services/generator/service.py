@@ -36,6 +36,7 @@ from common.schema import (
     new_header,
 )
 from common.weights import WeightIntegrityError
+from services.generator.episodes import EpisodeSampler
 from services.generator.samplers import make_sampler
 from services.service import Collected, InputError, Service, check_token_ids, load_announced_weights
 
@@ -62,6 +63,12 @@ class GeneratorService(Service):
         self.tokenizer = load_tokenizer(path, config.model.trust_remote_code)
         self.sampler = make_sampler(config, path, self.tokenizer)
         log.info("%s: sampling with the %s backend", self.replica_id, self.sampler.backend)
+        # With an environment each response is an episode of turns (services/generator/episodes.py).
+        self.episodes = (
+            EpisodeSampler(self.sampler, self.tokenizer, config, lambda: self.policy_version)
+            if config.environment is not None
+            else None
+        )
         self.model_id = str(path)
         self.policy_version = 0  # the configured initial weights are version 0
         self.digest = ""  # of the snapshot loaded ("": the configured initial weights)
@@ -83,8 +90,8 @@ class GeneratorService(Service):
             self.groups_done = max(self.groups_done, groups_done)
             return True
         if self.streams and not self.sampler.updates_in_flight:  # generation.in_flight_updates: finish
-            while self.sampler.in_flight():  # the responses being sampled end under the weights that began them
-                self._take_finished(self.sampler.step(STEP_S))
+            while self._source.in_flight():  # the responses being sampled end under the weights that began them
+                self._take_finished(self._source.step(STEP_S))
         version = announcement.policy_version
         load = functools.partial(self.sampler.load_snapshot, version=version)
         if not self._load_broadcast(announcement) and not load_announced_weights(
@@ -186,12 +193,17 @@ class GeneratorService(Service):
         finished: up to ``generation.groups_per_record`` of one prompt batch to a record, once there are that many,
         the batch has no other group left, or the first has waited ``generation.flush_s``."""
         self._start_admissible()
-        if self.sampler.in_flight():
-            self._take_finished(self.sampler.step(STEP_S))
+        if self._source.in_flight():
+            self._take_finished(self._source.step(STEP_S))
         return self._flush(time.monotonic())
 
     def under_way(self) -> bool:
-        return self.sampler.in_flight() > 0 or any(stream.finished for stream in self.batches.values())
+        return self._source.in_flight() > 0 or any(stream.finished for stream in self.batches.values())
+
+    @property
+    def _source(self):
+        """What samples the groups: the episodes, or the sampler itself."""
+        return self.episodes or self.sampler
 
     def _start_admissible(self) -> None:
         while self.queue and self.admits(self.queue[0][0].step, self.queue[0][1]):
@@ -199,7 +211,11 @@ class GeneratorService(Service):
             key = group_key(message.step, row)
             self.sampling[key] = (message.batch_id, row)
             prompt = message.prompt_tokens[row, : int(message.prompt_lengths[row])].tolist()
-            self.sampler.submit(key, prompt, self._params(self._group_seed(message.step, row)))
+            params = self._params(self._group_seed(message.step, row))
+            if self.episodes is not None:
+                self.episodes.submit(key, prompt, params, message.prompt_text[row], message.prompt_label[row])
+            else:
+                self.sampler.submit(key, prompt, params)
 
     def _take_finished(self, finished: list[tuple[str, Samples]]) -> None:
         for key, samples in finished:
@@ -244,9 +260,15 @@ class GeneratorService(Service):
     def _rollouts(self, message: PromptBatch, prompts: np.ndarray, seed: int) -> RolloutBatch:
         """The groups of ``prompts`` (rows of the prompt batch), sampled together by the weights loaded now."""
         params = self._params(seed)
-        samples = self.sampler.sample(
-            torch.from_numpy(message.prompt_tokens[prompts]), torch.from_numpy(message.prompt_lengths[prompts]), params
+        tokens, lengths = (
+            torch.from_numpy(message.prompt_tokens[prompts]),
+            torch.from_numpy(message.prompt_lengths[prompts]),
         )
+        if self.episodes is not None:
+            texts, labels = [message.prompt_text[i] for i in prompts], [message.prompt_label[i] for i in prompts]
+            samples = self.episodes.sample(tokens, lengths, params, texts, labels)
+        else:
+            samples = self.sampler.sample(tokens, lengths, params)
         lineage = self._lineage(message, params)
         return self._rollout_batch(message, prompts, samples, message.batch_id, self.policy_version, lineage)
 
@@ -279,9 +301,9 @@ class GeneratorService(Service):
     ) -> RolloutBatch:
         """The record of ``samples`` of the groups of ``prompts`` (rows of the prompt batch)."""
         rows = prompts[samples.group_index.numpy()]
-        real = np.arange(samples.response_tokens.shape[1]) < samples.response_lengths.numpy()[:, None]
+        models = samples.models().numpy()
         versions = (samples.token_versions if samples.token_versions is not None else samples.labelled(version)).numpy()
-        oldest = int(versions[real].min()) if real.any() else version  # the header's: the oldest token's
+        oldest = int(versions[models].min()) if models.any() else version  # the header's: the oldest token's
         return RolloutBatch(
             **new_header(batch_id, self.replica_id, oldest, lineage),
             step=message.step,
@@ -296,7 +318,12 @@ class GeneratorService(Service):
             finished=samples.finished.numpy(),
             behaviour_logprobs=samples.behaviour_logprobs.numpy(),
             token_versions=versions.astype(np.int32),
+            response_mask=models,
+            turns=samples.turn_counts().numpy().astype(np.int64),
+            environment_reward=samples.environment_rewards().numpy().astype(np.float32),
         )
 
     def close(self) -> None:
+        if self.episodes is not None:
+            self.episodes.close()
         self.sampler.close()

@@ -269,7 +269,10 @@ class VllmSampler:
             seed=seed,
             logprobs=0,
             stop_token_ids=[self.eos_token_id],
-            detokenize=False,
+            # Stop strings (an episode's tool calls) are matched on text: only they need detokenizing.
+            stop=list(params.stop),
+            include_stop_str_in_output=True,
+            detokenize=bool(params.stop),
             **({"output_kind": RequestOutputKind.FINAL_ONLY} if final_only else {}),
         )
 

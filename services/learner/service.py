@@ -94,7 +94,7 @@ class LearnerService(Service):
             self.tokenizer.pad_token_id,
             seed=config.run.seed,
             ranks=self.ranks,
-            max_response_length=config.generation.max_new_tokens,
+            max_response_length=config.max_response_tokens,
             total_updates=config.run.steps,
         )
         self.store = WeightStore(config.weight_store, config.weights.digest, config.weights.full_every)

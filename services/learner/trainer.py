@@ -62,6 +62,9 @@ class Experience:
     returns: torch.Tensor
     ref_logprobs: torch.Tensor | None = None  # (N, T), for the KL term of the loss (algorithm.kl_in: loss)
     token_versions: torch.Tensor | None = None  # (N, T) the version that sampled each token; None: policy_versions
+    # (N, T) bool, the tokens the model sampled (what trains); None: every real token. An episode's environment
+    # tokens are in the forward passes as context and nowhere else.
+    response_mask: torch.Tensor | None = None
 
     @classmethod
     def from_message(cls, msg: ExperienceBatch) -> Experience:
@@ -81,6 +84,7 @@ class Experience:
             t(msg.returns),
             t(msg.ref_logprobs),
             t(msg.token_versions.astype("int64")),
+            t(msg.response_mask),
         )
 
     def to(self, device) -> Experience:
@@ -117,6 +121,9 @@ class Experience:
 
     @property
     def mask(self) -> torch.Tensor:
+        """``(N, T)`` float, 1 at the tokens that train: the model's."""
+        if self.response_mask is not None:
+            return self.response_mask.to(torch.float32)
         return lengths_to_mask(self.response_lengths, self.response_tokens.shape[1])
 
 
@@ -418,7 +425,7 @@ class PPOTrainer:
                 else {}
             ),
             "advantage_mean": float(ppo.masked_mean(exp.advantages, mask)),
-            "response_length": float(exp.response_lengths.float().mean()),
+            "response_length": float(mask.sum(dim=1).mean()) if n else 0.0,  # the model's tokens
             "finished_frac": float(exp.finished.float().mean()),
             "logprob_mismatch": float(ppo.masked_mean(gap, mask)),
             "logprob_mismatch_max": float((gap * mask).max()) if n else 0.0,

@@ -22,7 +22,7 @@ from services.runlog.updates import trained_in
 __all__ = ["export_parquet", "response_rows"]
 
 # Token-level arrays of each schema, cut to the response's real tokens.
-ROLLOUT_TOKENS = ("response_tokens", "behaviour_logprobs", "token_versions")
+ROLLOUT_TOKENS = ("response_tokens", "response_mask", "behaviour_logprobs", "token_versions")
 EXPERIENCE_TOKENS = (*ROLLOUT_TOKENS, "ref_logprobs", "values", "kl", "token_rewards", "advantages", "returns")
 
 
@@ -33,7 +33,8 @@ def response_rows(record, message, token_fields: tuple[str, ...]) -> list[dict]:
     for i in range(len(message.response_text)):
         row_in_batch = int(message.group_index[i])
         length = int(message.response_lengths[i])
-        versions = message.token_versions[i, :length]
+        model = message.response_mask[i, :length]
+        versions = message.token_versions[i, :length][model]
         sample = samples[row_in_batch] = samples.get(row_in_batch, -1) + 1
         row = {
             "run_id": lineage.get("run.id", ""),
@@ -45,9 +46,12 @@ def response_rows(record, message, token_fields: tuple[str, ...]) -> list[dict]:
             "label": message.prompt_label[i],
             "response": message.response_text[i],
             "response_length": length,
+            "model_tokens": len(versions),
+            "turns": int(message.turns[i]),
+            "environment_reward": float(message.environment_reward[i]),
             "finished": bool(message.finished[i]),
-            "policy_version_min": int(versions.min()) if length else int(message.policy_version),
-            "policy_version_max": int(versions.max()) if length else int(message.policy_version),
+            "policy_version_min": int(versions.min()) if len(versions) else int(message.policy_version),
+            "policy_version_max": int(versions.max()) if len(versions) else int(message.policy_version),
             "generator": lineage.get("generator.replica", ""),
             "producer": message.producer,
             "partition": record.partition,
@@ -57,7 +61,7 @@ def response_rows(record, message, token_fields: tuple[str, ...]) -> list[dict]:
         if isinstance(message, ScoredBatch):
             row["reward"] = float(message.scores[i])
         if isinstance(message, ExperienceBatch):
-            row["advantage_mean"] = float(message.advantages[i, :length].mean()) if length else 0.0
+            row["advantage_mean"] = float(message.advantages[i, :length][model].mean()) if model.any() else 0.0
             row["kl_sum"] = float(message.kl[i, :length].sum())
         for name in token_fields:
             row[name] = np.asarray(getattr(message, name)[i, :length]).tolist()

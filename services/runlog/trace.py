@@ -86,8 +86,7 @@ class LogIndex:
             if message_type is RolloutBatch:
                 trace.generators.add(lineage.get("generator.replica", batch.producer))
                 for i in (batch.group_index == row).nonzero()[0]:
-                    length = int(batch.response_lengths[i])
-                    trace.token_versions.update(int(v) for v in batch.token_versions[i, :length])
+                    trace.token_versions.update(int(v) for v in batch.token_versions[i][batch.response_mask[i]])
             elif message_type is ScoredBatch:
                 trace.scorers.add(batch.producer)
                 trace.rewards.update(f"{key}={lineage[key]}" for key in REWARD_KEYS if key in lineage)

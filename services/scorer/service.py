@@ -13,7 +13,7 @@ from common.config import RunConfig
 from common.models import load_actor, load_reward_model, load_tokenizer, resolve_model
 from common.rewards import RewardError, RewardFunction, RewardModelScorer
 from common.schema import RolloutBatch, ScoredBatch, derive
-from common.sequences import batched_response_logprobs, lengths_to_mask, pack
+from common.sequences import batched_response_logprobs, pack
 from services.scorer.judge import JudgeScorer, judge_id, judge_writer
 from services.service import InputError, Service, check_token_ids
 
@@ -60,6 +60,8 @@ class ScorerService(Service):
         self.pad_token_id = load_tokenizer(path, m.trust_remote_code).pad_token_id
         self.reward, reward_lineage = load_reward(config)
         self.lineage = {"reference.model": str(path), "scorer.replica": self.replica_id, **reward_lineage}
+        if config.environment is not None:
+            self.lineage["reward.environment_weight"] = config.reward.environment_weight
 
     def close(self) -> None:
         if isinstance(self.reward, JudgeScorer):
@@ -73,6 +75,8 @@ class ScorerService(Service):
             scores = self.reward(message.prompt_text, message.response_text, message.prompt_label)
         except RewardError as exc:  # e.g. a label with no answer in it: this batch cannot be scored, others may
             raise InputError(str(exc)) from None
+        if self.config.environment is not None:  # an episode's reward from its environment goes with its score
+            scores = scores + self.config.reward.environment_weight * torch.from_numpy(message.environment_reward)
         lineage = self.lineage
         if isinstance(self.reward, JudgeScorer):  # how many of this batch's answers got the default score
             lineage = {**lineage, "reward.judge.unparsed": self.reward.last_unparsed}
@@ -88,8 +92,8 @@ class ScorerService(Service):
         ]
 
     def _reference_logprobs(self, message: RolloutBatch) -> torch.Tensor:
-        """``(N, T)`` log-probs of the responses under the frozen reference, at the sampling temperature; 0 at
-        padding."""
+        """``(N, T)`` log-probs of the responses under the frozen reference, at the sampling temperature; 0 where the
+        model did not sample the token (padding, an environment's tokens)."""
         tokens = torch.from_numpy(message.response_tokens)
         lengths = torch.from_numpy(message.response_lengths)
         prompt_lengths = torch.from_numpy(message.prompt_lengths)
@@ -103,4 +107,4 @@ class ScorerService(Service):
             self.config.generation.temperature,
             max_tokens=self.config.model.max_tokens_per_microbatch,
         )
-        return ref_logprobs.cpu() * lengths_to_mask(lengths, tokens.shape[1])
+        return ref_logprobs.cpu() * torch.from_numpy(message.response_mask)

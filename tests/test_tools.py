@@ -1,0 +1,151 @@
+"""The built-in tools: the calculator (no eval), and Python in the sandbox, which the tests try to escape."""
+
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from common.config import EnvironmentSection, SandboxSection
+from services.environment.sandbox import Sandbox, bwrap_available
+from services.environment.tools import CalculatorError, ToolEnvironment, calculate
+
+
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("12,345 * 678", "8369910"),
+        ("(3 + 4) * 5", "35"),
+        ("7 / 2", "3.5"),
+        ("10 / 2", "5"),
+        ("2^10", "1024"),
+        ("-3 ** 2", "-9"),
+        ("17 // 5 + 17 % 5", "5"),
+        ("123456789 × 987654321 =", "121932631112635269"),
+    ],
+)
+def test_the_calculator_computes_arithmetic(expression, value):
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize(
+    "expression, reason",
+    [
+        ("__import__('os').system('touch /tmp/x')", "not Call"),
+        ("a + b", "not Name"),
+        ("1 / 0", "division by zero"),
+        ("9 ** 9 ** 9", "more than 60 digits"),
+        ("10 ** 59 * 100", "more than 60 digits"),
+        ("", "empty expression"),
+        ("1 +", "cannot parse"),
+        ("1" * 300, "longer than 200"),
+        ("[1, 2]", "not List"),
+    ],
+)
+def test_the_calculator_refuses_anything_else_and_says_why(expression, reason):
+    with pytest.raises(CalculatorError, match=reason):
+        calculate(expression)
+
+
+ISOLATIONS = [
+    pytest.param(
+        "bwrap", marks=pytest.mark.skipif(bwrap_available() is not None, reason=f"no bwrap: {bwrap_available()}")
+    ),
+    "rlimits",
+]
+
+
+@pytest.fixture(params=ISOLATIONS)
+def sandbox(request):
+    return Sandbox(SandboxSection(isolation=request.param, cpu_seconds=1, wall_seconds=3, output_bytes=4096))
+
+
+def test_code_runs_and_writes_its_scratch_folder(sandbox):
+    result = sandbox.run_python("open('notes.txt', 'w').write('kept'); print(open('notes.txt').read(), 6 * 7)")
+    assert (result.status, result.output.strip()) == ("ok", "kept 42")
+
+
+def test_no_network(sandbox):
+    result = sandbox.run_python(
+        "import socket\ns = socket.create_connection(('1.1.1.1', 53), timeout=2)\nprint('CONNECTED')"
+    )
+    assert result.status == "error" and "CONNECTED" not in result.output
+    assert "Network is unreachable" in result.output or "socket" in result.output
+
+
+def test_no_writing_outside_the_scratch_folder(sandbox):
+    # Not under /tmp, which bwrap replaces with an empty one: a folder the sandbox sees, writable by anyone, so that
+    # only the sandbox stands in the way.
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as folder:
+        target = Path(folder)
+        target.chmod(0o777)
+        result = sandbox.run_python(f"open({str(target / 'escaped')!r}, 'w').write('x')")
+        assert result.status == "error" and not (target / "escaped").exists()
+    assert "Read-only file system" in result.output or "outside the scratch folder" in result.output
+
+
+def test_a_fork_bomb_is_contained_and_leaves_nothing_running(sandbox):
+    result = sandbox.run_python("import os\nwhile True:\n    os.fork()")
+    assert result.status != "ok"
+
+    def left() -> list[str]:
+        found = subprocess.run(["pgrep", "-f", "streamppo-sandbox-"], capture_output=True, text=True).stdout.split()
+        return [pid for pid in found if int(pid) != os.getpid()]
+
+    # The kernel tears the sandbox's PID namespace down after its first process ends: give it a moment.
+    for _ in range(50):
+        if not left():
+            break
+        time.sleep(0.1)
+    assert not left(), "processes of the sandbox still run"
+
+
+def test_an_infinite_loop_stops_at_the_cpu_limit(sandbox):
+    result = sandbox.run_python("while True:\n    pass")
+    assert result.status == "cpu_limit" and "CPU time limit" in result.observation()
+
+
+def test_code_that_never_ends_stops_at_the_wall_clock_limit(sandbox):
+    result = sandbox.run_python("import time\ntime.sleep(60)")
+    assert result.status == "timeout" and result.seconds < 30
+
+
+def test_huge_output_is_cut_at_the_limit(sandbox):
+    result = sandbox.run_python("while True:\n    print('x' * 1000)")
+    assert result.status == "output_limit" and len(result.output) <= 4096
+    assert result.observation().endswith("[output cut: output limit]")
+
+
+def test_a_crash_is_reported_with_its_exit_code(sandbox):
+    result = sandbox.run_python("import sys\nprint('partial')\nsys.exit(3)")
+    assert (result.status, result.exit_code) == ("error", 3)
+    assert result.observation() == "partial\n[exit code 3]"
+
+
+def test_the_tool_environment_runs_calls_and_ends_on_an_answer():
+    env = ToolEnvironment(
+        EnvironmentSection(tools=["calculator", "python"], sandbox=SandboxSection(isolation="rlimits"))
+    )
+    env.reset("What is 1234 * 5678?", "7006652")
+    assert env.stop == ("</calculator>", "</python>")
+    step = env.step("Let me compute. <calculator>1234 * 5678</calculator>")
+    assert (step.observation, step.done, step.info) == (
+        "\n<result>\n7006652\n</result>\n",
+        False,
+        {"tool": "calculator", "status": "ok"},
+    )
+    step = env.step("<calculator>1234 * x</calculator>")
+    assert "error: only numbers" in step.observation and step.info["status"] == "error" and not step.done
+    step = env.step("oops </calculator>")
+    assert "without <calculator>" in step.observation and step.info["status"] == "malformed"
+    step = env.step("<python>print(sum(range(10)))</python>")
+    assert step.observation == "\n<result>\n45\n</result>\n" and not step.done
+    step = env.step("The answer is 7006652.")
+    assert step.done and step.observation == "" and step.info == {"calls": 4}
+
+
+def test_an_unknown_tool_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown \\['shell'\\]; built-in tools are \\['calculator', 'python'\\]"):
+        ToolEnvironment(EnvironmentSection(tools=["shell"]))
