@@ -297,7 +297,12 @@ class EnvironmentSection(_Section):
         30.0, gt=0, description="How long an environment may take to answer a turn; then the episode ends truncated."
     )
     timeout_reward: float = Field(0.0, description="The environment's reward for an episode ended by a timeout.")
-    workers: int = Field(4, gt=0, description="Environment steps run at once (threads of the generator's process).")
+    placement: Literal["bus", "local"] = Field(
+        "bus",
+        description="bus: environment replicas (streamppo environment) answer the turns over the turns and "
+        "observations topics; local: the generator steps the environments in threads of its own process.",
+    )
+    workers: int = Field(4, gt=0, description="With placement local: environment steps run at once (threads).")
     sandbox: SandboxSection = SandboxSection()
 
 
@@ -813,6 +818,12 @@ class RunConfig(_Section):
             )
         if self._explicit("algorithm.max_sampling_factor") and not self.algorithm.dynamic_sampling:
             raise ValueError("algorithm.max_sampling_factor is set, but only algorithm.dynamic_sampling reads it")
+        env = self.environment
+        if env is not None and env.placement == "bus" and not self.generation.streaming:
+            raise ValueError(
+                "environment.placement bus needs generation.streaming: true (a generator that samples whole batches "
+                "would hold its batch while the environment replicas answer); or set environment.placement: local"
+            )
         for name in ("groups_per_record", "flush_s", "in_flight_updates"):
             if self._explicit(f"generation.{name}") and not self.generation.streaming:
                 raise ValueError(f"generation.{name} is set, but only generation.streaming reads it")

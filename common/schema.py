@@ -25,6 +25,8 @@ __all__ = [
     "BatchMessage",
     "BatchReference",
     "DeadLetter",
+    "EnvironmentReply",
+    "EpisodeTurn",
     "ExperienceBatch",
     "LEARNER_EPOCH",
     "MESSAGE_TYPES",
@@ -43,6 +45,7 @@ __all__ = [
     "derive",
     "describe",
     "encode",
+    "episode_key",
     "message_key",
     "message_partition",
     "new_header",
@@ -523,6 +526,72 @@ class ExperienceBatch(ScoredBatch):
         return trimmed
 
 
+def episode_key(step: int, row: int, index: int) -> str:
+    """An episode's id: its group's key and its index among the group's responses."""
+    return f"{group_key(step, row)}#{index}"
+
+
+@dataclass
+class EpisodeTurn(BatchMessage):
+    SCHEMA: ClassVar[str] = "turns"
+    DOC: ClassVar[str] = (
+        "One model turn of a multi-turn episode, for an environment replica to answer: the episode so far as text "
+        "(the prompt, the model's turns, the environment's observations), so that any replica can answer it, one "
+        "that never saw the episode by replaying its earlier turns."
+    )
+
+    episode: str = scalar("str", "The episode: '<step>/<row>#<index>', its group's key and its index in the group.")
+    turn: int = scalar("int", "Which of the model's turns this is (0 for the first).")
+    reply_to: str = scalar(
+        "str",
+        "The generator process waiting for the answer ('<replica>/<incarnation>'); an answer for another is "
+        "ignored, so a restarted generator never takes an answer meant for its predecessor.",
+    )
+    prompt_text: str = scalar("str", "The episode's prompt, as text.")
+    prompt_label: str = scalar("str", "The dataset row's label ('' where it has none).")
+    model_turns: list = _wire(StringList("K", "The model's turns so far, as text; the last is the one to answer."))
+    observations: list = _wire(StringList("J", "The environment's answers to the earlier turns (J = K − 1)."))
+
+    @classmethod
+    def check(cls, values: dict, dims: dict[str, int]) -> None:
+        super().check(values, dims)
+        if dims["K"] != values["turn"] + 1 or dims["J"] != dims["K"] - 1:
+            raise SchemaError(
+                f"{cls.SCHEMA}: turn {values['turn']} needs {values['turn'] + 1} model turns and {values['turn']} "
+                f"observations, not {dims['K']} and {dims['J']}"
+            )
+
+    @property
+    def rows(self) -> int:
+        return 1
+
+    def idempotency_keys(self) -> list[str]:
+        return [f"{self.reply_to}|{self.episode}.{self.turn}"]
+
+
+@dataclass
+class EnvironmentReply(BatchMessage):
+    SCHEMA: ClassVar[str] = "observations"
+    DOC: ClassVar[str] = "An environment's answer to one model turn of an episode (turns): what the model reads next."
+
+    episode: str = scalar("str", "The episode (as in the turn answered).")
+    turn: int = scalar("int", "The turn answered.")
+    reply_to: str = scalar("str", "The generator process that asked (as in the turn).")
+    observation: str = scalar("str", "Text appended after the model's turn, never trained on ('' when done).")
+    reward: float = scalar("float", "The environment's reward for the turn.")
+    done: bool = scalar("bool", "Whether the episode is over.")
+    status: str = scalar(
+        "str", "'ok', or why the environment could not step (it then ends the episode): the error, in one line."
+    )
+
+    @property
+    def rows(self) -> int:
+        return 1
+
+    def idempotency_keys(self) -> list[str]:
+        return [f"{self.reply_to}|{self.episode}.{self.turn}"]
+
+
 def chain_link(digest: str, uri: str) -> str:
     """One entry of a weight announcement's ``chain``: ``"<digest> <uri>"`` (a digest has no space; a uri may)."""
     return f"{digest} {uri}"
@@ -677,6 +746,8 @@ MESSAGE_TYPES: dict[str, type] = {
         DeadLetter,
         ReplicaStatus,
         BatchReference,
+        EpisodeTurn,
+        EnvironmentReply,
     )
 }
 # The message type each pipeline topic carries. Dead-letter topics are named "<topic>.dlq".
@@ -686,6 +757,8 @@ TOPIC_MESSAGE: dict[str, type] = {
     "scored": ScoredBatch,
     "experience": ExperienceBatch,
     "weights": WeightAnnouncement,
+    "turns": EpisodeTurn,
+    "observations": EnvironmentReply,
 }
 
 

@@ -82,9 +82,10 @@ def _up(args) -> int:
     from services.preflight import check_run_inputs
 
     overrides = [*args.set, *(["run.resume=true"] if args.resume else [])]
-    check_run_inputs(load_config(args.config, overrides))  # fail here, once, rather than in every child
+    config = load_config(args.config, overrides)
+    check_run_inputs(config)  # fail here, once, rather than in every child
     try:
-        replicas = parse_replicas(args.replicas)
+        replicas = parse_replicas(args.replicas, config)
     except ValueError as exc:
         print(f"streamppo: {exc}", file=sys.stderr)
         return exit_codes.CONFIG

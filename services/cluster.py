@@ -21,19 +21,23 @@ from pathlib import Path
 
 from services import exit_codes
 from services.restarts import Restarts
-from services.roles import ROLES
+from services.roles import ROLES, roles_of
 from services.transport.local_broker import LocalBroker
 
 __all__ = ["parse_replicas", "stop_all", "up"]
 
 
-def parse_replicas(specs: list[str]) -> dict[str, int]:
-    """``["scorer=2"]`` -> ``{"feeder": 1, "generator": 1, "scorer": 2, ...}``."""
-    replicas = {role: 1 for role in ROLES}
+def parse_replicas(specs: list[str], config=None) -> dict[str, int]:
+    """``["scorer=2"]`` -> ``{"feeder": 1, "generator": 1, "scorer": 2, ...}``: every role of the run of ``config``
+    (every role when None)."""
+    roles = [role.name for role in roles_of(config)] if config is not None else list(ROLES)
+    replicas = {role: 1 for role in roles}
     for spec in specs:
         role, sep, count = spec.partition("=")
         if not sep or role not in ROLES or not count.isdigit() or int(count) < 1:
             raise ValueError(f"--replicas {spec!r}: expected ROLE=N with ROLE one of {', '.join(ROLES)} and N ≥ 1")
+        if role not in roles:
+            raise ValueError(f"--replicas {spec!r}: this run has no {role} (it needs {ROLES[role].requirement})")
         most = ROLES[role].max_replicas
         if most is not None and int(count) > most:
             raise ValueError(f"--replicas {spec!r}: the {role} runs as at most {most} replica(s)")
@@ -97,10 +101,10 @@ def up(
     env = child_environment(sum(replicas.values()))
     children = {
         f"{role}-{i}": _Child(f"{role}-{i}", [*flags, role, "--replica-id", f"{role}-{i}", *common], env=env)
-        for role in ROLES
+        for role in replicas
         for i in range(replicas[role])
     }
-    ending = [children[f"{role}-{i}"] for role in ROLES if ROLES[role].ends_run for i in range(replicas[role])]
+    ending = [children[f"{role}-{i}"] for role in replicas if ROLES[role].ends_run for i in range(replicas[role])]
     # The topics first, replacing a weights topic that a new, empty broker made on its own.
     topics = subprocess.run([sys.executable, "-m", "services.cli", *flags, "topics", *common])
     if topics.returncode != 0:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from common.config import RunConfig
 from common.report import load_metrics, summarise
 from common.statistics import progress_labels
-from services.roles import ROLES, pipeline_topics
+from services.roles import pipeline_topics, roles_of
 from services.runlog.archive import archive_bus
 from services.runtime import ServiceRunner
 from services.transport import MemoryBus
@@ -89,7 +89,7 @@ def run_embedded(config: RunConfig, progress: bool = True, bus: MemoryBus | None
     built, runners = {}, []
     # Downstream first: in one round every stage works on a different batch, as concurrent services would, so
     # max_staleness > 0 really lets generation run ahead of training.
-    order = list(reversed(ROLES.values()))
+    order = list(reversed(roles_of(config)))
     try:
         # Built sources first, then downstream first: the generator, whose engine takes the longest to start, comes
         # last, so a bad setting of any other role (a dataset, a reward function) is reported within seconds.

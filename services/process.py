@@ -66,6 +66,8 @@ class _StopFlag:
 def serve(
     role: str, config: RunConfig, bootstrap: str | None, replica_id: str | None = None, metrics_port: int | None = None
 ) -> int:
+    if not ROLES[role].runs_when(config):
+        raise ConfigError(f"this run has no {role} role: it needs {ROLES[role].requirement}")
     replica_id = replica_id or default_replica_id(role)
     bootstrap = bootstrap_of(config, bootstrap)  # before the models load
     group = ROLES[role].service_class().process_group(config)

@@ -11,13 +11,14 @@ Service classes are named as ``"module:Class"`` and imported on first use, so th
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.config import RetentionSection, RunConfig
 from common.schema import TOPIC_MESSAGE
 from services.transport.base import TopicSpec, dlq_topic
 
-__all__ = ["LOG_TOPIC", "ROLES", "STATUS_TOPIC", "WEIGHTS_TOPIC", "Role", "pipeline_topics"]
+__all__ = ["LOG_TOPIC", "ROLES", "STATUS_TOPIC", "WEIGHTS_TOPIC", "Role", "pipeline_topics", "roles_of"]
 
 # Weight announcements: read by every replica that loads weights (no consumer group), compacted by key.
 WEIGHTS_TOPIC = "weights"
@@ -40,6 +41,9 @@ class Role:
     max_replicas: int | None = None  # None: as many as the user starts
     ends_run: bool = False  # the run is over when every replica of such a role is done
     aliases: tuple[str, ...] = ()  # other names of its CLI command
+    # Whether a run of this config has the role (every run but for optional roles, e.g. environments).
+    runs_when: Callable[[RunConfig], bool] = lambda config: True
+    requirement: str = ""  # what runs_when asks of the config, in words, for the error when it is not met
 
     def service_class(self) -> type:
         """The :class:`services.service.Service` subclass that implements the role (imported now)."""
@@ -95,8 +99,22 @@ ROLES: dict[str, Role] = {
             max_replicas=1,
             ends_run=True,
         ),
+        Role(
+            "environment",
+            "services.environment:EnvironmentService",
+            "turns → observations: environments answer the model's turns of multi-turn episodes (tools)",
+            input_topic="turns",
+            output_topic="observations",
+            runs_when=lambda config: config.environment is not None and config.environment.placement == "bus",
+            requirement="an environment section with placement: bus",
+        ),
     )
 }
+
+
+def roles_of(config: RunConfig) -> list[Role]:
+    """The roles a run of ``config`` has, in pipeline order."""
+    return [role for role in ROLES.values() if role.runs_when(config)]
 
 
 def pipeline_topics(partitions: int = 1, retention: RetentionSection | None = None) -> list[TopicSpec]:

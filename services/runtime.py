@@ -46,7 +46,7 @@ from services.dedupe import RecentIds
 from services.metrics import ServiceMetrics
 from services.referenced_batches import ReferencedBatches
 from services.roles import LOG_TOPIC, STATUS_TOPIC, WEIGHTS_TOPIC
-from services.service import Collected, Dropped, InputError, Progress, Service
+from services.service import Channel, Collected, Dropped, InputError, Progress, Service
 from services.transport import Bus, LogReplaced, Record, dlq_topic
 from services.weights_feed import WeightsFeed
 
@@ -56,6 +56,31 @@ __all__ = ["LOG_CHECK_S", "ServiceRunner", "consumer_group"]
 
 LOG_CHECK_S = 2.0  # how often a replica checks that its log is still the one it started on
 STREAM_POLL_S = 0.01  # how long a streaming service's runner waits, with work in hand, before collecting again
+
+
+class _BusChannel(Channel):
+    """A service's request/reply exchange over two topics: requests produced as its outputs are (signed, partitioned
+    by step), replies read by a reader that joins no group (every partition, from the start; the service picks its
+    own) and checked as input is (:meth:`ServiceRunner._accept`)."""
+
+    def __init__(self, runner: ServiceRunner, requests: str, replies: str):
+        self.runner, self.requests, self.replies = runner, requests, replies
+        self.reader = runner.bus.consumer(replies, group=None, client_id=f"{runner.replica_id}.{replies}")
+
+    def send(self, message: Message) -> None:
+        self.runner._produce([message], topic=self.requests)
+
+    def receive(self) -> list[Message]:
+        received = []
+        while records := self.reader.poll(0.0, max_records=64):
+            for record in records:
+                message = self.runner._accept(record, TOPIC_MESSAGE[self.replies])
+                if message is not None:
+                    received.append(message)
+        return received
+
+    def close(self) -> None:
+        self.reader.close()
 
 
 def consumer_group(role: str, log: str) -> str:
@@ -130,6 +155,10 @@ class ServiceRunner:
         self.processing = False  # True while an input is processed: a stop request waits for it (see _process)
         self.unsent: tuple[Record, list[Message], bool] | None = None  # outputs whose sending failed (see _process)
         self.settled: bool | None = None  # see settle()
+        topics = service.channel_topics()
+        self.channel = _BusChannel(self, *topics) if topics is not None else None
+        if self.channel is not None:
+            service.connect(self.channel)
         self._produce(service.start())
 
     # ------------------------------------------------------------------ one step
@@ -415,8 +444,8 @@ class ServiceRunner:
         self.counters[self._COUNTER_KEYS[outcome]] += 1
         self.metrics.count(outcome, sequences, seconds, tokens)
 
-    def _produce(self, messages: list[Message]) -> None:
-        topic = self.service.output_topic
+    def _produce(self, messages: list[Message], topic: str | None = None) -> None:
+        topic = topic or self.service.output_topic
         for message in messages:
             if self.signer is not None:
                 self.signer.sign(message)
@@ -561,6 +590,8 @@ class ServiceRunner:
             self.work.close()
         if self.weights is not None:
             self.weights.close()
+        if self.channel is not None:
+            self.channel.close()
 
     # ------------------------------------------------------------------ internals
 

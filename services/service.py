@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "Channel",
     "Collected",
     "Dropped",
     "InputError",
@@ -67,6 +68,20 @@ class Collected:
     batch_id: str
     outputs: list[Message]
     done: bool
+
+
+class Channel(ABC):
+    """A request/reply exchange a service holds beside its input and output (the generator's model turns to the
+    environment replicas, and their answers), given to it by its runner (:meth:`Service.connect`). Nothing on it is
+    committed: a reply that never comes is the service's to time out, and a request is sent again only by it."""
+
+    @abstractmethod
+    def send(self, message: Message) -> None:
+        """Send a request (signed as the run's messages are); raises while the broker is away."""
+
+    @abstractmethod
+    def receive(self) -> list[Message]:
+        """The replies that came since the last call, decoded and checked (what is not valid is dead-lettered)."""
 
 
 class ProcessGroup(ABC):
@@ -196,6 +211,16 @@ class Service(ABC):
         """Whether a streaming service has work going on that will bring outputs without more input (responses
         being sampled): a round in which it sent nothing is then no stall."""
         return False
+
+    # ------------------------------------------------------------------ a request/reply exchange (optional)
+
+    def channel_topics(self) -> tuple[str, str] | None:
+        """``(requests, replies)``: the topics of a :class:`Channel` the service needs (None: none). The runner then
+        calls :meth:`connect` before the first input."""
+        return None
+
+    def connect(self, channel: Channel) -> None:
+        """Take the channel :meth:`channel_topics` asked for."""
 
     def tick(self) -> list[Message]:
         """Called when the runner found nothing to do: outputs of work a service takes up on time alone (a learner

@@ -277,6 +277,7 @@ def episode_config(make_config, environment: str, *overrides: str):
         "generation.max_new_tokens=12",
         "learner.mini_batch_size=4",
         f"environment.name=test_episodes:{environment}",
+        "environment.placement=local",
         *overrides,
     )
 
@@ -385,3 +386,34 @@ def test_an_embedded_run_trains_on_episodes(make_config):
     assert [line["step"] for line in lines] == [1, 2, 3]
     # The learner's response length counts the model's tokens: below the real tokens once an episode had a turn.
     assert all(0 < line["response_length"] <= config.max_response_tokens for line in lines)
+
+
+def test_an_embedded_run_with_the_environment_as_a_role_on_the_bus(make_config):
+    from helpers import read_messages
+
+    from services.embedded import run_embedded
+    from services.transport.memory import MemoryBus
+
+    config = episode_config(
+        make_config,
+        "Counter",
+        "run.steps=2",
+        "environment.max_turns=3",
+        "environment.placement=bus",
+        "generation.streaming=true",
+    )
+    bus = MemoryBus()
+    run_embedded(config, progress=False, bus=bus)
+    turns, replies = read_messages(bus, "turns"), read_messages(bus, "observations")
+    assert turns and len(replies) == len(turns), "every turn asked was answered once"
+    for turn, reply in zip(
+        sorted(turns, key=lambda t: (t.episode, t.turn)), sorted(replies, key=lambda r: (r.episode, r.turn))
+    ):
+        assert (reply.episode, reply.turn, reply.reply_to) == (turn.episode, turn.turn, turn.reply_to)
+        assert reply.observation == f" {turn.turn + 1} " and reply.done == (turn.turn == 1)
+        assert reply.producer == "environment-0" and reply.status == "ok"
+        assert len(turn.model_turns) == turn.turn + 1 and len(turn.observations) == turn.turn
+    experience = read_messages(bus, "experience")
+    answered = {turn.episode for turn in turns}
+    rewards = {f"{e.step}/{int(e.group_index[i])}": e.environment_reward[i] for e in experience for i in range(e.rows)}
+    assert rewards and max(rewards.values()) > 0 and len(answered) >= 1

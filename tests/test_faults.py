@@ -159,3 +159,46 @@ def test_sigterm_and_restart_of_every_service_loses_nothing(cluster, make_config
         while not letters and time.monotonic() < deadline:
             letters = [decode(r.value) for r in dlq.poll(0.5, 1000) if r.value and decode(r.value).payload == payload]
         assert letters, f"the garbage sent to {topic} is not in {topic}.dlq"
+
+
+def test_an_environment_replica_killed_mid_run_loses_no_episode(cluster, make_config):
+    """Multi-turn episodes over the broker with two environment replicas; one is killed (kill -9) once it has
+    answered turns. Its unanswered turns go to the other, which makes their episodes' environments again from the
+    turns they carry; every episode is trained once, and none waits out its turn timeout."""
+    steps = 6
+    c = cluster(
+        steps,
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=12",
+        "generation.streaming=true",
+        "learner.mini_batch_size=4",
+        "environment.name=tests.test_episodes:Counter",
+        "environment.max_turns=3",
+        "environment.turn_timeout_s=120",
+    )
+    bus = kafka_bus(make_config(*c.overrides))
+    for role in ("generator", "scorer", "advantage", "learner"):
+        c.start(role, role)
+    for name in ("environment-0", "environment-1"):
+        c.start(name, "environment")
+    c.start("feed", "feed")
+    replies, reader = [], None
+    deadline = time.monotonic() + 300
+    while not any(reply.producer == "environment-0" for reply in replies):
+        assert time.monotonic() < deadline, f"environment-0 answered nothing; logs in {c.tmp_path}"
+        reader = reader or bus.consumer("observations", None, "audit")  # once the run made the topic
+        replies += [decode(record.value) for record in reader.poll(0.5, 1000)]
+    c.stop("environment-0", signal.SIGKILL)
+    killed_at = time.time()
+    c.wait_for_steps(steps)
+    assert c.processes["learner"].wait(timeout=300) == 0
+    assert_each_batch_once(c, steps)
+    while records := reader.poll(2.0, 1000):
+        replies += [decode(record.value) for record in records]
+    assert any(r.producer == "environment-1" and r.created_at > killed_at for r in replies), "no answer after the kill"
+    generator_log = (c.tmp_path / "generator.log").read_text()
+    assert "no answer from the environment" not in generator_log, "an episode waited out its timeout"
+    episodes = {(r.episode, r.turn) for r in replies}
+    assert {r.episode for r in replies if r.turn > 0}, "no episode had a second turn: the test shows nothing"
+    assert episodes, "no turn was answered"

@@ -38,7 +38,7 @@ EPISODE_FIELDS = ("response_mask", "turns", "environment_reward")
 
 def sample_message(cls, rng: np.random.Generator, dims: dict[str, int] | None = None):
     """A valid message of ``cls`` with random content."""
-    dims = dims or {"B": 2, "N": 3, "P": 4, "T": 5, "L": 2, "G": 1}
+    dims = {"K": 2, "J": 1} | (dims or {"B": 2, "N": 3, "P": 4, "T": 5, "L": 2, "G": 1})
     values = {}
     for name, wire in cls.wire_fields():
         if isinstance(wire, Array):
@@ -58,6 +58,8 @@ def sample_message(cls, rng: np.random.Generator, dims: dict[str, int] | None = 
             values[name] = {"sampling.temperature": 0.7, "actor.model": "m", "n": 4, "flag": True, "none": None}
         else:
             values[name] = {"str": "x-1", "int": 7, "float": 1.5, "bool": True, "bytes": b"\x00\x01"}[wire.kind]
+    if cls is schema.EpisodeTurn:  # turn k carries k + 1 model turns and k observations
+        values["turn"] = dims["K"] - 1
     if cls is WeightAnnouncement:  # a chain ends with the snapshot announced
         values["chain"][-1] = f"{values['digest']} {values['uri']}"
     if "response_mask" in values:  # the model's tokens lie among the real ones; an episode has a turn at least

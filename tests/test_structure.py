@@ -154,7 +154,16 @@ def test_the_registry_is_consistent_with_the_wire_contract():
     assert set(specs) == set(TOPIC_MESSAGE) | {f"{t}.dlq" for t in TOPIC_MESSAGE} | {STATUS_TOPIC, LOG_TOPIC}
     for compacted in (WEIGHTS_TOPIC, STATUS_TOPIC, LOG_TOPIC):
         assert specs[compacted].compacted and specs[compacted].partitions == 1
-    assert [ROLES[r].output_topic for r in ROLES][:-1] == [ROLES[r].input_topic for r in ROLES][1:], "a chain"
+    # Every run's roles form a chain; an optional role (environments) answers a channel of one of them instead.
+    chain = [role for role in ROLES.values() if not role.requirement]
+    assert [role.output_topic for role in chain][:-1] == [role.input_topic for role in chain][1:], "a chain"
+    assert ROLES["environment"].requirement and (
+        ROLES["environment"].input_topic,
+        ROLES["environment"].output_topic,
+    ) == (
+        "turns",
+        "observations",
+    )
 
 
 @pytest.fixture

@@ -7,6 +7,12 @@ An environment is a Python class named in the config (``environment.name: "modul
   (text the model reads, never trains on), a reward, and whether the episode is done;
 - ``close()`` when the episode is over.
 
+Environment replicas (``streamppo environment``, ``environment.placement: bus``) answer turns from any generator;
+a replica that gets a turn of an episode it never saw (another replica died, or the turn was re-delivered) makes the
+environment again and replays the episode's earlier turns into it, so an environment's state must follow from its
+prompt, label and the model's turns (a stateless one, or one that is deterministic in them). With ``placement:
+local`` the generator steps them in threads of its own process.
+
 The generator asks the model for a turn, which ends at the model's EOS or at one of the environment's
 :attr:`Environment.stop` strings (a tool call's closing tag), then steps the environment with it. The observation
 is tokenized alone and appended to the episode's tokens: the conversation is never re-tokenised. An episode's reward
@@ -45,6 +51,11 @@ class Environment(ABC):
 
     def __init__(self, config: EnvironmentSection):
         self.config = config
+
+    @classmethod
+    def stops(cls, config: EnvironmentSection) -> tuple[str, ...]:
+        """The strings that end a model turn under ``config`` (the generator reads them without an environment)."""
+        return tuple(cls.stop)
 
     @abstractmethod
     def reset(self, prompt: str, label: str) -> None:

@@ -142,7 +142,11 @@ class ToolEnvironment(Environment):
         if unknown:
             raise ValueError(f"environment.tools: unknown {unknown}; built-in tools are {sorted(TOOLS)}")
         self.tools = {name: TOOLS[name](config) for name in config.tools}
-        self.stop = tuple(f"</{name}>" for name in self.tools)
+        self.stop = self.stops(config)
+
+    @classmethod
+    def stops(cls, config: EnvironmentSection) -> tuple[str, ...]:
+        return tuple(f"</{name}>" for name in config.tools)
 
     def reset(self, prompt: str, label: str) -> None:
         self.calls = 0

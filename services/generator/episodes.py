@@ -1,16 +1,21 @@
 """Multi-turn episodes, token in and token out, on any sampler.
 
 With an ``environment`` section each of a group's ``n`` responses is an episode: the model samples a turn (until
-EOS, a stop string of the environment's, or ``generation.max_new_tokens``), the environment steps on the turn's text
-(in a worker thread, bounded by ``environment.turn_timeout_s``), and its observation is tokenized alone and appended
-to the episode's tokens, marked as not the model's; then the model samples its next turn from the prompt and every
-token so far. The conversation is never re-tokenised: the tokens the model sampled are the tokens trained.
+EOS, a stop string of the environment's, or ``generation.max_new_tokens``), the environment answers the turn's text,
+and its observation is tokenized alone and appended to the episode's tokens, marked as not the model's; then the
+model samples its next turn from the prompt and every token so far. The conversation is never re-tokenised: the
+tokens the model sampled are the tokens trained.
+
+Where the environments run is ``environment.placement``: ``bus``, environment replicas answer over the ``turns``
+and ``observations`` topics (:class:`BusEnvironments`, through the runner's channel); ``local``, worker threads of
+this process (:class:`LocalEnvironments`). Many episodes are in flight either way, the sampler working on some while
+environments answer others.
 
 An episode ends when the environment says it is done (``finished``), or truncated: at ``environment.max_turns``, at
-``environment.max_episode_tokens``, when a turn ends neither at EOS nor at a stop string (its token limit), or when
-the environment does not answer in time (its reward then ``environment.timeout_reward``). A group goes on once all of
-its episodes have ended, as :class:`common.sampling.Samples` with the model's mask, its turns and its environment
-reward.
+the episode's token budget (``RunConfig.max_response_tokens``), when a turn ends neither at EOS nor at a stop string
+(its token limit), when the environment fails, or when it does not answer within ``environment.turn_timeout_s``
+(its reward then ``environment.timeout_reward``). A group goes on once all of its episodes have ended, as
+:class:`common.sampling.Samples` with the model's mask, its turns and its environment reward.
 """
 
 from __future__ import annotations
@@ -18,103 +23,218 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
 
-from common.config import RunConfig
+from common.config import EnvironmentSection, RunConfig
 from common.sampling import Sampler, Samples, SamplingParams
+from common.schema import EnvironmentReply, EpisodeTurn, PromptBatch, episode_key, new_header
 from services.environment.base import Environment, Step, load_environment
+from services.service import Channel
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EpisodeSampler"]
+__all__ = ["BusEnvironments", "EpisodeSampler", "LocalEnvironments"]
 
 
 @dataclass
 class _Episode:
+    id: str  # "<step>/<row>#<index>"
     group: str  # the group's key
     index: int  # which of its n responses
     prompt: list[int]
     params: SamplingParams
-    environment: Environment
+    origin: PromptBatch
+    row: int
     tokens: list[int] = field(default_factory=list)
     models: list[bool] = field(default_factory=list)  # True at the tokens the model sampled
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    turns: int = 0
+    said: list[str] = field(default_factory=list)  # the model's turns, as text
+    heard: list[str] = field(default_factory=list)  # the environment's answers, as text
     reward: float = 0.0
     ended: bool = False
     finished: bool = False  # ended because the environment said done
-    step: Future | None = None  # the environment's answer to the last turn, while it works on it
-    deadline: float = 0.0
+    deadline: float = 0.0  # while the environment works on its last turn
+
+    @property
+    def turns(self) -> int:
+        return len(self.said)
 
 
-@dataclass
-class _Group:
-    episodes: list[_Episode]
+class Environments(ABC):
+    """Where episodes' environments run: they start episodes, take turns, and answer them (or fail, or time out)."""
 
-    def ended(self) -> bool:
-        return all(episode.ended for episode in self.episodes)
+    @abstractmethod
+    def open(self, episode: _Episode) -> None:
+        """An episode begins (its environment is reset with its prompt and label)."""
+
+    @abstractmethod
+    def ask(self, episode: _Episode) -> None:
+        """The episode's last model turn (``episode.said[-1]``) is to be answered."""
+
+    @abstractmethod
+    def answers(self, waiting: dict[str, _Episode], wait_s: float) -> list[tuple[_Episode, Step | Exception]]:
+        """Answers to episodes of ``waiting`` (by id) that came in, waiting up to ``wait_s`` for a first one."""
+
+    def close_episode(self, episode: _Episode) -> None:
+        """The episode ended (also while its environment still works on a turn)."""
+
+    def close(self) -> None:
+        pass
+
+
+class LocalEnvironments(Environments):
+    """Environments in worker threads of the generator's process (``environment.placement: local``)."""
+
+    def __init__(self, config: EnvironmentSection):
+        self.config, self.environment_class = config, load_environment(config)
+        self.workers = ThreadPoolExecutor(config.workers, thread_name_prefix="environment")
+        self.held: dict[str, Environment] = {}
+        self.steps: dict[str, Future] = {}
+
+    def open(self, episode: _Episode) -> None:
+        environment = self.environment_class(self.config)
+        environment.reset(episode.origin.prompt_text[episode.row], episode.origin.prompt_label[episode.row])
+        self.held[episode.id] = environment
+
+    def ask(self, episode: _Episode) -> None:
+        self.steps[episode.id] = self.workers.submit(self.held[episode.id].step, episode.said[-1])
+
+    def answers(self, waiting: dict[str, _Episode], wait_s: float) -> list[tuple[_Episode, Step | Exception]]:
+        if wait_s > 0 and self.steps and not any(step.done() for step in self.steps.values()):
+            wait(list(self.steps.values()), timeout=wait_s, return_when=FIRST_COMPLETED)
+        done = []
+        for id_, step in list(self.steps.items()):
+            if step.done():
+                del self.steps[id_]
+                done.append((waiting[id_], step.exception() or step.result()))
+        return done
+
+    def close_episode(self, episode: _Episode) -> None:
+        step = self.steps.pop(episode.id, None)
+        environment = self.held.pop(episode.id, None)
+        if step is not None:  # still at work (it timed out): it closes once done
+            step.cancel()
+            step.add_done_callback(lambda _: environment.close())
+        elif environment is not None:
+            environment.close()
+
+    def close(self) -> None:
+        self.workers.shutdown(wait=False, cancel_futures=True)
+
+
+class BusEnvironments(Environments):
+    """Environment replicas on the bus (``environment.placement: bus``): each turn goes out on the ``turns`` topic
+    with the episode so far, and its answer comes back on ``observations``, addressed to this process alone."""
+
+    def __init__(self, channel: Channel, replica_id: str, policy_version: Callable[[], int]):
+        self.channel, self.policy_version = channel, policy_version
+        # This process's address: a generator restarted under the same replica id never takes its predecessor's.
+        self.reply_to = f"{replica_id}/{uuid.uuid4().hex[:12]}"
+        self.replica_id = replica_id
+        self.ignored = 0  # answers for another process, a turn not asked, or asked twice
+
+    def open(self, episode: _Episode) -> None:
+        pass  # the environment replica makes the episode's environment at its first turn
+
+    def ask(self, episode: _Episode) -> None:
+        origin = episode.origin
+        self.channel.send(
+            EpisodeTurn(
+                **new_header(origin.batch_id, self.replica_id, self.policy_version(), origin.lineage),
+                step=origin.step,
+                episode=episode.id,
+                turn=episode.turns - 1,
+                reply_to=self.reply_to,
+                prompt_text=origin.prompt_text[episode.row],
+                prompt_label=origin.prompt_label[episode.row],
+                model_turns=list(episode.said),
+                observations=list(episode.heard),
+            )
+        )
+
+    def answers(self, waiting: dict[str, _Episode], wait_s: float) -> list[tuple[_Episode, Step | Exception]]:
+        done = []
+        for reply in self.channel.receive():
+            assert isinstance(reply, EnvironmentReply)
+            episode = waiting.get(reply.episode)
+            if reply.reply_to != self.reply_to or episode is None or reply.turn != episode.turns - 1:
+                self.ignored += 1
+                continue
+            del waiting[reply.episode]  # a second answer to the turn (a re-delivery answered twice) is ignored
+            if reply.status != "ok":
+                done.append((episode, RuntimeError(f"the environment replica {reply.producer}: {reply.status}")))
+            else:
+                done.append((episode, Step(reply.observation, reply.reward, reply.done)))
+        if not done and wait_s > 0:
+            time.sleep(min(wait_s, 0.01))
+        return done
 
 
 class EpisodeSampler:
-    """Groups of episodes on ``sampler`` (each turn a request of one response); ``version()`` labels the tokens of a
-    turn the sampler returns unlabelled (sampled whole by the weights loaded when it finished)."""
+    """Groups of episodes on ``sampler`` (each turn a request of one response); ``version()`` is the policy
+    version loaded, which labels the tokens of a turn the sampler returns unlabelled (sampled whole)."""
 
     def __init__(self, sampler: Sampler, tokenizer, config: RunConfig, version: Callable[[], int]):
         env = config.environment
         assert env is not None
         self.sampler, self.tokenizer, self.config, self.version = sampler, tokenizer, env, version
-        self.environment_class = load_environment(env)
+        self.stop = load_environment(env).stops(env)
         self.max_new_tokens = config.generation.max_new_tokens
         self.max_tokens = config.max_response_tokens
-        self.workers = ThreadPoolExecutor(env.workers, thread_name_prefix="environment")
-        self.groups: dict[str, _Group] = {}
+        self.environments: Environments | None = LocalEnvironments(env) if env.placement == "local" else None
+        self.groups: dict[str, list[_Episode]] = {}
         self.turns: dict[str, _Episode] = {}  # the sampler's request key -> the episode whose turn it samples
-        self.stepping: list[_Episode] = []  # waiting for their environment
+        self.waiting: dict[str, _Episode] = {}  # by id: the episodes whose environment works on their last turn
+
+    def connect(self, channel: Channel, replica_id: str) -> None:
+        """Talk to the environment replicas over ``channel`` (placement bus)."""
+        self.environments = BusEnvironments(channel, replica_id, self.version)
 
     # ------------------------------------------------------------------ what the generator calls
 
-    def submit(self, key: str, prompt: list[int], params: SamplingParams, text: str, label: str) -> None:
-        """Start ``params.n`` episodes for one prompt (its tokens, text and label), a group named ``key``."""
-        episodes = []
-        for index in range(params.n):
-            environment = self.environment_class(self.config)
-            environment.reset(text, label)
-            episodes.append(_Episode(key, index, list(prompt), params, environment))
-        self.groups[key] = _Group(episodes)
+    def submit(self, key: str, prompt: list[int], params: SamplingParams, origin: PromptBatch, row: int) -> None:
+        """Start ``params.n`` episodes for row ``row`` of ``origin`` (its ``prompt`` tokens), a group named ``key``."""
+        if self.environments is None:
+            raise RuntimeError("environment.placement is bus, but no channel to the environment replicas was given")
+        episodes = [
+            _Episode(episode_key(origin.step, row, index), key, index, list(prompt), params, origin, row)
+            for index in range(params.n)
+        ]
+        self.groups[key] = episodes
         for episode in episodes:
+            self.environments.open(episode)
             self._next_turn(episode)
 
     def step(self, seconds: float) -> list[tuple[str, Samples]]:
         """Let the sampler run for about ``seconds`` and the environments answer; the groups whose episodes all
         ended meanwhile."""
-        self._take_answers()
+        self._take_answers(0.0)
         if self.sampler.in_flight():
             for request, samples in self.sampler.step(seconds):
                 self._take_turn(self.turns.pop(request), samples)
-        elif self.stepping:  # only environments at work: wait for the first answer, not longer than asked
-            first = min(episode.deadline for episode in self.stepping)
-            wait(
-                [episode.step for episode in self.stepping],
-                timeout=max(0.0, min(seconds, first - time.monotonic())),
-                return_when=FIRST_COMPLETED,
-            )
-        self._take_answers()
-        return [(key, self._samples(self.groups.pop(key))) for key in list(self.groups) if self.groups[key].ended()]
+        elif self.waiting:  # only environments at work: wait for an answer, not past a deadline
+            first = min(episode.deadline for episode in self.waiting.values())
+            self._take_answers(max(0.0, min(seconds, first - time.monotonic())))
+        self._take_answers(0.0)
+        ended = [key for key, episodes in self.groups.items() if all(episode.ended for episode in episodes)]
+        return [(key, self._samples(self.groups.pop(key))) for key in ended]
 
-    def sample(
-        self, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, params: SamplingParams, texts, labels
-    ) -> Samples:
-        """Every prompt's group of episodes, the prompts in order (a batch sampled whole)."""
-        keys = [f"batch/{row}" for row in range(len(prompt_lengths))]
-        rows = zip(keys, prompt_tokens, prompt_lengths.tolist(), texts, labels)
-        for row, (key, tokens, length, text, label) in enumerate(rows):
-            group = dataclasses.replace(params, seed=params.seed * 1_009 + row)  # each prompt's episodes its own
-            self.submit(key, tokens[:length].tolist(), group, text, label)
+    def sample(self, message: PromptBatch, rows, params: SamplingParams) -> Samples:
+        """The groups of episodes of ``rows`` of ``message``, in order (a batch sampled whole)."""
+        keys = []
+        for i, row in enumerate(rows):
+            key = f"batch/{message.batch_id}/{row}"
+            prompt = message.prompt_tokens[row, : int(message.prompt_lengths[row])].tolist()
+            group = dataclasses.replace(params, seed=params.seed * 1_009 + i)  # each prompt's episodes their own
+            self.submit(key, prompt, group, message, int(row))
+            keys.append(key)
         done: dict[str, Samples] = {}
         while len(done) < len(keys):
             done.update(self.step(0.05))
@@ -124,7 +244,8 @@ class EpisodeSampler:
         return len(self.groups)
 
     def close(self) -> None:
-        self.workers.shutdown(wait=False, cancel_futures=True)
+        if self.environments is not None:
+            self.environments.close()
 
     # ------------------------------------------------------------------ the episode's steps
 
@@ -141,14 +262,14 @@ class EpisodeSampler:
             top_p=episode.params.top_p,
             top_k=episode.params.top_k,
             seed=(episode.params.seed * 131 + episode.index) * 31 + episode.turns,
-            stop=tuple(getattr(episode.environment, "stop", ())),
+            stop=self.stop,
         )
-        request = f"{episode.group}#{episode.index}.{episode.turns}"
+        request = f"{episode.id}.{episode.turns}"
         self.turns[request] = episode
         self.sampler.submit(request, episode.prompt + episode.tokens, params)
 
     def _take_turn(self, episode: _Episode, samples: Samples) -> None:
-        """The model's turn is in: append it, then step the environment with its text (or end the episode)."""
+        """The model's turn is in: append it, then ask the environment to answer it (or end the episode)."""
         length = int(samples.response_lengths[0])
         tokens = samples.response_tokens[0, :length].tolist()
         versions = samples.token_versions[0, :length].tolist() if samples.token_versions is not None else None
@@ -156,44 +277,26 @@ class EpisodeSampler:
         episode.models += [True] * length
         episode.logprobs += samples.behaviour_logprobs[0, :length].tolist()
         episode.versions += versions if versions is not None else [self.version()] * length
-        episode.turns += 1
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        stopped = bool(samples.finished[0]) or text.rstrip().endswith(tuple(getattr(episode.environment, "stop", ())))
-        if not stopped:  # the turn ran out of tokens: no complete call, no answer
-            self._end(episode, finished=False)
+        episode.said.append(text)
+        if not (bool(samples.finished[0]) or text.rstrip().endswith(self.stop)):
+            self._end(episode, finished=False)  # the turn ran out of tokens: no complete call, no answer
             return
         episode.deadline = time.monotonic() + self.config.turn_timeout_s
-        episode.step = self.workers.submit(episode.environment.step, text)
-        self.stepping.append(episode)
+        self.waiting[episode.id] = episode
+        self.environments.ask(episode)
 
-    def _take_answers(self) -> None:
+    def _take_answers(self, wait_s: float) -> None:
         """Append the observations that came in; end the episodes whose environment is done, failed, or too late."""
-        now, waiting = time.monotonic(), []
-        for episode in self.stepping:
-            if not episode.step.done():
-                if now < episode.deadline:
-                    waiting.append(episode)
-                    continue
-                log.warning(
-                    "episode %s#%d: the environment did not answer in %.0f s; the episode ends truncated",
-                    episode.group,
-                    episode.index,
-                    self.config.turn_timeout_s,
-                )
-                episode.step.cancel()
-                episode.reward += self.config.timeout_reward
-                self._end(episode, finished=False, close=False)
-                continue
-            try:
-                answer: Step = episode.step.result()
-            except Exception as exc:  # an environment that fails ends its episode, never the generator
-                log.warning("episode %s#%d: the environment failed: %r", episode.group, episode.index, exc)
+        for episode, answer in self.environments.answers(self.waiting, wait_s):
+            self.waiting.pop(episode.id, None)
+            if isinstance(answer, Exception):  # an environment that fails ends its episode, never the generator
+                log.warning("episode %s: the environment failed: %s", episode.id, answer)
                 self._end(episode, finished=False)
                 continue
             episode.reward += float(answer.reward)
-            observation = (
-                self.tokenizer(answer.observation, add_special_tokens=False).input_ids if answer.observation else []
-            )
+            episode.heard.append(answer.observation)
+            observation = self.tokenizer(answer.observation, add_special_tokens=False).input_ids
             episode.tokens += observation
             episode.models += [False] * len(observation)
             episode.logprobs += [0.0] * len(observation)
@@ -202,16 +305,23 @@ class EpisodeSampler:
                 self._end(episode, finished=True)
             else:
                 self._next_turn(episode)
-        self.stepping = waiting
+        now = time.monotonic()
+        for episode in [episode for episode in self.waiting.values() if episode.deadline <= now]:
+            log.warning(
+                "episode %s: no answer from the environment in %.1f s; it ends truncated",
+                episode.id,
+                self.config.turn_timeout_s,
+            )
+            del self.waiting[episode.id]
+            episode.reward += self.config.timeout_reward
+            self._end(episode, finished=False)
 
-    def _end(self, episode: _Episode, finished: bool, close: bool = True) -> None:
-        episode.ended, episode.finished, episode.step = True, finished, None
-        if close:
-            episode.environment.close()
+    def _end(self, episode: _Episode, finished: bool) -> None:
+        episode.ended, episode.finished = True, finished
+        self.environments.close_episode(episode)
 
-    def _samples(self, group: _Group) -> Samples:
+    def _samples(self, episodes: list[_Episode]) -> Samples:
         """The group's episodes as one group of responses; an episode past its token budget is cut to it."""
-        episodes = group.episodes
         for episode in episodes:
             for name in ("tokens", "models", "logprobs", "versions"):
                 setattr(episode, name, getattr(episode, name)[: self.max_tokens])

@@ -38,7 +38,7 @@ from common.schema import (
 from common.weights import WeightIntegrityError
 from services.generator.episodes import EpisodeSampler
 from services.generator.samplers import make_sampler
-from services.service import Collected, InputError, Service, check_token_ids, load_announced_weights
+from services.service import Channel, Collected, InputError, Service, check_token_ids, load_announced_weights
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,13 @@ class GeneratorService(Service):
     def under_way(self) -> bool:
         return self._source.in_flight() > 0 or any(stream.finished for stream in self.batches.values())
 
+    def channel_topics(self) -> tuple[str, str] | None:
+        env = self.config.environment
+        return ("turns", "observations") if env is not None and env.placement == "bus" else None
+
+    def connect(self, channel: Channel) -> None:
+        self.episodes.connect(channel, self.replica_id)
+
     @property
     def _source(self):
         """What samples the groups: the episodes, or the sampler itself."""
@@ -213,7 +220,7 @@ class GeneratorService(Service):
             prompt = message.prompt_tokens[row, : int(message.prompt_lengths[row])].tolist()
             params = self._params(self._group_seed(message.step, row))
             if self.episodes is not None:
-                self.episodes.submit(key, prompt, params, message.prompt_text[row], message.prompt_label[row])
+                self.episodes.submit(key, prompt, params, message, row)
             else:
                 self.sampler.submit(key, prompt, params)
 
@@ -260,15 +267,11 @@ class GeneratorService(Service):
     def _rollouts(self, message: PromptBatch, prompts: np.ndarray, seed: int) -> RolloutBatch:
         """The groups of ``prompts`` (rows of the prompt batch), sampled together by the weights loaded now."""
         params = self._params(seed)
-        tokens, lengths = (
-            torch.from_numpy(message.prompt_tokens[prompts]),
-            torch.from_numpy(message.prompt_lengths[prompts]),
-        )
         if self.episodes is not None:
-            texts, labels = [message.prompt_text[i] for i in prompts], [message.prompt_label[i] for i in prompts]
-            samples = self.episodes.sample(tokens, lengths, params, texts, labels)
+            samples = self.episodes.sample(message, prompts, params)
         else:
-            samples = self.sampler.sample(tokens, lengths, params)
+            tokens, lengths = message.prompt_tokens[prompts], message.prompt_lengths[prompts]
+            samples = self.sampler.sample(torch.from_numpy(tokens), torch.from_numpy(lengths), params)
         lineage = self._lineage(message, params)
         return self._rollout_batch(message, prompts, samples, message.batch_id, self.policy_version, lineage)
 
