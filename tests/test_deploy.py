@@ -73,6 +73,7 @@ def test_every_rendered_manifest_validates_against_the_kubernetes_schemas(values
         "Deployment",
         "Deployment",
         "Deployment",
+        "Deployment",  # environments (0 replicas unless a run has them)
         "Job",
         "Service",
         "Service",
@@ -177,13 +178,14 @@ def test_the_compose_file_is_valid_and_runs_every_service():
         assert services[role]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
         assert any(v["target"] == "/shared" for v in services[role]["volumes"]), "the shared weight store"
     scrape = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())["scrape_configs"][0]["dns_sd_configs"][0]
-    assert set(scrape["names"]) == {"generator", "scorer", "advantage", "learner"} and scrape["port"] == 9100
+    assert set(scrape["names"]) == {"generator", "scorer", "advantage", "learner", "environment"}
+    assert scrape["port"] == 9100
     assert load_config(COMPOSE / "run.yaml").kafka.bootstrap == "kafka:9092"
 
 
 def test_the_gpu_override_reserves_a_gpu_for_each_model_service():
     services = compose("docker-compose.yml", "docker-compose.gpu.yml")["services"]
-    for role in (name for name, role in ROLES.items() if role.input_topic is not None):
+    for role in (name for name, role in ROLES.items() if role.input_topic is not None and not role.requirement):
         (device,) = services[role]["deploy"]["resources"]["reservations"]["devices"]
         assert device["capabilities"] == ["gpu"] and services[role]["build"]["target"] == "gpu"
     assert "deploy" not in services["kafka"]
@@ -297,6 +299,6 @@ def test_the_compose_files_run_every_role_of_the_role_table_once():
     roles = [_role_of(service.get("command")) for service in services.values()]
     assert sorted(r for r in roles if r) == sorted(ROLES)
     gpu = yaml.safe_load((COMPOSE / "docker-compose.gpu.yml").read_text())["services"]
-    # Every role that consumes input runs a model; the feeder only reads a file.
-    model_roles = {name for name, role in ROLES.items() if role.input_topic is not None}
+    # Every role of every run that consumes input runs a model; the feeder only reads a file, environments none.
+    model_roles = {name for name, role in ROLES.items() if role.input_topic is not None and not role.requirement}
     assert {_role_of(services[name]["command"]) for name in gpu} == model_roles

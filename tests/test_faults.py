@@ -161,10 +161,12 @@ def test_sigterm_and_restart_of_every_service_loses_nothing(cluster, make_config
         assert letters, f"the garbage sent to {topic} is not in {topic}.dlq"
 
 
-def test_an_environment_replica_killed_mid_run_loses_no_episode(cluster, make_config):
+def test_environment_replicas_and_a_generator_killed_mid_episode_lose_no_episode(cluster, make_config):
     """Multi-turn episodes over the broker with two environment replicas; one is killed (kill -9) once it has
     answered turns. Its unanswered turns go to the other, which makes their episodes' environments again from the
-    turns they carry; every episode is trained once, and none waits out its turn timeout."""
+    turns they carry; none waits out its turn timeout. Then the generator is killed with episodes in flight and
+    started again: its prompt batches come again and their episodes start again from the prompt, the answers meant
+    for the dead process ignored. Every episode is trained once."""
     steps = 6
     c = cluster(
         steps,
@@ -191,6 +193,9 @@ def test_an_environment_replica_killed_mid_run_loses_no_episode(cluster, make_co
         replies += [decode(record.value) for record in reader.poll(0.5, 1000)]
     c.stop("environment-0", signal.SIGKILL)
     killed_at = time.time()
+    c.wait_for_steps(2)
+    c.stop("generator", signal.SIGKILL)  # with episodes in flight: the feeder published every batch at once
+    c.start("generator", "generator")
     c.wait_for_steps(steps)
     assert c.processes["learner"].wait(timeout=300) == 0
     assert_each_batch_once(c, steps)
@@ -199,6 +204,8 @@ def test_an_environment_replica_killed_mid_run_loses_no_episode(cluster, make_co
     assert any(r.producer == "environment-1" and r.created_at > killed_at for r in replies), "no answer after the kill"
     generator_log = (c.tmp_path / "generator.log").read_text()
     assert "no answer from the environment" not in generator_log, "an episode waited out its timeout"
+    # Turns of the killed generator's episodes were asked by two processes: each answer went to its own.
+    assert len({r.reply_to for r in replies}) == 2
     episodes = {(r.episode, r.turn) for r in replies}
     assert {r.episode for r in replies if r.turn > 0}, "no episode had a second turn: the test shows nothing"
     assert episodes, "no turn was answered"
