@@ -149,3 +149,12 @@ def test_the_tool_environment_runs_calls_and_ends_on_an_answer():
 def test_an_unknown_tool_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown \\['shell'\\]; built-in tools are \\['calculator', 'python'\\]"):
         ToolEnvironment(EnvironmentSection(tools=["shell"]))
+
+
+def test_a_call_the_prompt_opens_is_closed_by_the_models_first_turn():
+    env = ToolEnvironment(EnvironmentSection(tools=["calculator"]))
+    env.reset("Calculate 6 * 7.<|im_end|>\n<|im_start|>assistant\n<calculator>", "42")
+    assert env.step("6 * 7</calculator>").observation == "\n<result>\n42\n</result>\n"
+    # A later call starts after the result: nothing before it is read as its expression.
+    step = env.step("so the answer is 42. Check: 40 + 2</calculator>")
+    assert step.info["status"] == "malformed"

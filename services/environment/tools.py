@@ -150,17 +150,22 @@ class ToolEnvironment(Environment):
 
     def reset(self, prompt: str, label: str) -> None:
         self.calls = 0
+        # What the model has read and written since its last result: a prompt may end inside a call (its opening
+        # tag written for the model), which the model's first turn closes.
+        self.since_result = prompt
 
     def step(self, turn: str) -> Step:
+        self.since_result += turn
         stripped = turn.rstrip()
         name = next((name for name in self.tools if stripped.endswith(f"</{name}>")), None)
         if name is None:
             return Step(done=True, info={"calls": self.calls})
         self.calls += 1
-        body = stripped[: -len(f"</{name}>")]
+        body = self.since_result.rstrip()[: -len(f"</{name}>")]
         start = body.rfind(f"<{name}>")
         if start < 0:
             output, status = f"error: </{name}> without <{name}> before it", "malformed"
         else:
             output, status = self.tools[name](body[start + len(name) + 2 :])
+        self.since_result = ""
         return Step(observation=f"\n<result>\n{output}\n</result>\n", info={"tool": name, "status": status})
