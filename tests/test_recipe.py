@@ -203,3 +203,32 @@ def test_the_arithmetic_runs_have_the_same_budget(tmp_path):
     }.items():
         for key in keys:
             assert getattr(getattr(ppo, section), key) == getattr(getattr(grpo, section), key), f"{section}.{key}"
+
+
+TOOLS = REPO / "examples" / "tools"
+
+
+def test_tools_problems_are_labelled_by_their_expression_and_held_out(tmp_path):
+    import re
+
+    from common.config import load_config
+    from common.data import load_prompts
+    from services.environment.tools import calculate
+
+    command = [sys.executable, TOOLS / "problems.py", "--out", tmp_path, "--train", "300", "--heldout", "50"]
+    subprocess.run(command, check=True, capture_output=True)
+    train, heldout, plain = (load_prompts(tmp_path / f"{name}.jsonl") for name in ("train", "heldout", "heldout-plain"))
+    assert (len(train), len(heldout), len(plain)) == (300, 50, 50)
+
+    def expression(text):
+        return re.findall(r"Calculate (.*?)\.", text)[-1]  # the last question: the example in the prompt comes first
+
+    for dataset in (train, heldout, plain):
+        assert [calculate(expression(t)) for t in dataset.texts] == dataset.labels
+    assert not {expression(t) for t in heldout.texts} & {expression(t) for t in train.texts}
+    assert plain.labels == heldout.labels and all(t.startswith("Calculate") for t in plain.texts)
+    assert all(
+        t.endswith("<|im_start|>assistant\n") and "<calculator>12 * 34 + 5</calculator>" in t for t in train.texts
+    )
+    config = load_config(TOOLS / "grpo.yaml", [f"data.prompts={tmp_path / 'train.jsonl'}"])
+    assert config.environment.tools == ["calculator"] and not config.data.chat_template
