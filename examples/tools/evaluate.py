@@ -80,6 +80,9 @@ def main() -> None:
         "correct": int(sum(right)),
         "problems": rows,
         "tool_calls": sum(called) / rows,
+        # What a turn cost here, all episodes in flight at once: the model's turns, and the environment's answers.
+        "model_turn_ms_median": round(1000 * float(np.median(episodes.model_seconds)), 1),
+        "environment_turn_ms_median": round(1000 * float(np.median(episodes.environment_seconds or [0.0])), 1),
     }
     line = json.dumps(summary)
     if args.summary:

@@ -156,12 +156,13 @@ class ToolEnvironment(Environment):
 
     def step(self, turn: str) -> Step:
         self.since_result += turn
-        stripped = turn.rstrip()
-        name = next((name for name in self.tools if stripped.endswith(f"</{name}>")), None)
-        if name is None:
+        # The call the turn stopped at: its last closing tag (the sampler's last token may run a little past it).
+        closing = {name: turn.rfind(f"</{name}>") for name in self.tools}
+        name = max(closing, key=closing.get)
+        if closing[name] < 0:
             return Step(done=True, info={"calls": self.calls})
         self.calls += 1
-        body = self.since_result.rstrip()[: -len(f"</{name}>")]
+        body = self.since_result[: self.since_result.rfind(f"</{name}>")]
         start = body.rfind(f"<{name}>")
         if start < 0:
             output, status = f"error: </{name}> without <{name}> before it", "malformed"

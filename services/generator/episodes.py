@@ -60,6 +60,8 @@ class _Episode:
     reward: float = 0.0
     ended: bool = False
     finished: bool = False  # ended because the environment said done
+    budget: int = 0  # tokens its last model turn could take
+    asked: float = 0.0  # when its last turn went to the model, then to the environment (time.monotonic())
     deadline: float = 0.0  # while the environment works on its last turn
 
     @property
@@ -192,6 +194,9 @@ class EpisodeSampler:
         self.groups: dict[str, list[_Episode]] = {}
         self.turns: dict[str, _Episode] = {}  # the sampler's request key -> the episode whose turn it samples
         self.waiting: dict[str, _Episode] = {}  # by id: the episodes whose environment works on their last turn
+        # Seconds from asking to having each model turn, and each environment answer (for benchmarks and logs).
+        self.model_seconds: list[float] = []
+        self.environment_seconds: list[float] = []
 
     def connect(self, channel: Channel, replica_id: str) -> None:
         """Talk to the environment replicas over ``channel`` (placement bus)."""
@@ -266,10 +271,12 @@ class EpisodeSampler:
         )
         request = f"{episode.id}.{episode.turns}"
         self.turns[request] = episode
+        episode.asked, episode.budget = time.monotonic(), budget
         self.sampler.submit(request, episode.prompt + episode.tokens, params)
 
     def _take_turn(self, episode: _Episode, samples: Samples) -> None:
         """The model's turn is in: append it, then ask the environment to answer it (or end the episode)."""
+        self.model_seconds.append(time.monotonic() - episode.asked)
         length = int(samples.response_lengths[0])
         tokens = samples.response_tokens[0, :length].tolist()
         versions = samples.token_versions[0, :length].tolist() if samples.token_versions is not None else None
@@ -279,10 +286,13 @@ class EpisodeSampler:
         episode.versions += versions if versions is not None else [self.version()] * length
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         episode.said.append(text)
-        if not (bool(samples.finished[0]) or text.rstrip().endswith(self.stop)):
-            self._end(episode, finished=False)  # the turn ran out of tokens: no complete call, no answer
+        # A turn ends at EOS, at a stop string (its last token may run past it), or at its token budget: only the
+        # last leaves no complete call and no answer.
+        if not samples.finished[0] and length >= episode.budget:
+            self._end(episode, finished=False)
             return
-        episode.deadline = time.monotonic() + self.config.turn_timeout_s
+        episode.asked = time.monotonic()
+        episode.deadline = episode.asked + self.config.turn_timeout_s
         self.waiting[episode.id] = episode
         self.environments.ask(episode)
 
@@ -290,6 +300,7 @@ class EpisodeSampler:
         """Append the observations that came in; end the episodes whose environment is done, failed, or too late."""
         for episode, answer in self.environments.answers(self.waiting, wait_s):
             self.waiting.pop(episode.id, None)
+            self.environment_seconds.append(time.monotonic() - episode.asked)
             if isinstance(answer, Exception):  # an environment that fails ends its episode, never the generator
                 log.warning("episode %s: the environment failed: %s", episode.id, answer)
                 self._end(episode, finished=False)
