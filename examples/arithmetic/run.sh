@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The arithmetic recipe, end to end on CPU: problems (train + held-out) -> held-out accuracy of the base model ->
-# PPO with a critic, GRPO without one, and GRPO with dynamic sampling, the same number of updates, each through the
+# PPO with a critic, the base model distilled from PPO's actor, GRPO without a critic, and GRPO with dynamic sampling,
+# the same number of updates, each through the
 # pipeline in one process -> held-out accuracy of each trained actor -> reward curves side by side.
 # Usage: examples/arithmetic/run.sh [RUN_DIR] [--set key=value ...]   (needs `pip install -e ".[recipe]"`; vLLM
 # is used for sampling and the evaluation when installed)
@@ -26,6 +27,8 @@ train() {  # NAME CONFIG [--set ...]: one run, its wall time and its held-out ac
   evaluate "$RUN/$name/final/actor" "$name"
 }
 train ppo ppo "$@"
+# The base model distilled from PPO's actor on its own samples (no task reward): the same number of updates.
+train distill distill --set "model.reference=$RUN/ppo/final/actor" "$@"
 train grpo grpo "$@"
 # GRPO whose updates take only groups with signal (DAPO's dynamic sampling): same number of updates.
 train grpo-dynamic grpo --set algorithm.dynamic_sampling=true "$@"
