@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from services.service import Channel
 log = logging.getLogger(__name__)
 
 __all__ = ["BusEnvironments", "EpisodeSampler", "LocalEnvironments"]
+
+TIMINGS_KEPT = 10_000  # turn timings kept for benchmarks (the latest)
 
 
 @dataclass
@@ -194,9 +197,9 @@ class EpisodeSampler:
         self.groups: dict[str, list[_Episode]] = {}
         self.turns: dict[str, _Episode] = {}  # the sampler's request key -> the episode whose turn it samples
         self.waiting: dict[str, _Episode] = {}  # by id: the episodes whose environment works on their last turn
-        # Seconds from asking to having each model turn, and each environment answer (for benchmarks and logs).
-        self.model_seconds: list[float] = []
-        self.environment_seconds: list[float] = []
+        # Seconds from asking to having each model turn, and each environment answer: the latest (for benchmarks).
+        self.model_seconds: deque[float] = deque(maxlen=TIMINGS_KEPT)
+        self.environment_seconds: deque[float] = deque(maxlen=TIMINGS_KEPT)
 
     def connect(self, channel: Channel, replica_id: str) -> None:
         """Talk to the environment replicas over ``channel`` (placement bus)."""
