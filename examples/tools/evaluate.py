@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.config import load_config  # noqa: E402
 from common.data import load_prompts, tokenize_prompts  # noqa: E402
 from common.models import load_tokenizer, resolve_model  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
+from common.sampling import Samples, SamplingParams  # noqa: E402
 from common.schema import PromptBatch, new_header  # noqa: E402
 from recipes.rewards import final_number_matches  # noqa: E402
 from services.generator.episodes import EpisodeSampler  # noqa: E402
@@ -38,6 +38,9 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=HERE / "grpo.yaml")
     parser.add_argument("--out", type=Path, help="write each problem, label, episode and verdict here (JSONL)")
     parser.add_argument("--summary", type=Path, help="write the accuracy line here too (vLLM logs to stdout)")
+    parser.add_argument(
+        "--one-at-a-time", action="store_true", help="one episode in flight (a turn's latency alone), not all at once"
+    )
     args = parser.parse_args()
     config = load_config(
         args.config,
@@ -61,7 +64,10 @@ def main() -> None:
     )
     episodes = EpisodeSampler(make_sampler(config, path, tokenizer), tokenizer, config, lambda: 0)
     greedy = SamplingParams(n=1, max_new_tokens=config.generation.max_new_tokens, temperature=0.0)
-    samples = episodes.sample(message, np.arange(rows), greedy)
+    if args.one_at_a_time:
+        samples = Samples.concat([episodes.sample(message, np.array([row]), greedy) for row in range(rows)])
+    else:
+        samples = episodes.sample(message, np.arange(rows), greedy)
     episodes.close()
     texts = [
         tokenizer.decode(samples.response_tokens[i, : int(samples.response_lengths[i])], skip_special_tokens=True)
