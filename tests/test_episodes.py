@@ -417,3 +417,30 @@ def test_an_embedded_run_with_the_environment_as_a_role_on_the_bus(make_config):
     answered = {turn.episode for turn in turns}
     rewards = {f"{e.step}/{int(e.group_index[i])}": e.environment_reward[i] for e in experience for i in range(e.rows)}
     assert rewards and max(rewards.values()) > 0 and len(answered) >= 1
+
+
+def test_a_turn_timeout_counts_only_the_time_the_generator_waits(make_config):
+    """The embedded run gives each service its turn in order, and a process may be busy loading weights: the time a
+    generator spends away from its episodes moves their deadlines, so an environment is not timed out for it."""
+    from common.models import load_tokenizer, resolve_model
+    from common.sampling import SamplingParams
+    from services.generator.episodes import AWAY_S, EpisodeSampler
+    from services.generator.samplers import make_sampler
+
+    config = episode_config(make_config, "Silent", "environment.turn_timeout_s=30")
+    path = resolve_model(config.model.actor, config.model.cache_dir)
+    tokenizer = load_tokenizer(path)
+    episodes = EpisodeSampler(make_sampler(config, path, tokenizer), tokenizer, config, lambda: 0)
+    message = FeederService(config).batch(0)
+    for row in range(message.rows):
+        prompt = message.prompt_tokens[row, : int(message.prompt_lengths[row])].tolist()
+        episodes.submit(f"g{row}", prompt, SamplingParams(n=2, max_new_tokens=12, seed=row), message, row)
+    while episodes.sampler.in_flight():
+        episodes.step(0.05)
+    assert episodes.waiting, "no turn stopped at the environment's stop string: the test shows nothing"
+    before = {id_: episode.deadline for id_, episode in episodes.waiting.items()}
+    time.sleep(AWAY_S + 0.5)  # away: another service's turn
+    episodes.step(0.0)
+    for id_, episode in episodes.waiting.items():
+        assert episode.deadline - before[id_] >= AWAY_S + 0.5
+    episodes.close()

@@ -13,9 +13,9 @@ environments answer others.
 
 An episode ends when the environment says it is done (``finished``), or truncated: at ``environment.max_turns``, at
 the episode's token budget (``RunConfig.max_response_tokens``), when a turn ends neither at EOS nor at a stop string
-(its token limit), when the environment fails, or when it does not answer within ``environment.turn_timeout_s``
-(its reward then ``environment.timeout_reward``). A group goes on once all of its episodes have ended, as
-:class:`common.sampling.Samples` with the model's mask, its turns and its environment reward.
+(its token limit), when the environment fails, or when it does not answer within ``environment.turn_timeout_s`` of
+the generator waiting (its reward then ``environment.timeout_reward``). A group goes on once all of its episodes have
+ended, as :class:`common.sampling.Samples` with the model's mask, its turns and its environment reward.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 __all__ = ["BusEnvironments", "EpisodeSampler", "LocalEnvironments"]
 
 TIMINGS_KEPT = 10_000  # turn timings kept for benchmarks (the latest)
+AWAY_S = 1.0  # a gap between two steps longer than this is time the generator was not waiting for answers
 
 
 @dataclass
@@ -198,6 +199,7 @@ class EpisodeSampler:
         self.turns: dict[str, _Episode] = {}  # the sampler's request key -> the episode whose turn it samples
         self.waiting: dict[str, _Episode] = {}  # by id: the episodes whose environment works on their last turn
         # Seconds from asking to having each model turn, and each environment answer: the latest (for benchmarks).
+        self.last_step = time.monotonic()  # when step() last returned (see _pause_deadlines)
         self.model_seconds: deque[float] = deque(maxlen=TIMINGS_KEPT)
         self.environment_seconds: deque[float] = deque(maxlen=TIMINGS_KEPT)
 
@@ -223,6 +225,7 @@ class EpisodeSampler:
     def step(self, seconds: float) -> list[tuple[str, Samples]]:
         """Let the sampler run for about ``seconds`` and the environments answer; the groups whose episodes all
         ended meanwhile."""
+        self._pause_deadlines()
         self._take_answers(0.0)
         if self.sampler.in_flight():
             for request, samples in self.sampler.step(seconds):
@@ -231,6 +234,7 @@ class EpisodeSampler:
             first = min(episode.deadline for episode in self.waiting.values())
             self._take_answers(max(0.0, min(seconds, first - time.monotonic())))
         self._take_answers(0.0)
+        self.last_step = time.monotonic()
         ended = [key for key, episodes in self.groups.items() if all(episode.ended for episode in episodes)]
         return [(key, self._samples(self.groups.pop(key))) for key in ended]
 
@@ -256,6 +260,16 @@ class EpisodeSampler:
             self.environments.close()
 
     # ------------------------------------------------------------------ the episode's steps
+
+    def _pause_deadlines(self) -> None:
+        """Move the environments' deadlines by the time this generator was away between two steps (longer than
+        AWAY_S): a turn timeout counts the time the generator waits for an answer, not the time it spent elsewhere
+        (loading weights; in the embedded run, the other services' turns, the environment's among them)."""
+        now = time.monotonic()
+        away = now - self.last_step
+        if away > AWAY_S:
+            for episode in self.waiting.values():
+                episode.deadline += away
 
     def _next_turn(self, episode: _Episode) -> None:
         """Ask the model for the episode's next turn, within what is left of its budget."""
