@@ -304,8 +304,9 @@ class EpisodeSampler:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         episode.said.append(text)
         # A turn ends at EOS, at a stop string (its last token may run past it), or at its token budget: only the
-        # last leaves no complete call and no answer.
-        if not samples.finished[0] and length >= episode.budget:
+        # last leaves no complete call and no answer (unless the stop string came with the budget's last token).
+        called = any(stop in text[-len(stop) - 8 :] for stop in self.stop)
+        if not samples.finished[0] and length >= episode.budget and not called:
             self._end(episode, finished=False)
             return
         episode.asked = time.monotonic()
