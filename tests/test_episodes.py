@@ -386,6 +386,9 @@ def test_an_embedded_run_trains_on_episodes(make_config):
     assert [line["step"] for line in lines] == [1, 2, 3]
     # The learner's response length counts the model's tokens: below the real tokens once an episode had a turn.
     assert all(0 < line["response_length"] <= config.max_response_tokens for line in lines)
+    # Episode statistics: turns after an answered turn, and the Counter's 0.5 per answer.
+    assert all(1 <= line["turns_mean"] <= 3 for line in lines) and any(line["turns_mean"] > 1 for line in lines)
+    assert any(line["environment_reward_mean"] > 0 for line in lines)
 
 
 def test_an_embedded_run_with_the_environment_as_a_role_on_the_bus(make_config):

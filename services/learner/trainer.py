@@ -65,6 +65,8 @@ class Experience:
     # (N, T) bool, the tokens the model sampled (what trains); None: every real token. An episode's environment
     # tokens are in the forward passes as context and nowhere else.
     response_mask: torch.Tensor | None = None
+    turns: torch.Tensor | None = None  # (N,) the model's turns in each response; None: 1 each
+    environment_reward: torch.Tensor | None = None  # (N,) what each episode's environment returned; None: 0
 
     @classmethod
     def from_message(cls, msg: ExperienceBatch) -> Experience:
@@ -85,6 +87,8 @@ class Experience:
             t(msg.ref_logprobs),
             t(msg.token_versions.astype("int64")),
             t(msg.response_mask),
+            t(msg.turns),
+            t(msg.environment_reward),
         )
 
     def to(self, device) -> Experience:
@@ -427,6 +431,11 @@ class PPOTrainer:
             "advantage_mean": float(ppo.masked_mean(exp.advantages, mask)),
             "response_length": float(mask.sum(dim=1).mean()) if n else 0.0,  # the model's tokens
             "finished_frac": float(exp.finished.float().mean()),
+            # Episodes (1 turn and 0 for single answers): the model's turns, and the environment's reward.
+            "turns_mean": float(exp.turns.float().mean()) if exp.turns is not None and n else 1.0,
+            "environment_reward_mean": (
+                float(exp.environment_reward.mean()) if exp.environment_reward is not None and n else 0.0
+            ),
             "logprob_mismatch": float(ppo.masked_mean(gap, mask)),
             "logprob_mismatch_max": float((gap * mask).max()) if n else 0.0,
             **batch.correction,
