@@ -251,6 +251,23 @@ class PromptBatch(BatchMessage):
         return len(self.prompt_lengths)
 
 
+def _chain(*upgrades):
+    """One upgrade that applies ``upgrades`` in order (each from one version's raw map to the next's)."""
+
+    def upgrade(raw: dict) -> dict:
+        for step in upgrades:
+            raw = step(raw)
+        return raw
+
+    return upgrade
+
+
+def _raw_array(values: np.ndarray, dtype: str) -> dict:
+    """``values`` as the wire carries an array (what an upgrade adds to a raw map)."""
+    data = np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<"))
+    return {"dtype": dtype, "shape": list(data.shape), "data": data.tobytes()}
+
+
 def _real_tokens(lengths: np.ndarray, width: int) -> np.ndarray:
     """``(N, width)`` True at the first ``lengths[i]`` positions of each row: the response mask."""
     return np.arange(width) < np.asarray(lengths)[:, None]
@@ -262,10 +279,10 @@ def _one_version_per_token(raw: dict) -> dict:
     try:
         shape = [int(d) for d in tokens["shape"]]
         real = _real_tokens(np.frombuffer(lengths["data"], "<i8"), shape[1])
-        versions = np.where(real, np.int32(version), np.int32(0)).astype("<i4")
+        versions = np.where(real, np.int32(version), np.int32(0))
     except Exception:  # not arrays as the wire has them: validation names what is wrong
         return raw
-    return raw | {"token_versions": {"dtype": "int32", "shape": shape, "data": versions.tobytes()}}
+    return raw | {"token_versions": _raw_array(versions, "int32")}
 
 
 def _every_token_the_models(raw: dict) -> dict:
@@ -278,26 +295,10 @@ def _every_token_the_models(raw: dict) -> dict:
     except Exception:  # not arrays as the wire has them: validation names what is wrong
         return raw
     return raw | {
-        "response_mask": {"dtype": "bool", "shape": shape, "data": real.tobytes()},
-        "turns": {"dtype": "int64", "shape": [len(count)], "data": np.ones(len(count), "<i8").tobytes()},
-        "environment_reward": {
-            "dtype": "float32",
-            "shape": [len(count)],
-            "data": np.zeros(len(count), "<f4").tobytes(),
-        },
+        "response_mask": _raw_array(real, "bool"),
+        "turns": _raw_array(np.ones(len(count)), "int64"),
+        "environment_reward": _raw_array(np.zeros(len(count)), "float32"),
     }
-
-
-def _rollouts_v3_to_v4(raw: dict) -> dict:
-    return _every_token_the_models(raw)
-
-
-def _rollouts_v2_to_v4(raw: dict) -> dict:
-    return _every_token_the_models(_one_version_per_token(raw))
-
-
-def _rollouts_v1_to_v4(raw: dict) -> dict:
-    return _rollouts_v2_to_v4(_unlabelled_v1_to_v2(raw))
 
 
 @dataclass
@@ -310,7 +311,11 @@ class RolloutBatch(BatchMessage):
     # Version 2 added prompt_label, version 3 token_versions, version 4 response_mask and turns (episodes), here
     # and so in every schema that extends this one.
     VERSION: ClassVar[int] = 4
-    UPGRADES: ClassVar[dict] = {1: _rollouts_v1_to_v4, 2: _rollouts_v2_to_v4, 3: _rollouts_v3_to_v4}
+    UPGRADES: ClassVar[dict] = {
+        1: _chain(_unlabelled_v1_to_v2, _one_version_per_token, _every_token_the_models),
+        2: _chain(_one_version_per_token, _every_token_the_models),
+        3: _every_token_the_models,
+    }
 
     group_index: np.ndarray = array("int64", "N", doc="Row of the prompt batch each response was sampled for.")
     prompt_text: list = _wire(StringList("N", "Prompt of each response, as text."))
@@ -446,22 +451,6 @@ def _experience_v2_to_v3(raw: dict) -> dict:
     return raw | {"no_signal_groups": {"dtype": "int64", "shape": [0], "data": b""}}
 
 
-def _experience_v4_to_v5(raw: dict) -> dict:
-    return _every_token_the_models(raw)
-
-
-def _experience_v3_to_v5(raw: dict) -> dict:
-    return _experience_v4_to_v5(_one_version_per_token(raw))
-
-
-def _experience_v2_to_v5(raw: dict) -> dict:
-    return _experience_v3_to_v5(_experience_v2_to_v3(raw))
-
-
-def _experience_v1_to_v5(raw: dict) -> dict:
-    return _experience_v2_to_v5(_unlabelled_v1_to_v2(raw))
-
-
 @dataclass
 class ExperienceBatch(ScoredBatch):
     SCHEMA: ClassVar[str] = "experience"
@@ -470,10 +459,10 @@ class ExperienceBatch(ScoredBatch):
     # version 5 response_mask and turns (the rollouts' version 4).
     VERSION: ClassVar[int] = 5
     UPGRADES: ClassVar[dict] = {
-        1: _experience_v1_to_v5,
-        2: _experience_v2_to_v5,
-        3: _experience_v3_to_v5,
-        4: _experience_v4_to_v5,
+        1: _chain(_unlabelled_v1_to_v2, _experience_v2_to_v3, _one_version_per_token, _every_token_the_models),
+        2: _chain(_experience_v2_to_v3, _one_version_per_token, _every_token_the_models),
+        3: _chain(_one_version_per_token, _every_token_the_models),
+        4: _every_token_the_models,
     }
 
     values: np.ndarray = array(

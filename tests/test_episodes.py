@@ -91,6 +91,17 @@ def left_aligned(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.cat([row[k], row.new_zeros(int((~k).sum()))]) for row, k in zip(x, keep)])
 
 
+def packed(message, pad_token_id: int):
+    """``message``'s prompts and whole responses (the environment's tokens included) as one batch of sequences."""
+    return pack(
+        torch.from_numpy(message.prompt_tokens),
+        torch.from_numpy(message.prompt_lengths),
+        torch.from_numpy(message.response_tokens),
+        torch.from_numpy(message.response_lengths),
+        pad_token_id,
+    )
+
+
 def as_episode(message, at: int, observation: list[int]):
     """``message`` (rollouts or scored) with ``observation`` spliced into every response after its first ``at``
     tokens: an environment's answer between two model turns. Arrays of the environment's positions are 0."""
@@ -134,15 +145,10 @@ def test_the_scorer_gives_reference_log_probs_of_the_model_tokens_in_their_conte
     config, episode, scored = scored_episode
     scorer = ScorerService(config)
     tokens = torch.from_numpy(episode.response_tokens)
-    packed = pack(
-        torch.from_numpy(episode.prompt_tokens),
-        torch.from_numpy(episode.prompt_lengths),
-        tokens,
-        torch.from_numpy(episode.response_lengths),
-        scorer.pad_token_id,
-    )
     with torch.no_grad():
-        whole, _ = response_logprobs(scorer.reference, packed, tokens, config.generation.temperature)
+        whole, _ = response_logprobs(
+            scorer.reference, packed(episode, scorer.pad_token_id), tokens, config.generation.temperature
+        )
     mask = episode.response_mask
     assert (scored.ref_logprobs[~mask] == 0).all(), "no reference log-prob for the environment's tokens"
     np.testing.assert_allclose(scored.ref_logprobs[mask], whole.numpy()[mask], atol=1e-5)
@@ -157,16 +163,8 @@ def test_the_advantage_stage_sees_the_environments_tokens_as_context_only(scored
     for name in ("values", "kl", "token_rewards", "advantages", "returns"):
         assert (getattr(experience, name)[~mask] == 0).all(), name
     # The critic read the environment's tokens: its value after them is that of the whole sequence.
-    tokens = torch.from_numpy(experience.response_tokens)
-    packed = pack(
-        torch.from_numpy(experience.prompt_tokens),
-        torch.from_numpy(experience.prompt_lengths),
-        tokens,
-        torch.from_numpy(experience.response_lengths),
-        service.pad_token_id,
-    )
     with torch.no_grad():
-        values = response_values(service.critic, packed)
+        values = response_values(service.critic, packed(experience, service.pad_token_id))
     np.testing.assert_allclose(experience.values[mask], values.numpy()[:, : mask.shape[1]][mask], atol=1e-5)
     # Nonsense at the environment's positions of the scored record changes nothing.
     noisy = copy.deepcopy(scored)
@@ -329,17 +327,10 @@ def test_an_episode_is_the_models_tokens_and_the_environments_appended_as_tokens
             with_turns += turns > 1
         # Token in, token out: one forward pass over the prompt and every token gives the model's tokens the
         # log-probs the sampler gave them turn by turn (the observations were context, nothing re-tokenised).
-        packed = pack(
-            torch.from_numpy(rollouts.prompt_tokens),
-            torch.from_numpy(rollouts.prompt_lengths),
-            torch.from_numpy(rollouts.response_tokens),
-            torch.from_numpy(rollouts.response_lengths),
-            tokenizer.pad_token_id,
-        )
         with torch.no_grad():
             logp, _ = response_logprobs(
                 generator.sampler.model,
-                packed,
+                packed(rollouts, tokenizer.pad_token_id),
                 torch.from_numpy(rollouts.response_tokens),
                 config.generation.temperature,
             )

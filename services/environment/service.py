@@ -40,7 +40,6 @@ class EnvironmentService(Service):
             raise ValueError("the environment role needs an environment section (environment.name, ...)")
         self.environment_class = load_environment(config.environment)
         self.held: OrderedDict[tuple[str, str], _Held] = OrderedDict()
-        self.replayed = 0  # turns stepped again to rebuild an episode this replica did not hold
 
     def process(self, message: EpisodeTurn) -> list[EnvironmentReply]:
         key = (message.reply_to, message.episode)
@@ -82,7 +81,6 @@ class EnvironmentService(Service):
         environment.reset(message.prompt_text, message.prompt_label)
         for earlier in message.model_turns[:-1]:
             environment.step(earlier)
-            self.replayed += 1
         if message.turn:
             log.info(
                 "%s: episode %s taken up at turn %d (earlier turns replayed)",

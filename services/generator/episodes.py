@@ -64,7 +64,6 @@ class _Episode:
     reward: float = 0.0
     ended: bool = False
     finished: bool = False  # ended because the environment said done
-    budget: int = 0  # tokens its last model turn could take
     asked: float = 0.0  # when its last turn went to the model, then to the environment (time.monotonic())
     deadline: float = 0.0  # while the environment works on its last turn
 
@@ -144,7 +143,6 @@ class BusEnvironments(Environments):
         # This process's address: a generator restarted under the same replica id never takes its predecessor's.
         self.reply_to = f"{replica_id}/{uuid.uuid4().hex[:12]}"
         self.replica_id = replica_id
-        self.ignored = 0  # answers for another process, a turn not asked, or asked twice
 
     def open(self, episode: _Episode) -> None:
         pass  # the environment replica makes the episode's environment at its first turn
@@ -171,8 +169,7 @@ class BusEnvironments(Environments):
             assert isinstance(reply, EnvironmentReply)
             episode = waiting.get(reply.episode)
             if reply.reply_to != self.reply_to or episode is None or reply.turn != episode.turns - 1:
-                self.ignored += 1
-                continue
+                continue  # for another process, a turn not asked, or one answered already
             del waiting[reply.episode]  # a second answer to the turn (a re-delivery answered twice) is ignored
             if reply.status != "ok":
                 done.append((episode, RuntimeError(f"the environment replica {reply.producer}: {reply.status}")))
@@ -288,7 +285,7 @@ class EpisodeSampler:
         )
         request = f"{episode.id}.{episode.turns}"
         self.turns[request] = episode
-        episode.asked, episode.budget = time.monotonic(), budget
+        episode.asked = time.monotonic()
         self.sampler.submit(request, episode.prompt + episode.tokens, params)
 
     def _take_turn(self, episode: _Episode, samples: Samples) -> None:
@@ -303,10 +300,9 @@ class EpisodeSampler:
         episode.versions += versions if versions is not None else [self.version()] * length
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         episode.said.append(text)
-        # A turn ends at EOS, at a stop string (its last token may run past it), or at its token budget: only the
-        # last leaves no complete call and no answer (unless the stop string came with the budget's last token).
-        called = any(stop in text[-len(stop) - 8 :] for stop in self.stop)
-        if not samples.finished[0] and length >= episode.budget and not called:
+        # A turn ends at EOS, at the first stop string it holds (its last token may run past it), or at its token
+        # budget: only the last leaves no complete call and no answer.
+        if not samples.finished[0] and not any(stop in text for stop in self.stop):
             self._end(episode, finished=False)
             return
         episode.asked = time.monotonic()
