@@ -11,7 +11,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -275,6 +275,52 @@ class SandboxSection(_Section):
     )
 
 
+class OpenEnvSection(_Section):
+    """An OpenEnv environment (``openenv-core``) run in process, each episode its own instance
+    (``services/environment/adapters.py``)."""
+
+    environment: str = Field(
+        description="'module:Class': an OpenEnv environment (a subclass of openenv.core.env_server.interfaces"
+        ".Environment)."
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Arguments its constructor is called with.")
+    action: str | None = Field(
+        None,
+        description="'module:Class': its action type (an openenv Action); default: the annotation of its step's "
+        "action, or its generic argument.",
+    )
+    action_field: str | None = Field(
+        None, description="The action's field the model's turn (its text) fills; default: its only string field."
+    )
+    action_parser: str | None = Field(
+        None,
+        description="'module:function' making the action from the turn's text, for actions that are more than text "
+        "(instead of action and action_field).",
+    )
+    observation_field: str | None = Field(
+        None,
+        description="The observation's field the model reads; default: its one field besides done, reward and "
+        "metadata where that is a string, else those fields as JSON.",
+    )
+    observation_format: str = Field(
+        "\n{observation}\n", description="How the observation's text is set in the episode ({observation})."
+    )
+    stop: list[str] = Field(
+        default_factory=list, description="Strings that end a model turn besides EOS (kept in the turn's text)."
+    )
+
+    @model_validator(mode="after")
+    def _one_way_to_act(self):
+        if self.action_parser is not None and (self.action is not None or self.action_field is not None):
+            raise ValueError("set action_parser, or action/action_field, not both")
+        if "{observation}" not in self.observation_format:
+            raise ValueError("observation_format must hold {observation}")
+        return self
+
+
+OPENENV_ADAPTER = "services.environment.adapters:OpenEnvEnvironment"
+
+
 class EnvironmentSection(_Section):
     """Multi-turn episodes: what the model talks to between its turns (``services/environment/``)."""
 
@@ -304,6 +350,26 @@ class EnvironmentSection(_Section):
     )
     workers: int = Field(4, gt=0, description="With placement local: environment steps run at once (threads).")
     sandbox: SandboxSection = SandboxSection()
+    openenv: OpenEnvSection | None = Field(
+        None, description=f"An OpenEnv environment to serve (environment.name is then {OPENENV_ADAPTER})."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openenv_names_its_adapter(cls, data):
+        if isinstance(data, dict) and data.get("openenv") is not None and "name" not in data:
+            data = {**data, "name": OPENENV_ADAPTER}
+        return data
+
+    @model_validator(mode="after")
+    def _openenv_fits(self):
+        if self.openenv is not None and self.name != OPENENV_ADAPTER:
+            raise ValueError(f"environment.openenv is read by {OPENENV_ADAPTER} alone; environment.name is {self.name}")
+        if self.openenv is None and self.name == OPENENV_ADAPTER:
+            raise ValueError(f"environment.name {OPENENV_ADAPTER} needs environment.openenv")
+        if self.openenv is not None and "tools" in self.model_fields_set:
+            raise ValueError("environment.tools configures the built-in tools; an OpenEnv environment brings its own")
+        return self
 
 
 class RewardSection(_Section):
