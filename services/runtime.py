@@ -176,7 +176,10 @@ class ServiceRunner:
         if self.unsent is not None:
             self._send_unsent()
             return True
-        did = self.weights is not None and self.weights.apply(timeout_s if self.held or self.work is None else 0.0)
+        # The weights topic is waited on only when nothing else can move: input held for newer weights and no work in
+        # hand (a streaming engine with groups in flight runs on meanwhile: waiting here starved it between steps).
+        idle = self.work is None or (bool(self.held) and not self.service.under_way())
+        did = self.weights is not None and self.weights.apply(timeout_s if idle else 0.0)
         if self.work is None:
             return did
         if not self.service.streams:

@@ -941,7 +941,7 @@ def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_bro
     are trained (off-policy), and the generator takes the new lineage's weights (this stalled before)."""
     import random
 
-    steps, run_id, kills = 40, unique("chaos"), 10
+    steps, run_id, kills = 60, unique("chaos"), 10
     prompt_batches = steps * 8 // 16  # updates × groups per update, in batches of 16 prompts
     up, output, metrics = start_up(
         own_broker,

@@ -62,6 +62,45 @@ def test_each_group_goes_on_as_it_is_sampled_by_the_weights_loaded_then(bus, con
     assert not runner.in_flight and runner.counters["processed"] == 2
 
 
+class _PollTimeouts:
+    """A consumer that records the timeout of each poll."""
+
+    def __init__(self, consumer):
+        self.consumer, self.timeouts = consumer, []
+
+    def poll(self, timeout_s: float = 0.0, max_records: int = 1):
+        self.timeouts.append(timeout_s)
+        return self.consumer.poll(timeout_s, max_records)
+
+    def __getattr__(self, name):
+        return getattr(self.consumer, name)
+
+
+def test_a_batch_held_for_newer_weights_does_not_idle_the_groups_in_hand(bus, config):
+    """With a prompt batch held (max_staleness 0: batch 1 waits for v1), the runner does not wait on the weights
+    topic while groups of batch 0 are still being sampled (it did: half a second between engine steps, a streaming
+    run's updates 13 times slower over the broker); once batch 0 is out and nothing else can move, it waits there."""
+    config = config.model_copy(update={"pipeline": config.pipeline.model_copy(update={"max_staleness": 0})})
+    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    runner.weights.consumer = weights = _PollTimeouts(runner.weights.consumer)
+    feeder = FeederService(config)
+    publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)))
+    runner.poll_once(0.2)  # admits batch 0
+    while not runner.held:
+        runner.poll_once(0.2)
+    assert runner.held[0].message.step == 1, "batch 1 waits for the learner"
+    waited = []
+    while runner.service.under_way():
+        weights.timeouts.clear()
+        runner.poll_once(0.2)
+        waited += weights.timeouts
+    assert waited and set(waited) == {0.0}, f"the weights topic was waited on with groups in hand: {waited}"
+    assert sorted(g for r in rollouts(bus) for g in r.groups()) == [0, 1], "batch 0 sampled whole"
+    weights.timeouts.clear()
+    runner.poll_once(0.2)
+    assert weights.timeouts == [0.2], "with nothing else to do, the runner waits for the weights that batch 1 needs"
+
+
 def test_a_prompt_batch_half_sent_by_a_generator_that_died_is_sampled_again_and_its_sent_groups_recognised(bus, config):
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(0)))
