@@ -85,10 +85,11 @@ def test_a_batch_held_for_newer_weights_does_not_idle_the_groups_in_hand(bus, co
     runner.weights.consumer = weights = _PollTimeouts(runner.weights.consumer)
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)))
-    runner.poll_once(0.2)  # admits batch 0
-    while not runner.held:
+    for _ in range(10):  # admits batch 0, starts its groups, reads batch 1
+        if runner.held:
+            break
         runner.poll_once(0.2)
-    assert runner.held[0].message.step == 1, "batch 1 waits for the learner"
+    assert [held.message.step for held in runner.held] == [1], "batch 1 waits for the learner"
     waited = []
     while runner.service.under_way():
         weights.timeouts.clear()
