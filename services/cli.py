@@ -27,11 +27,7 @@ def _run(args) -> int:
     # once and leave the vLLM engine's processes running, orphaned, with the model in memory.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     summary = run_embedded(config, progress=not args.no_progress)
-    print(
-        f"done: {summary.steps} steps in {summary.wall_seconds:.0f}s; mean reward {summary.reward_start:.3f} -> "
-        f"{summary.reward_end:.3f}; KL {summary.kl_end:.4f}; groups dropped: stale {summary.dropped_stale}, "
-        f"no signal {summary.no_signal_groups}; dead letters {summary.dead_letters}\nrun directory: {summary.run_dir}"
-    )
+    print(summary.done_line())
     return 0
 
 
@@ -40,7 +36,15 @@ def _serve(args) -> int:
     from services.process import serve
 
     config = load_config(args.config, [*args.set, *(["run.resume=true"] if args.resume else [])])
-    return serve(args.role, config, args.bootstrap, args.replica_id, args.metrics_port)
+    return serve(
+        args.role,
+        config,
+        args.bootstrap,
+        args.replica_id,
+        args.metrics_port,
+        args.metrics_address,
+        args.metrics_targets,
+    )
 
 
 def _topics(args) -> int:
@@ -73,6 +77,29 @@ def _status(args) -> int:
         print(format_status(read_status(bus, config.run.run_id)))
     finally:
         bus.close()
+    return 0
+
+
+def _wait(args) -> int:
+    from common.config import load_config
+    from services.run_bus import kafka_bus
+    from services.status import wait_for_run
+    from services.summary import summarise_run
+
+    config = load_config(args.config, args.set)
+    ending = {role.name for role in ROLES.values() if role.ends_run and role.runs_when(config)}
+    bus = kafka_bus(config, args.bootstrap, make=False)  # a reader: it makes no topics
+    try:
+        status = wait_for_run(bus, config.run.run_id, ending, config.run.steps, timeout_s=args.timeout)
+    finally:
+        bus.close()
+    if status is None:
+        return exit_codes.ERROR
+    run_dir = Path(config.run.dir)
+    if (run_dir / "metrics.jsonl").is_file():
+        print(summarise_run(run_dir, sum(status.dead_letters.values())).done_line())
+    else:  # the run directory is on a volume this process does not see
+        print(f"done: {', '.join(f'{m} v{v}' for m, v in sorted(status.weights.items()))}; run directory {run_dir}")
     return 0
 
 
@@ -175,7 +202,8 @@ def _config_options(parser: argparse.ArgumentParser, broker: bool = False) -> No
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config entry, e.g. --set run.steps=10 (repeatable)",
+        help=f"override a config entry, e.g. --set run.steps=10 (repeatable; ${SETTINGS_VARIABLE} holds more, "
+        "separated by spaces, that --set overrides)",
     )
     if broker:
         parser.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: kafka.bootstrap)")
@@ -191,8 +219,21 @@ def _add_pipeline_commands(sub) -> None:
     for role in ROLES.values():
         serve = sub.add_parser(role.name, aliases=list(role.aliases), help=f"{role.summary} (over Kafka)")
         _config_options(serve, broker=True)
-        serve.add_argument("--replica-id", default=None, help="default: role-host-pid")
-        serve.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+        serve.add_argument("--replica-id", default=None, help="default: role-host-pid, or role-<container id>")
+        serve.add_argument(
+            "--metrics-port",
+            default=None,
+            metavar="PORT|FIRST-LAST",
+            help="serve Prometheus /metrics on this port, or on the first free one of a range (replicas on one host)",
+        )
+        serve.add_argument("--metrics-address", default="0.0.0.0", help="the address /metrics listens on")
+        serve.add_argument(
+            "--metrics-targets",
+            type=Path,
+            default=None,
+            metavar="DIR",
+            help="register /metrics in DIR for Prometheus' file-based discovery (file_sd_configs)",
+        )
         serve.add_argument("--resume", action="store_true", help="continue from the learner's last checkpoint")
         serve.set_defaults(handler=_serve, role=role.name)
 
@@ -205,6 +246,13 @@ def _add_pipeline_commands(sub) -> None:
     )
     _config_options(status, broker=True)
     status.set_defaults(handler=_status)
+
+    wait = sub.add_parser(
+        "wait", help="follow a run that services elsewhere serve (compose, Helm) until it is done; its summary"
+    )
+    _config_options(wait, broker=True)
+    wait.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="give up (exit 1) after this")
+    wait.set_defaults(handler=_wait)
 
     cluster = sub.add_parser("up", help="run every service as its own process over a local (or given) broker")
     _config_options(cluster)
@@ -276,8 +324,10 @@ def _configure_logging(verbose: bool) -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
-    if not verbose:  # kafka-python logs every failed connection attempt; the services report broker trouble once
-        logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    # kafka-python logs every connection it opens and closes at INFO, every failed attempt at ERROR; the services
+    # report broker trouble once themselves.
+    logging.getLogger("kafka").setLevel(logging.WARNING if verbose else logging.CRITICAL)
+    if not verbose:
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # run.trackers: its store's migrations at INFO
 
 
@@ -317,8 +367,14 @@ def _exit_code_of(exc: Exception) -> int | None:
     return None
 
 
+SETTINGS_VARIABLE = "STREAMPPO_SET"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "set"):
+        # Settings for every command of a deployment (one compose override for all its services); --set wins.
+        args.set = [*os.environ.get(SETTINGS_VARIABLE, "").split(), *args.set]
     _configure_logging(args.verbose)
     return _dispatch(args)
 

@@ -7,21 +7,19 @@ waits for.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from common.config import RunConfig
-from common.report import load_metrics, summarise
 from common.statistics import progress_labels
 from services.roles import pipeline_topics, roles_of
 from services.runlog.archive import archive_bus
 from services.runtime import ServiceRunner
+from services.summary import RunSummary, summarise_run
 from services.transport import MemoryBus
 
 log = logging.getLogger(__name__)
@@ -33,20 +31,6 @@ LOG_DIR = "log"  # <run.dir>/log: the run's log, archived at its end (run.archiv
 
 class PipelineStalled(RuntimeError):
     """No service can make progress, yet the run is not finished."""
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    run_dir: str
-    steps: int
-    dropped_stale: int  # groups, too stale (or of an impossible version) to train on
-    no_signal_groups: int  # groups dropped by dynamic sampling
-    dead_letters: int
-    summary_window: int  # updates averaged for reward_start / reward_end / kl_end (common.report.summarise)
-    reward_start: float
-    reward_end: float
-    kl_end: float
-    wall_seconds: float
 
 
 def _start_from_scratch(config: RunConfig) -> Path:
@@ -116,24 +100,6 @@ def run_embedded(config: RunConfig, progress: bool = True, bus: MemoryBus | None
             if service not in running:  # created, never given a runner
                 service.close()
 
-    try:
-        records = load_metrics(run_dir)  # the run summary and `streamppo report` average the same windows
-    except ValueError:  # no update (dynamic sampling that found no signal in any prompt batch)
-        records = []
-    figures = summarise(records) if records else {"window": 0, "metrics": {}}
-    nothing = {"first": float("nan"), "last": float("nan")}
-    window = {key: figures["metrics"].get(key, nothing) for key in ("reward_mean", "kl")}
-    summary = RunSummary(
-        run_dir=str(run_dir),
-        steps=len(records),
-        dropped_stale=records[-1]["dropped_stale"] if records else 0,
-        no_signal_groups=records[-1].get("no_signal_groups", 0) if records else 0,
-        dead_letters=sum(r.counters["dead_letters"] for r in runners),
-        summary_window=figures["window"],
-        reward_start=window["reward_mean"]["first"],
-        reward_end=window["reward_mean"]["last"],
-        kl_end=window["kl"]["last"],
-        wall_seconds=time.time() - started,
-    )
-    (run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
+    dead_letters = sum(runner.counters["dead_letters"] for runner in runners)
+    summary = summarise_run(run_dir, dead_letters, wall_seconds=time.time() - started)
     return summary

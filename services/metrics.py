@@ -7,11 +7,15 @@ with; the learner adds its training statistics. Names start with ``streamppo_``;
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from common.statistics import LEARNER_STATISTICS, gauges
 
-__all__ = ["ServiceMetrics"]
+__all__ = ["ScrapeTarget", "ServiceMetrics", "parse_ports"]
 
 
 class ServiceMetrics:
@@ -78,3 +82,44 @@ class ServiceMetrics:
 
     def serve(self, port: int, address: str = "0.0.0.0") -> None:
         start_http_server(port, addr=address, registry=self.registry)
+
+    def serve_on_first_free(self, ports: range, address: str = "0.0.0.0") -> int:
+        """Serve on the first port of ``ports`` that is free; returns it. Replicas on one host network (compose's
+        ``network_mode: host``, ``--scale scorer=3``) share one command, so each takes the next port of a range."""
+        error = None
+        for port in ports:
+            try:
+                self.serve(port, address)
+                return port
+            except OSError as exc:
+                error = exc
+        raise error
+
+
+def parse_ports(spec: str) -> range:
+    """``"9100"`` -> the port 9100; ``"9110-9129"`` -> those ports (the first free one is taken)."""
+    first, sep, last = spec.partition("-")
+    if not (first.isdigit() and (not sep or last.isdigit())):
+        raise ValueError(f"--metrics-port {spec!r}: expected PORT or FIRST-LAST, e.g. 9100 or 9110-9129")
+    ports = range(int(first), int(last if sep else first) + 1)
+    if not ports or not (0 < ports[0] and ports[-1] < 65536):
+        raise ValueError(f"--metrics-port {spec!r}: expected ports from 1 to 65535, the first no greater than the last")
+    return ports
+
+
+class ScrapeTarget:
+    """This replica's ``/metrics`` address as a Prometheus file-based discovery file (``file_sd_configs``), in a folder
+    every replica writes to and Prometheus reads: where no DNS names the replicas (containers on the host network),
+    Prometheus finds each, however many there are and whatever port each took. Removed when the replica stops; a
+    killed replica's file stays, and its target shows as down until the replica is back."""
+
+    def __init__(self, folder: Path, replica_id: str, role: str, address: str, port: int):
+        self.path = Path(folder) / f"{replica_id}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        entry = {"targets": [f"{address}:{port}"], "labels": {"service": role, "replica": replica_id}}
+        written = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        written.write_text(json.dumps([entry]))
+        written.replace(self.path)  # Prometheus never reads half a file
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)

@@ -13,17 +13,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from kafka.errors import KafkaError
 
 from common.config import ConfigError, RunConfig
 from services import exit_codes
-from services.metrics import ServiceMetrics
+from services.metrics import ScrapeTarget, ServiceMetrics, parse_ports
 from services.roles import ROLES
 from services.run_bus import bootstrap_of, kafka_bus
 from services.runtime import ServiceRunner
@@ -40,7 +42,22 @@ STOP_BROKER_S = 5.0  # what a stopping replica waits for the broker, at most
 
 
 def default_replica_id(role: str) -> str:
-    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+    """``role-host-pid``; in a container, ``role-<container id>``: containers on the host network share its host
+    name, and each one's service is its PID 1. A container keeps its id across restarts, so a restarted replica
+    reports under the same name."""
+    container = _container_id()
+    return f"{role}-{container[:12]}" if container else f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def _container_id(mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The id of the Docker container this process runs in (its /etc/hostname is mounted from the container's
+    folder, on every cgroup version), or None outside one."""
+    try:
+        text = open(mountinfo).read()
+    except OSError:
+        return None
+    found = re.search(r"/containers/([0-9a-f]{64})/hostname", text)
+    return found.group(1) if found else None
 
 
 class _Stop(Exception):
@@ -64,8 +81,17 @@ class _StopFlag:
 
 
 def serve(
-    role: str, config: RunConfig, bootstrap: str | None, replica_id: str | None = None, metrics_port: int | None = None
+    role: str,
+    config: RunConfig,
+    bootstrap: str | None,
+    replica_id: str | None = None,
+    metrics_port: str | None = None,
+    metrics_address: str = "0.0.0.0",
+    metrics_targets: Path | None = None,
 ) -> int:
+    """Run one replica of ``role``. ``metrics_port``: a port or a range (``9110-9129``: the first free one) for
+    ``/metrics`` on ``metrics_address``; ``metrics_targets``: a folder to register that address in for Prometheus'
+    file-based discovery (:class:`~services.metrics.ScrapeTarget`)."""
     if not ROLES[role].runs_when(config):
         raise ConfigError(f"this run has no {role} role: it needs {ROLES[role].requirement}")
     replica_id = replica_id or default_replica_id(role)
@@ -76,13 +102,18 @@ def serve(
     leader = group is None or group.leads()
     # A follower has no batch of its own to finish: a signal ends it at once (rank 0 decides what is kept).
     stop = _StopFlag(replica_id) if leader else None
-    metrics = ServiceMetrics(role)
+    metrics, target = ServiceMetrics(role), None
     if metrics_port and leader:  # before the models load: a port in use is a mistake to report at once
         try:
-            metrics.serve(metrics_port)
+            port = metrics.serve_on_first_free(parse_ports(metrics_port), metrics_address)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         except OSError as exc:
             raise ConfigError(f"--metrics-port {metrics_port}: cannot serve metrics there: {exc.strerror}") from None
-        log.info("%s: metrics on :%d/metrics", replica_id, metrics_port)
+        log.info("%s: metrics on %s:%d/metrics", replica_id, metrics_address, port)
+        if metrics_targets is not None:
+            shown = socket.gethostname() if metrics_address in ("0.0.0.0", "::") else metrics_address
+            target = ScrapeTarget(metrics_targets, replica_id, role, shown, port)
     try:
         return serve_service(ROLES[role].create(config, replica_id), config, bootstrap, metrics, stop, group=group)
     except Exception as exc:
@@ -91,6 +122,9 @@ def serve(
             raise
         log.error("%s: %s; exiting", replica_id, gone)
         return exit_codes.ERROR
+    finally:
+        if target is not None:
+            target.remove()
 
 
 def serve_service(

@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from common.schema import RUN_ID, TOPIC_MESSAGE, ReplicaStatus, SchemaError, WeightAnnouncement, decode
-from services.roles import ROLES, STATUS_TOPIC, WEIGHTS_TOPIC
+from services.roles import LOG_TOPIC, ROLES, STATUS_TOPIC, WEIGHTS_TOPIC
 from services.transport import Bus, Record, dlq_topic
 
-__all__ = ["PipelineStatus", "format_status", "read_status"]
+__all__ = ["PipelineStatus", "format_status", "read_status", "wait_for_run"]
 
 
 @dataclass
@@ -100,3 +100,56 @@ def format_status(status: PipelineStatus) -> str:
     lines.append("newest weights: " + (", ".join(f"{m} v{v}" for m, v in sorted(status.weights.items())) or "none"))
     lines.append("dead letters: " + ", ".join(f"{t} {n}" for t, n in status.dead_letters.items()))
     return "\n".join(lines)
+
+
+def _finished(status: PipelineStatus, ending: set[str]) -> bool:
+    """The newest report of each role that ends the run says ``done`` (an older replica of it, one replaced by a new
+    container, may have said ``stopped``)."""
+    for role in ending:
+        reports = [r for r in status.replicas.values() if r.role == role]
+        if not reports or max(reports, key=lambda r: r.created_at).state != "done":
+            return False
+    return True
+
+
+def wait_for_run(
+    bus: Bus,
+    run_id: str,
+    ending: set[str],
+    steps: int,
+    timeout_s: float | None = None,
+    report_every_s: float = 30.0,
+    poll_s: float = 2.0,
+    say=print,
+) -> PipelineStatus | None:
+    """Follow a run that other processes serve until every role in ``ending`` is done (``streamppo wait``): a line
+    for each new actor version, every ``report_every_s`` the status table (what each replica waits for). Returns the
+    last status, or None after ``timeout_s`` (having said what the run waited for)."""
+    started = time.monotonic()
+    next_report, version, status = started + report_every_s, None, None
+    while True:
+        if bus.log_identity(LOG_TOPIC) is None:
+            waiting = f"the log of run {run_id!r}: no service has made it on this broker yet"
+        else:
+            status = read_status(bus, run_id, timeout_s=10.0)
+            if _finished(status, ending):
+                return status
+            if status.weights.get("actor") != version:
+                version = status.weights.get("actor")
+                say(f"actor v{version} of {steps} published", flush=True)
+            waiting = (
+                "; ".join(
+                    f"{r.replica}: {r.state}{f' ({r.waiting_for})' if r.waiting_for else ''}"
+                    for r in status.replicas.values()
+                    if r.role in ending
+                )
+                or f"a report of {', '.join(sorted(ending))}"
+            )
+        now = time.monotonic()
+        if timeout_s is not None and now - started >= timeout_s:
+            say(f"streamppo wait: the run is not done after {timeout_s:.0f} s; waiting for {waiting}", flush=True)
+            return None
+        if now >= next_report:
+            next_report = now + report_every_s
+            say(format_status(status) if status is not None else f"waiting for {waiting}", flush=True)
+        time.sleep(poll_s)

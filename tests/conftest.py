@@ -102,26 +102,54 @@ def experience(tiny_model):
     return sampled_experience(tiny_model, ["tell me about the cat.", "hi", "say something!", "the sea"], 10, seed=0)
 
 
-def _docker_answers() -> bool:
-    import shutil
-    import subprocess
+# testcontainers' reaper runs in a container of its own, whose image comes from a registry; every container a test
+# starts is stopped by the test itself.
+os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+KAFKA_IMAGE = "confluentinc/cp-kafka:7.6.0"  # testcontainers' KafkaContainer
 
-    if shutil.which("docker") is None:
-        return False
-    return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
+
+def _suite_broker() -> str:
+    """Which broker the suite runs against: ``env`` ($KAFKA_BOOTSTRAP_SERVERS), ``kafka`` (testcontainers' Kafka, when
+    its image is present or can be pulled), else ``local`` (the local broker binary on a free port). A Docker engine
+    that answers is not enough: with no registry it cannot give the image."""
+    from helpers import image_available
+
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        return "env"
+    return "kafka" if image_available(KAFKA_IMAGE, pull=True) else "local"
+
+
+def pytest_report_header(config):
+    from helpers import docker_answers, image_available
+
+    broker = {
+        "env": f"$KAFKA_BOOTSTRAP_SERVERS ({os.environ.get('KAFKA_BOOTSTRAP_SERVERS')})",
+        "kafka": f"Apache Kafka in a container ({KAFKA_IMAGE}, testcontainers)",
+        "local": "the local broker binary (tansu, memory storage), one process per session",
+    }[_suite_broker()]
+    images = [image for image in CONTAINER_IMAGES if image_available(image)]
+    containers = (
+        f"the images {', '.join(images)} on the Docker engine"
+        if docker_answers() and len(images) == len(CONTAINER_IMAGES)
+        else "skipped (no Docker engine, or images not built: deploy/docker/build.sh)"
+    )
+    return [f"streamppo: broker: {broker}", f"streamppo: container tests: {containers}"]
+
+
+CONTAINER_IMAGES = ("streamppo:cpu", "streamppo-broker:local", "streamppo-prometheus:local")
 
 
 @pytest.fixture(scope="session")
 def kafka_broker(tmp_path_factory):
-    """A real Kafka-protocol broker, as config overrides: $KAFKA_BOOTSTRAP_SERVERS if set, else testcontainers'
-    Kafka when a Docker daemon answers, else the local broker binary on a free port (whose idempotence
-    kafka-python cannot use, so the producer runs without it there)."""
-    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+    """A real Kafka-protocol broker, as config overrides: the one :func:`_suite_broker` names (the local broker's
+    idempotence kafka-python cannot use, so the producer runs without it there)."""
+    which = _suite_broker()
+    if which == "env":
         yield [f"kafka.bootstrap={os.environ['KAFKA_BOOTSTRAP_SERVERS']}"]
-    elif _docker_answers():
+    elif which == "kafka":
         from testcontainers.kafka import KafkaContainer
 
-        with KafkaContainer() as kafka:
+        with KafkaContainer(KAFKA_IMAGE) as kafka:
             yield [f"kafka.bootstrap={kafka.get_bootstrap_server()}"]
     else:
         from services.transport.local_broker import LocalBroker

@@ -1,5 +1,7 @@
 """Helpers the test modules share: reading and writing a bus's topics, the test broker's overrides."""
 
+import functools
+
 from common.schema import decode
 
 
@@ -82,3 +84,29 @@ def sampled_by(message, version: int):
     real = np.arange(message.token_versions.shape[1]) < message.response_lengths[:, None]
     versions = np.where(real, version, 0).astype(np.int32)
     return dataclasses.replace(message, policy_version=version, token_versions=versions)
+
+
+@functools.cache
+def docker_answers() -> bool:
+    """Whether a Docker engine answers the docker command."""
+    import shutil
+    import subprocess
+
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+@functools.cache
+def image_available(image: str, pull: bool = False) -> bool:
+    """Whether the Docker engine has ``image`` (or, with ``pull``, can pull it: a registry answers)."""
+    import subprocess
+
+    if not docker_answers():
+        return False
+    if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode == 0:
+        return True
+    return pull and subprocess.run(["docker", "pull", "-q", image], capture_output=True, timeout=600).returncode == 0

@@ -1,6 +1,7 @@
 """Configuration is validated at start-up; every bad input stops the command with a message naming it."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -375,3 +376,28 @@ def test_a_service_started_alone_exits_2_on_a_setting_that_names_what_cannot_be_
     )
     _one_line_error(result, exit_codes.CONFIG, "no_such_module:score")
     assert 2 in exit_codes.PERMANENT
+
+
+def test_cli_takes_settings_from_the_environment_and_set_wins(tmp_path):
+    """$STREAMPPO_SET (one compose override's settings for every service) is read as --set entries, before them."""
+    env = dict(os.environ, STREAMPPO_SET="learner.ppo_epochs=0 run.steps=3")
+    bad = subprocess.run(
+        [sys.executable, "-m", "services.cli", "topics", "--config", str(EXAMPLE / "config.yaml")],
+        cwd=REPO, capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    _one_line_error(bad, 2, "learner.ppo_epochs", "greater than 0")
+    mended = subprocess.run(
+        [sys.executable, "-m", "services.cli", "topics", "--config", str(EXAMPLE / "config.yaml"),
+         "--set", "learner.ppo_epochs=1", "--bootstrap", "host:notaport"],
+        cwd=REPO, capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    _one_line_error(mended, 2, "host:notaport", "HOST:PORT")  # past the config: --set won
+
+
+@pytest.mark.parametrize("spec", ["abc", "9130-9120", "0", "9100-70000"])
+def test_cli_reports_a_bad_metrics_port_range(tmp_path, spec):
+    result = streamppo(
+        "scorer", "--config", str(EXAMPLE / "config.yaml"), "--bootstrap", "127.0.0.1:9",
+        "--metrics-port", spec, "--set", f"model.actor={tmp_path}/never-loaded",
+    )  # fmt: skip
+    _one_line_error(result, 2, f"--metrics-port {spec!r}")

@@ -167,20 +167,87 @@ def compose(*files, env=None) -> dict:
 def test_the_compose_file_is_valid_and_runs_every_service():
     project = compose("docker-compose.yml", env={"SCORER_REPLICAS": "3"})
     services = project["services"]
-    assert {"kafka", "topics", "generator", "scorer", "advantage", "learner", "feed", "prometheus", "grafana"} <= set(
-        services
-    )
+    assert {"kafka", "generator", "scorer", "advantage", "learner", "feed", "prometheus", "grafana"} <= set(services)
+    # No one-shot job the services wait for: they make their topics themselves (Compose 2.40 on Docker 20.10 never
+    # returned from `up` once such a job had completed; tests/test_containers.py runs the file).
+    assert "topics" not in services
     assert services["scorer"]["deploy"]["replicas"] == 3
     assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller", "KRaft, no ZooKeeper"
+    assert all(service["network_mode"] == "host" for service in services.values()), "traffic stays on 127.0.0.1"
+    ports = {}
     for role in (name for name, role in ROLES.items() if role.input_topic is not None):
         command = services[role]["command"]
-        assert command[0] == role and command[command.index("--metrics-port") + 1] == "9100"
-        assert services[role]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
+        assert command[0] == role and command[command.index("--metrics-targets") + 1] == "/shared/metrics-targets"
+        first, _, last = command[command.index("--metrics-port") + 1].partition("-")
+        ports[role] = range(int(first), int(last or first) + 1)
+        assert services[role]["depends_on"]["kafka"]["condition"] == "service_healthy"
+        assert services[role]["shm_size"] >= 2**30 if isinstance(services[role]["shm_size"], int) else True
         assert any(v["target"] == "/shared" for v in services[role]["volumes"]), "the shared weight store"
-    scrape = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())["scrape_configs"][0]["dns_sd_configs"][0]
-    assert set(scrape["names"]) == {"generator", "scorer", "advantage", "learner", "environment"}
-    assert scrape["port"] == 9100
-    assert load_config(COMPOSE / "run.yaml").kafka.bootstrap == "kafka:9092"
+    spans = sorted(ports.values(), key=lambda r: r.start)
+    assert all(a.stop <= b.start for a, b in zip(spans, spans[1:])), f"metrics port ranges overlap: {ports}"
+    assert len(ports["scorer"]) >= 3, "room for scaled scorers on one host network"
+    (scrape,) = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())["scrape_configs"][0]["file_sd_configs"]
+    assert scrape["files"] == ["/shared/metrics-targets/*.json"]
+    assert any(v["target"] == "/shared" for v in services["prometheus"]["volumes"])
+    assert load_config(COMPOSE / "run.yaml").kafka.bootstrap == "127.0.0.1:9092"
+
+
+def test_the_local_override_swaps_in_the_images_built_here():
+    """With docker-compose.local.yml: the local broker image and Debian's Prometheus, the settings `streamppo up`
+    uses for that broker given to every streamppo service, Grafana (a registry's image) off by default."""
+    services = compose("docker-compose.yml", "docker-compose.local.yml")["services"]
+    assert services["kafka"]["image"] == "streamppo-broker:local"
+    assert services["prometheus"]["image"] == "streamppo-prometheus:local"
+    assert "grafana" not in services
+    for name in ("generator", "scorer", "advantage", "learner", "feed"):
+        assert "kafka.idempotent_producer=false" in services[name]["environment"]["STREAMPPO_SET"].split()
+
+
+def _mounted(path: str, mounts: set[str]) -> bool:
+    """Whether ``path`` is a mount or lies in one (the chart mounts the ConfigMap's folder, compose the file)."""
+    return any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts)
+
+
+def test_the_images_compose_and_the_chart_keep_to_one_contract():
+    """deploy/contract.yaml: one entrypoint for both images (none set by compose or the chart), each service started
+    as `ROLE --config /config/run.yaml`, the run's config and shared volume at the same paths, and only the
+    environment variables the images read."""
+    contract = yaml.safe_load((DEPLOY / "contract.yaml").read_text())
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    entrypoints = re.findall(r"^FROM .* AS (\S+)$|^ENTRYPOINT (.*)$", dockerfile, re.M)
+    stage, of_stage = None, {}
+    for name, entrypoint in entrypoints:
+        stage = name or stage
+        if entrypoint:
+            of_stage[stage] = json.loads(entrypoint)
+    assert of_stage["cpu"] == of_stage["gpu"] == contract["entrypoint"]
+    prefix = lambda role: [role, *contract["command"][1:]]  # noqa: E731
+    for files in (["docker-compose.yml"], ["docker-compose.yml", "docker-compose.gpu.yml"]):
+        services = compose(*files)["services"]
+        for name, service in services.items():
+            role = _role_of(service.get("command"))
+            if role is None:
+                continue
+            assert service.get("entrypoint") is None, name
+            assert service["command"][:3] == prefix(service["command"][0]), name
+            assert set(service.get("environment") or {}) <= set(contract["environment"]), name
+            mounts = {v["target"] for v in service["volumes"]}
+            assert contract["shared"] in mounts and _mounted(contract["config"], mounts), name
+    checked = 0
+    for values in (None, SCALED):
+        for doc in manifests(values):
+            spec = doc.get("spec", {})
+            pod = spec.get("template", {}).get("spec", spec.get("jobTemplate", {}).get("spec", {}))
+            for container in pod.get("containers", []) if isinstance(pod, dict) else []:
+                assert "command" not in container, container["name"]
+                assert container["args"][:3] == prefix(container["args"][0]), container["name"]
+                assert {e["name"] for e in container.get("env", [])} <= set(contract["environment"])
+                mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+                assert contract["shared"] in mounts and _mounted(contract["config"], mounts), container["name"]
+                checked += 1
+    assert checked >= 2 * (len(ROLES) - 1), "every role's workload of the chart, both renders (environment: 0 replicas)"
+    for variable in contract["environment"]:  # each is read somewhere: by the code, or named by the chart's config
+        assert any(variable in path.read_text() for path in [*REPO.glob("services/*.py"), *CHART.rglob("*.yaml")])
 
 
 def test_the_gpu_override_reserves_a_gpu_for_each_model_service():
@@ -201,7 +268,8 @@ def test_the_dockerfile_passes_hadolint():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     stages = re.findall(r"^FROM \S+ AS (\w+)$", (DEPLOY / "docker" / "Dockerfile").read_text(), re.M)
-    assert stages == ["build", "cpu", "gpu"]
+    # The classic builder (Debian's Docker 20.10) builds every stage above the target: the small ones first, gpu last.
+    assert stages == ["requirements", "build", "broker", "prometheus", "cpu", "gpu"]
 
 
 def exported_series() -> set[str]:

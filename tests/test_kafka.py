@@ -1078,3 +1078,15 @@ def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_
     rollouts = run_messages(make_config(*kafka_broker), "rollouts", run_id, steps)
     producers = {k: m.producer for k, m in rollouts.items()}
     assert set(producers.values()) == {"generator-0", "generator-1"}, "both generator replicas sampled"
+
+
+def test_wait_says_what_it_waits_for_and_gives_up_at_its_timeout(kafka_broker, tmp_path, model_cache):
+    """`streamppo wait` on a run no service has started: it names the missing log, and exits 1 at its timeout."""
+    run_id = unique("never-started")
+    args = streamppo_command(
+        "wait", "--bootstrap", broker_address(kafka_broker), "--timeout", "3",
+        overrides=[*run_settings(tmp_path, model_cache, 2, run_id), *kafka_broker],
+    )  # fmt: skip
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"the log of run {run_id!r}" in result.stdout and "not done after 3 s" in result.stdout

@@ -92,3 +92,54 @@ def test_the_policy_version_gauge_follows_the_weights_actually_loaded(config):
     producer.send("weights", encode(bad), key=b"actor")
     runner.poll_once()
     assert sample(metrics, "streamppo_policy_version", role="generator") == 1, "a refused snapshot is not in use"
+
+
+def test_a_port_range_takes_the_first_free_port():
+    """Replicas on one host network share one command: each takes the next free port of the range."""
+    import socket
+
+    from services.metrics import parse_ports
+
+    assert parse_ports("9100") == range(9100, 9101) and parse_ports("9110-9129") == range(9110, 9130)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        first = taken.getsockname()[1]
+        ports = range(first, first + 20)
+        one, two = ServiceMetrics("scorer"), ServiceMetrics("scorer")
+        a, b = one.serve_on_first_free(ports, "127.0.0.1"), two.serve_on_first_free(ports, "127.0.0.1")
+    assert first < a < b, (first, a, b)
+    assert "streamppo_batches" in urllib.request.urlopen(f"http://127.0.0.1:{b}/metrics").read().decode()
+    with pytest.raises(OSError):
+        ServiceMetrics("scorer").serve_on_first_free(range(a, a + 1), "127.0.0.1")
+
+
+def test_a_scrape_target_file_is_what_prometheus_file_discovery_reads(tmp_path):
+    import json
+
+    from services.metrics import ScrapeTarget
+
+    target = ScrapeTarget(tmp_path / "targets", "scorer-abc", "scorer", "127.0.0.1", 9111)
+    assert json.loads(target.path.read_text()) == [
+        {"targets": ["127.0.0.1:9111"], "labels": {"service": "scorer", "replica": "scorer-abc"}}
+    ]
+    assert [p.name for p in (tmp_path / "targets").iterdir()] == ["scorer-abc.json"], "no temporary file left"
+    target.remove()
+    assert not target.path.exists()
+
+
+def test_a_replica_in_a_container_is_named_after_the_container(tmp_path):
+    """On the host network every container has the host's name and its service is PID 1: the container's id names
+    the replica (it survives the container's restarts); outside one, host and PID do."""
+    from services.process import _container_id
+
+    cid = "5f09115f5931ca968e1eddbb3eb9e6627ccfe17a5f554682b1f96417dabfd2e6"
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        f"1021 1003 0:52 / / rw,relatime - overlay overlay rw\n"
+        f"1040 1021 254:1 /var/lib/docker/containers/{cid}/hostname /etc/hostname rw,relatime - ext4 /dev/vda rw\n"
+    )
+    assert _container_id(str(mountinfo)) == cid
+    mountinfo.write_text("22 1 254:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n")
+    assert _container_id(str(mountinfo)) is None
+    assert _container_id(str(tmp_path / "missing")) is None

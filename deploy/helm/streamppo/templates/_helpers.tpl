@@ -68,6 +68,8 @@ app.kubernetes.io/component: {{ .role }}
       readOnly: true
     - name: shared
       mountPath: /shared
+    - name: shm   # vLLM's engine needs more /dev/shm than a container's 64 MiB (as compose's shm_size: 1gb)
+      mountPath: /dev/shm
     {{- if eq .role "learner" }}
     - name: checkpoints
       mountPath: /checkpoints
@@ -98,4 +100,8 @@ volumes:
   - name: shared
     persistentVolumeClaim:
       claimName: {{ include "streamppo.sharedClaim" .root }}
+  - name: shm
+    emptyDir:
+      medium: Memory
+      sizeLimit: 1Gi
 {{- end -}}

@@ -1,0 +1,156 @@
+"""The images and the compose file, for real: the services as containers on a Docker engine, through testcontainers.
+
+Needs a Docker engine and the images that ``deploy/docker/build.sh`` builds (the README's test command starts an
+engine and builds them when it runs as root); skipped without them, except under CI, where they must be there. Every
+container runs on the host network (traffic stays on 127.0.0.1), as the compose file says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import time
+import urllib.request
+import uuid
+
+import pytest
+from conftest import CONTAINER_IMAGES, REPO
+from helpers import assert_each_group_once, docker_answers, image_available
+
+from services.transport.local_broker import free_port
+
+COMPOSE = REPO / "deploy" / "compose"
+FILES = ["docker-compose.yml", "docker-compose.local.yml"]  # the local broker image: no registry to pull Kafka from
+LEARNER_METRICS = "http://127.0.0.1:9160/metrics"  # the learner's port in the compose file
+
+pytestmark = [pytest.mark.slow, pytest.mark.containers, pytest.mark.xdist_group("containers")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def images():
+    missing = [image for image in CONTAINER_IMAGES if not image_available(image)]
+    if docker_answers() and not missing:
+        return
+    why = "no Docker engine answers" if not docker_answers() else f"images not built: {', '.join(missing)}"
+    if os.environ.get("CI"):
+        pytest.fail(f"{why} (the test command starts an engine and runs deploy/docker/build.sh as root)")
+    pytest.skip(f"{why}: deploy/docker/engine.sh start && deploy/docker/build.sh")
+
+
+def _get(url: str, timeout_s: float = 2.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return response.read().decode()
+
+
+def _learner_version() -> float:
+    """The learner's policy version, from its /metrics (0 until it serves)."""
+    try:
+        text = _get(LEARNER_METRICS)
+    except OSError:
+        return 0.0
+    found = re.search(r'^streamppo_policy_version\{role="learner"\} ([0-9.]+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def _until(condition, what: str, timeout_s: float, every_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(every_s)
+    pytest.fail(f"not within {timeout_s:.0f} s: {what}")
+
+
+def _scrape_targets(prometheus_port: int) -> list[tuple[str, str]]:
+    """(service, health) of every target Prometheus scrapes."""
+    targets = json.loads(_get(f"http://127.0.0.1:{prometheus_port}/api/v1/targets"))["data"]["activeTargets"]
+    return sorted((t["labels"].get("service", "?"), t["health"]) for t in targets)
+
+
+def test_compose_trains_vowels_with_three_scorers_through_a_restart_and_a_kill(monkeypatch, tmp_path):
+    """`docker compose up` of deploy/compose (with the local broker override) and `--scale scorer=3`: Prometheus
+    finds and scrapes all six service replicas; `docker compose restart learner` mid-run, then `docker kill` of a
+    random service container (started again, as an operator would: Docker's restart policy leaves a killed
+    container down); `docker compose run --rm wait` follows the run to its end and prints its summary. From the
+    learner's metrics in the shared volume: every version applied exactly once, every group trained once."""
+    from testcontainers.compose import DockerCompose
+
+    steps, prometheus_port = 16, free_port()
+    project = f"streamppo-test-{uuid.uuid4().hex[:6]}"
+    for name, value in {
+        "COMPOSE_PROJECT_NAME": project,
+        "SCORER_REPLICAS": "3",
+        "KAFKA_PORT": str(free_port()),
+        "PROMETHEUS_PORT": str(prometheus_port),
+        # a short run that checkpoints often, so that the restart and the kill each roll the learner back
+        "STREAMPPO_SET": f"run.steps={steps} learner.checkpoint_every=3",
+    }.items():
+        monkeypatch.setenv(name, value)
+    compose = DockerCompose(COMPOSE, compose_file_name=FILES, wait=False)  # `up --detach`
+    command = compose.compose_command_property
+    with compose:
+        containers = {c.Service: c for c in compose.get_containers()}
+        assert sum(c.Service == "scorer" for c in compose.get_containers()) == 3
+        _until(lambda: _learner_version() >= 2, "the learner's version 2", timeout_s=600)
+        expected = [("advantage", "up"), ("generator", "up"), ("learner", "up")] + [("scorer", "up")] * 3
+        _until(lambda: _scrape_targets(prometheus_port) == expected, f"scrape targets {expected}", timeout_s=60)
+
+        subprocess.run([*command, "restart", "learner"], check=True, capture_output=True, timeout=120)
+        _until(lambda: _learner_version() >= 6, "the learner's version 6 after its restart", timeout_s=600)
+
+        services = [c for c in compose.get_containers() if c.Service in ("generator", "scorer", "advantage", "learner")]
+        victim = random.Random(project).choice(services)
+        subprocess.run(["docker", "kill", victim.ID], check=True, capture_output=True)
+        subprocess.run(["docker", "start", victim.ID], check=True, capture_output=True)
+
+        waited = subprocess.run(
+            [*command, "run", "--rm", "wait"], capture_output=True, text=True, timeout=900, cwd=COMPOSE
+        )
+        assert waited.returncode == 0, waited.stdout[-3000:] + waited.stderr[-3000:]
+        assert f"done: {steps} steps" in waited.stdout, waited.stdout[-2000:]
+        assert "dead letters 0" in waited.stdout
+        out = tmp_path / "metrics.jsonl"
+        subprocess.run(["docker", "cp", f"{containers['learner'].ID}:/shared/run/metrics.jsonl", str(out)], check=True)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
+    assert [r["policy_version"] for r in records] == [float(v) for v in range(1, steps + 1)], "no update lost"
+    assert_each_group_once(records, "compose-vowels", steps)  # one prompt batch per update
+    print(f"killed {victim.Service} ({victim.Name})")
+
+
+def test_the_broker_image_serves_a_run_of_processes(tmp_path, model_cache):
+    """The local broker image in a container (testcontainers' DockerContainer, host network, a free port), ready
+    once it answers on its port; `streamppo up` over it trains every version once."""
+    from test_kafka import run_up, unique
+    from testcontainers.core.container import DockerContainer
+
+    port, steps, run_id = free_port(), 4, unique("broker-image")
+    url = f"tcp://127.0.0.1:{port}"
+    broker = (
+        DockerContainer("streamppo-broker:local")
+        .with_kwargs(network_mode="host")
+        .with_env("LISTENER_URL", url)
+        .with_env("ADVERTISED_LISTENER_URL", url)
+    )
+    with broker:
+        _until(lambda: _answers(port), f"the broker container on 127.0.0.1:{port}", timeout_s=30, every_s=0.1)
+        overrides = [f"kafka.bootstrap=127.0.0.1:{port}", "kafka.idempotent_producer=false"]
+        run_up(overrides, tmp_path, model_cache, steps, run_id)
+        container = broker.get_wrapped_container()
+        container.reload()
+        assert container.status == "running", "the run went through the container, which still serves"
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+
+
+def _answers(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
