@@ -82,12 +82,13 @@ def _status(args) -> int:
 
 def _wait(args) -> int:
     from common.config import load_config
+    from services.roles import roles_of
     from services.run_bus import kafka_bus
     from services.status import wait_for_run
     from services.summary import summarise_run
 
     config = load_config(args.config, args.set)
-    ending = {role.name for role in ROLES.values() if role.ends_run and role.runs_when(config)}
+    ending = {role.name for role in roles_of(config) if role.ends_run}
     bus = kafka_bus(config, args.bootstrap, make=False)  # a reader: it makes no topics
     try:
         status = wait_for_run(bus, config.run.run_id, ending, config.run.steps, timeout_s=args.timeout)
