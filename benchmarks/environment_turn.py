@@ -37,11 +37,11 @@ class _Asker(Service):
 
     role = "generator"
 
-    def channel_topics(self):
-        return ("turns", "observations")
+    def channels(self):
+        return {"environment": ("turns", "observations")}
 
-    def connect(self, channel):
-        self.channel = channel
+    def connect(self, channels):
+        self.channel = channels["environment"]
 
     def process(self, message):
         return []

@@ -77,6 +77,10 @@ def rollouts(m: PromptBatch) -> RolloutBatch:
         finished=np.ones(N, bool),
         behaviour_logprobs=zeros,
         token_versions=np.zeros((N, T), np.int32),
+        response_mask=np.ones((N, T), bool),
+        turns=np.ones(N, np.int64),
+        environment_reward=np.zeros(N, np.float32),
+        dead_lettered_groups=np.zeros(0, np.int64),
     )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from common.algorithms import (
     CRITIC_SETTINGS,
@@ -372,6 +372,82 @@ class EnvironmentSection(_Section):
         return self
 
 
+class AgentSection(_Section):
+    """The agent that runs each episode of a gateway run (``services/gateway/agents.py``): a function of yours."""
+
+    function: str = Field(
+        description="'module:function' called with each episode (services.gateway.agents.Episode: its base_url, "
+        "api_key, prompt and label); it talks to the model through any OpenAI client at the episode's base URL. A "
+        "number it returns is the episode's reward; None leaves the reward to what it posted, or to "
+        "gateway.unrewarded."
+    )
+    workers: int = Field(8, gt=0, description="Episodes run at once (threads).")
+    placement: Literal["local", "remote"] = Field(
+        "local",
+        description="local: threads of each gateway replica run the episodes it hands out; remote: nothing in the run "
+        "starts agents: `streamppo agents` (or any client of POST /episodes/claim) runs them elsewhere.",
+    )
+
+
+class GatewaySection(_Section):
+    """An OpenAI-compatible gateway (``services/gateway/``): agents written for any OpenAI client run each episode,
+    and every call they make is sampled by the generator fleet and written to the log before it is answered."""
+
+    host: str = Field("127.0.0.1", description="The address the gateway's HTTP server binds.")
+    port: str = Field(
+        "8400-8431",
+        pattern=r"^\d+(-\d+)?$",
+        description="A port, or a range FIRST-LAST: each replica serves on the first free one (0: any free port).",
+    )
+    public_url: str | None = Field(
+        None, description="The URL agents reach a replica at, which base URLs are made of; default http://HOST:PORT."
+    )
+    model_name: str | None = Field(
+        None, description="The model's name in /v1/models and in answers; default: the actor folder's name."
+    )
+    call_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="A call the generators have not answered in this long gets a retryable error (503 with "
+        "Retry-After); the agent's client retries it.",
+    )
+    episode_timeout_s: float = Field(
+        300.0, gt=0, description="An episode with no call, reward or end for this long ends (outcome timed_out)."
+    )
+    unrewarded: Literal["dead_letter", "score", "reward"] = Field(
+        "dead_letter",
+        description="What becomes of an episode that ends without a reward posted (the agent ended it without one, "
+        "failed, or it timed out): dead_letter: not trained, its rows written to episodes.dlq; score: trained on the "
+        "run's reward section's score alone (a verifiable reward on the answer); reward: trained with "
+        "unrewarded_reward as what the agent would have posted. Each is counted by outcome.",
+    )
+    unrewarded_reward: float = Field(0.0, description="With unrewarded: reward, the reward such an episode gets.")
+    max_calls: int = Field(64, gt=0, description="Calls per episode at most; one more is refused (400).")
+    max_episode_tokens: int = Field(
+        4096,
+        gt=0,
+        description="Tokens of an episode's row after its first prompt at most (the model's and the conversation's); "
+        "a call whose prompt and max_tokens would pass it is refused (400, context_length_exceeded).",
+    )
+    max_request_bytes: int = Field(1 << 20, gt=0, description="The largest request body accepted (413 past it).")
+    agent: AgentSection | None = Field(
+        None,
+        description="The agent the run starts for each episode; none: agents "
+        "claim episodes over HTTP (POST /episodes/claim).",
+    )
+
+    @field_validator("port", mode="before")
+    @classmethod
+    def _port_as_text(cls, port):
+        return str(port) if isinstance(port, int) and not isinstance(port, bool) else port
+
+    @model_validator(mode="after")
+    def _reward_only_for_reward(self):
+        if "unrewarded_reward" in self.model_fields_set and self.unrewarded != "reward":
+            raise ValueError("gateway.unrewarded_reward is read only with gateway.unrewarded: reward")
+        return self
+
+
 class RewardSection(_Section):
     function: str | None = Field(None, description="'module:function' taking (prompts, responses) -> scores.")
     model: str | None = Field(None, description="Sequence-classification reward model folder (one label).")
@@ -379,8 +455,9 @@ class RewardSection(_Section):
     batch_size: int = Field(16, gt=0)
     environment_weight: float = Field(
         1.0,
-        description="An episode's score is the reward's plus this times what its environment returned (environment"
-        "_reward; 0 for a single answer). With recipes.rewards:no_score the environment alone scores.",
+        description="An episode's score is the reward's plus this times its own reward (environment_reward: what "
+        "its environment returned, or what its agent posted through a gateway; 0 for a single answer). With "
+        "recipes.rewards:no_score that alone scores.",
     )
 
     @model_validator(mode="after")
@@ -812,11 +889,24 @@ class RunConfig(_Section):
     environment: EnvironmentSection | None = Field(
         None, description="Multi-turn episodes with an environment (tools); none: each response is one answer."
     )
+    gateway: GatewaySection | None = Field(
+        None,
+        description="Episodes run by agents you already have, through an OpenAI-compatible gateway (every call on "
+        "the log); none: the generator samples each response itself.",
+    )
+
+    @property
+    def episodes(self) -> bool:
+        """Whether responses are multi-turn episodes with a reward of their own (environment_reward): an environment's,
+        or what an agent posted through a gateway."""
+        return self.environment is not None or self.gateway is not None
 
     @property
     def max_response_tokens(self) -> int:
         """The longest a response can be: one answer's generation.max_new_tokens, or an episode's budget (the model's
         and the environment's tokens)."""
+        if self.gateway is not None:
+            return self.gateway.max_episode_tokens
         env = self.environment
         if env is None:
             return self.generation.max_new_tokens
@@ -889,6 +979,16 @@ class RunConfig(_Section):
             raise ValueError(
                 "environment.placement bus needs generation.streaming: true (a generator that samples whole batches "
                 "would hold its batch while the environment replicas answer); or set environment.placement: local"
+            )
+        if self.gateway is not None and env is not None:
+            raise ValueError(
+                "gateway and environment are two ways to run episodes: with a gateway your agent owns the loop (its "
+                "tools included); set one of them"
+            )
+        if self.gateway is not None and not self.generation.streaming:
+            raise ValueError(
+                "gateway needs generation.streaming: true (the generators answer the agents' calls as they come, "
+                "many at once)"
             )
         for name in ("groups_per_record", "flush_s", "in_flight_updates"):
             if self._explicit(f"generation.{name}") and not self.generation.streaming:

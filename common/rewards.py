@@ -7,12 +7,13 @@ returns one float per response. The rule rewards the examples train on are in :m
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from collections.abc import Callable, Sequence
 
 import torch
+
+from common.named import NamedError, load_named
 
 __all__ = [
     "RewardError",
@@ -31,13 +32,11 @@ class RewardError(RuntimeError):
 
 
 def load_reward_function(spec: str) -> RewardFn:
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise RewardError(f"reward function {spec!r} must be written module:function")
+    """The function ``spec`` names: ``module:function``, or ``path/to/file.py:function`` (:mod:`common.named`)."""
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise RewardError(f"cannot import reward function {spec!r}: {exc}") from None
+        fn = load_named(spec, "reward.function")
+    except NamedError as exc:
+        raise RewardError(str(exc)) from None
     if not callable(fn):
         raise RewardError(f"reward function {spec!r} is not callable")
     return fn

@@ -24,8 +24,11 @@ import numpy as np
 __all__ = [
     "BatchMessage",
     "BatchReference",
+    "Completion",
+    "CompletionRequest",
     "DeadLetter",
     "EnvironmentReply",
+    "EpisodeEvent",
     "EpisodeTurn",
     "ExperienceBatch",
     "LEARNER_EPOCH",
@@ -139,7 +142,14 @@ def array(dtype: str, *dims: str, doc: str):
 
 # (lengths field, padded width dimension) pairs: a length may not exceed the width it measures.
 _LENGTHS = (("prompt_lengths", "P"), ("response_lengths", "T"))
-_TOKENS = ("prompt_tokens", "response_tokens", "prompt_index", "group_index", "no_signal_groups")
+_TOKENS = (
+    "prompt_tokens",
+    "response_tokens",
+    "prompt_index",
+    "group_index",
+    "no_signal_groups",
+    "dead_lettered_groups",
+)
 
 
 @dataclass
@@ -301,6 +311,11 @@ def _every_token_the_models(raw: dict) -> dict:
     }
 
 
+def _no_dead_letters(raw: dict) -> dict:
+    """Before gateways no group was dead-lettered whole on its way."""
+    return raw | {"dead_lettered_groups": _raw_array(np.zeros(0), "int64")}
+
+
 @dataclass
 class RolloutBatch(BatchMessage):
     SCHEMA: ClassVar[str] = "rollouts"
@@ -308,13 +323,14 @@ class RolloutBatch(BatchMessage):
         "N = B·n sampled responses (n per prompt) with the behaviour policy's per-token log-probs and the policy "
         "version that sampled each token. The header's policy_version is the oldest of them."
     )
-    # Version 2 added prompt_label, version 3 token_versions, version 4 response_mask and turns (episodes), here
-    # and so in every schema that extends this one.
-    VERSION: ClassVar[int] = 4
+    # Version 2 added prompt_label, version 3 token_versions, version 4 response_mask and turns (episodes), version 5
+    # dead_lettered_groups (gateways), here and so in every schema that extends this one.
+    VERSION: ClassVar[int] = 5
     UPGRADES: ClassVar[dict] = {
-        1: _chain(_unlabelled_v1_to_v2, _one_version_per_token, _every_token_the_models),
-        2: _chain(_one_version_per_token, _every_token_the_models),
-        3: _every_token_the_models,
+        1: _chain(_unlabelled_v1_to_v2, _one_version_per_token, _every_token_the_models, _no_dead_letters),
+        2: _chain(_one_version_per_token, _every_token_the_models, _no_dead_letters),
+        3: _chain(_every_token_the_models, _no_dead_letters),
+        4: _no_dead_letters,
     }
 
     group_index: np.ndarray = array("int64", "N", doc="Row of the prompt batch each response was sampled for.")
@@ -365,6 +381,13 @@ class RolloutBatch(BatchMessage):
         doc="What the environment's steps returned as reward over each episode, summed; 0 for a single answer. The "
         "scorer's reward section says how it enters the score.",
     )
+    dead_lettered_groups: np.ndarray = array(
+        "int64",
+        "D",
+        doc="Rows of the prompt batch whose groups this record settles with no response: every episode of them was "
+        "dead-lettered on the way (a gateway's unrewarded: dead_letter). Never trained; the learner counts them as "
+        "used up.",
+    )
 
     @classmethod
     def check(cls, values: dict, dims: dict[str, int]) -> None:
@@ -409,12 +432,20 @@ class RolloutBatch(BatchMessage):
         """The rows of the prompt batch whose groups this record carries (ascending)."""
         return sorted({int(g) for g in self.group_index})
 
+    def groups_accounted(self) -> list[int]:
+        """The groups this record settles: those it carries and those dead-lettered whole on the way."""
+        return sorted({*self.groups(), *(int(g) for g in self.dead_lettered_groups)})
+
     def idempotency_keys(self) -> list[str]:
-        return [group_key(self.step, g) for g in self.groups()] or [self.batch_id]
+        return [group_key(self.step, g) for g in self.groups_accounted()] or [self.batch_id]
 
     def without_groups(self, keys: set[str]) -> RolloutBatch:
         """A copy without the groups whose keys are in ``keys`` (e.g. those handled already)."""
-        return self.take_rows(np.array([group_key(self.step, int(g)) not in keys for g in self.group_index], bool))
+        trimmed = self.take_rows(np.array([group_key(self.step, int(g)) not in keys for g in self.group_index], bool))
+        trimmed.dead_lettered_groups = np.array(
+            [g for g in self.dead_lettered_groups if group_key(self.step, int(g)) not in keys], dtype=np.int64
+        )
+        return trimmed
 
     def take_rows(self, keep: np.ndarray) -> RolloutBatch:
         """A copy with the responses where ``keep`` (``(N,)`` bool) is True; every other field as it is."""
@@ -456,13 +487,20 @@ class ExperienceBatch(ScoredBatch):
     SCHEMA: ClassVar[str] = "experience"
     DOC: ClassVar[str] = "Scored rollouts with critic values, KL-shaped token rewards, and raw (unwhitened) GAE."
     # Version 3 added no_signal_groups (dynamic sampling), version 4 token_versions (from the rollouts' version 3),
-    # version 5 response_mask and turns (the rollouts' version 4).
-    VERSION: ClassVar[int] = 5
+    # version 5 response_mask and turns (the rollouts' version 4), version 6 dead_lettered_groups (the rollouts' 5).
+    VERSION: ClassVar[int] = 6
     UPGRADES: ClassVar[dict] = {
-        1: _chain(_unlabelled_v1_to_v2, _experience_v2_to_v3, _one_version_per_token, _every_token_the_models),
-        2: _chain(_experience_v2_to_v3, _one_version_per_token, _every_token_the_models),
-        3: _chain(_one_version_per_token, _every_token_the_models),
-        4: _every_token_the_models,
+        1: _chain(
+            _unlabelled_v1_to_v2,
+            _experience_v2_to_v3,
+            _one_version_per_token,
+            _every_token_the_models,
+            _no_dead_letters,
+        ),
+        2: _chain(_experience_v2_to_v3, _one_version_per_token, _every_token_the_models, _no_dead_letters),
+        3: _chain(_one_version_per_token, _every_token_the_models, _no_dead_letters),
+        4: _chain(_every_token_the_models, _no_dead_letters),
+        5: _no_dead_letters,
     }
 
     values: np.ndarray = array(
@@ -501,11 +539,9 @@ class ExperienceBatch(ScoredBatch):
     )
 
     def groups_accounted(self) -> list[int]:
-        """The groups this record settles: those it carries and those it says were dropped for want of signal."""
-        return sorted({*self.groups(), *(int(g) for g in self.no_signal_groups)})
-
-    def idempotency_keys(self) -> list[str]:
-        return [group_key(self.step, g) for g in self.groups_accounted()] or [self.batch_id]
+        """The groups this record settles: those it carries, those dropped for want of signal, and those
+        dead-lettered on the way."""
+        return sorted({*super().groups_accounted(), *(int(g) for g in self.no_signal_groups)})
 
     def without_groups(self, keys: set[str]) -> ExperienceBatch:
         trimmed = super().without_groups(keys)
@@ -579,6 +615,165 @@ class EnvironmentReply(BatchMessage):
 
     def idempotency_keys(self) -> list[str]:
         return [f"{self.reply_to}|{self.episode}.{self.turn}"]
+
+
+# ------------------------------------------------------------------ an agent's calls through the gateway
+
+
+@dataclass
+class CompletionRequest(BatchMessage):
+    SCHEMA: ClassVar[str] = "requests"
+    DOC: ClassVar[str] = (
+        "One call of an agent's episode, from a gateway to the generator fleet: the whole prompt as token ids, to be "
+        "answered with one response on completions. The batch id is the call's id."
+    )
+
+    episode: str = scalar("str", "The episode: '<step>/<row>#<index>', its group's key and its index in the group.")
+    call: str = scalar("str", "The call's id, unique in the run ('<episode>/<key>'); the answer carries it.")
+    reply_to: str = scalar(
+        "str",
+        "The gateway process waiting for the answer ('<replica>/<incarnation>'); an answer for another is ignored, so "
+        "a restarted gateway never takes one meant for its predecessor.",
+    )
+    prompt_tokens: np.ndarray = array("int64", "P", doc="The prompt's token ids, whole.")
+    max_tokens: int = scalar("int", "The most tokens the response may have.")
+    temperature: float = scalar("float", "Sampling temperature (> 0).")
+    top_p: float = scalar("float", "Nucleus sampling's mass, in (0, 1].")
+    top_k: int = scalar("int", "Top-k sampling; 0: off.")
+    seed: int = scalar("int", "The call's sampling seed.")
+    stop: list = _wire(StringList("S", "Strings that end the response besides EOS (kept in its tokens)."))
+
+    @classmethod
+    def check(cls, values: dict, dims: dict[str, int]) -> None:
+        super().check(values, dims)
+        if dims["P"] == 0 or values["max_tokens"] < 1:
+            raise SchemaError(f"{cls.SCHEMA}: a request needs a prompt and max_tokens of at least 1")
+        if not (values["temperature"] > 0 and 0 < values["top_p"] <= 1 and values["top_k"] >= 0):
+            raise SchemaError(f"{cls.SCHEMA}: temperature must be > 0, top_p in (0, 1], top_k >= 0")
+
+    @property
+    def rows(self) -> int:
+        return 1
+
+    def idempotency_keys(self) -> list[str]:
+        return [f"{self.reply_to}|{self.call}"]
+
+
+@dataclass
+class Completion(BatchMessage):
+    SCHEMA: ClassVar[str] = "completions"
+    DOC: ClassVar[str] = (
+        "A generator's answer to one request (requests): the sampled token ids with their behaviour log-probs and the "
+        "policy version that sampled each. The header's policy_version is the oldest of them."
+    )
+
+    episode: str = scalar("str", "The episode (as in the request).")
+    call: str = scalar("str", "The call answered (as in the request).")
+    reply_to: str = scalar("str", "The gateway process that asked (as in the request).")
+    response_tokens: np.ndarray = array("int64", "T", doc="The sampled token ids, EOS or the stop string included.")
+    behaviour_logprobs: np.ndarray = array(
+        "float32", "T", doc="log π_behaviour of each sampled token at the sampling temperature."
+    )
+    token_versions: np.ndarray = array("int32", "T", doc="The policy version that sampled each token.")
+    text: str = scalar(
+        "str",
+        "The response as the client reads it: decoded without special tokens, cut before the first stop string.",
+    )
+    finish_reason: str = scalar("str", "'stop' (EOS or a stop string), 'length' (max_tokens), or 'error' (see status).")
+    status: str = scalar(
+        "str", "'ok', or why the request could not be sampled (a prompt longer than the engine takes), in one line."
+    )
+
+    @classmethod
+    def check(cls, values: dict, dims: dict[str, int]) -> None:
+        super().check(values, dims)
+        versions = values["token_versions"]
+        if versions.size and int(versions.min()) != values["policy_version"]:
+            raise SchemaError(f"{cls.SCHEMA}: policy_version is not the oldest of token_versions")
+        if values["finish_reason"] not in ("stop", "length", "error"):
+            raise SchemaError(f"{cls.SCHEMA}: finish_reason must be stop, length or error")
+
+    @property
+    def rows(self) -> int:
+        return 1
+
+    def idempotency_keys(self) -> list[str]:
+        return [f"{self.reply_to}|{self.call}"]
+
+
+EPISODE_EVENTS = ("start", "call", "reward", "end")
+EPISODE_OUTCOMES = ("rewarded", "ended", "failed", "timed_out")
+
+
+@dataclass
+class EpisodeEvent(BatchMessage):
+    SCHEMA: ClassVar[str] = "episodes"
+    DOC: ClassVar[str] = (
+        "The gateways' log of agents' episodes, one event at a time, in order per episode (its step picks the "
+        "partition): an agent took the episode (start), one call answered (call, written before the answer is "
+        "returned), a reward posted (reward), the episode over (end). Any gateway replica rebuilds an episode from "
+        "it; the one that holds the episode's prompt batch turns its calls into rollouts once every episode of a group "
+        "has ended. The batch id is the episode's prompt batch's."
+    )
+
+    episode: str = scalar("str", "The episode: '<step>/<row>#<index>'.")
+    kind: str = scalar("str", "'start', 'call', 'reward' or 'end'.")
+    event: str = scalar("str", "The event's id, unique in the run: a call's id for a call.")
+    parent: str = scalar(
+        "str",
+        "call: the earlier call whose prompt and response this call's prompt extends (its tokens are reused as they "
+        "are); '' when it extends none and begins a new row of the episode.",
+    )
+    request_digest: str = scalar(
+        "str",
+        "call: a digest of the request as the client sent it (model, messages or prompt, limits): a retry's is "
+        "the same.",
+    )
+    messages: int = scalar("int", "call: the messages of its chat (0 for a prompt of the completions API).")
+    prompt_text: str = scalar(
+        "str", "call: the prompt's text after the parent's response (the whole prompt without a parent)."
+    )
+    prompt_tokens: np.ndarray = array(
+        "int64",
+        "P",
+        doc="call: the prompt's token ids after the parent's response (the whole prompt without a parent).",
+    )
+    response_tokens: np.ndarray = array("int64", "T", doc="call: the sampled token ids.")
+    behaviour_logprobs: np.ndarray = array("float32", "T", doc="call: their behaviour log-probs.")
+    token_versions: np.ndarray = array("int32", "T", doc="call: the policy version that sampled each.")
+    text: str = scalar("str", "call: the response as the client read it.")
+    finish_reason: str = scalar("str", "call: 'stop' or 'length'.")
+    reward: float = scalar("float", "reward: the reward posted; end: the reward it ends with (see outcome).")
+    outcome: str = scalar(
+        "str",
+        "end: 'rewarded' (a reward was posted), 'ended' (the agent ended it without one), 'failed' (the agent failed), "
+        "'timed_out' (nothing came for gateway.episode_timeout_s); the gateway's unrewarded policy says what becomes "
+        "of all but the first.",
+    )
+    detail: str = scalar("str", "start: the agent that took it; end: why it ended ('' when the agent ended it).")
+
+    @classmethod
+    def check(cls, values: dict, dims: dict[str, int]) -> None:
+        super().check(values, dims)
+        kind = values["kind"]
+        if kind not in EPISODE_EVENTS:
+            raise SchemaError(f"{cls.SCHEMA}: kind must be one of {', '.join(EPISODE_EVENTS)}, not {kind!r}")
+        if kind != "call" and (dims["P"] or dims["T"]):
+            raise SchemaError(f"{cls.SCHEMA}: a {kind} event carries no tokens")
+        if kind == "call" and values["finish_reason"] not in ("stop", "length"):
+            raise SchemaError(f"{cls.SCHEMA}: a call's finish_reason must be stop or length")
+        versions = values["token_versions"]
+        if versions.size and int(versions.min()) != values["policy_version"]:
+            raise SchemaError(f"{cls.SCHEMA}: policy_version is not the oldest of token_versions")
+        if kind == "end" and values["outcome"] not in EPISODE_OUTCOMES:
+            raise SchemaError(f"{cls.SCHEMA}: an end's outcome must be one of {', '.join(EPISODE_OUTCOMES)}")
+
+    @property
+    def rows(self) -> int:
+        return 1
+
+    def idempotency_keys(self) -> list[str]:
+        return [self.event]
 
 
 def chain_link(digest: str, uri: str) -> str:
@@ -737,6 +932,9 @@ MESSAGE_TYPES: dict[str, type] = {
         BatchReference,
         EpisodeTurn,
         EnvironmentReply,
+        CompletionRequest,
+        Completion,
+        EpisodeEvent,
     )
 }
 # The message type each pipeline topic carries. Dead-letter topics are named "<topic>.dlq".
@@ -748,6 +946,9 @@ TOPIC_MESSAGE: dict[str, type] = {
     "weights": WeightAnnouncement,
     "turns": EpisodeTurn,
     "observations": EnvironmentReply,
+    "requests": CompletionRequest,
+    "completions": Completion,
+    "episodes": EpisodeEvent,
 }
 
 

@@ -108,6 +108,7 @@ _STATISTICS = (
     Statistic("sequences", "responses in the batch"),
     Statistic("dropped_stale", "groups dropped so far as too stale or from an impossible version"),
     Statistic("no_signal_groups", "groups dropped so far for want of signal (algorithm.dynamic_sampling)"),
+    Statistic("dead_lettered_groups", "groups so far every episode of which a gateway dead-lettered (never trained)"),
     Statistic("staleness_max", "versions between the learner and the oldest policy that sampled a sequence"),
     Statistic("staleness_counts", "groups trained at each staleness ({versions: groups})"),
     Statistic("digests", "the digests of the snapshots this update made ({model: digest}; streamppo replay)"),

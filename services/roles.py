@@ -37,6 +37,9 @@ class Role:
     summary: str  # one line for `streamppo --help`
     input_topic: str | None  # None: the role consumes nothing (the feeder)
     output_topic: str
+    # (input, output) in a run where the role answers another role's channel instead, None where it does not (the
+    # generator answers the gateway's calls in a gateway run).
+    serves_channel: Callable[[RunConfig], tuple[str, str] | None] = lambda config: None
     weight_models: tuple[str, ...] = ()  # models whose announcements on WEIGHTS_TOPIC its replicas load
     max_replicas: int | None = None  # None: as many as the user starts
     ends_run: bool = False  # the run is over when every replica of such a role is done
@@ -44,6 +47,10 @@ class Role:
     # Whether a run of this config has the role (every run but for optional roles, e.g. environments).
     runs_when: Callable[[RunConfig], bool] = lambda config: True
     requirement: str = ""  # what runs_when asks of the config, in words, for the error when it is not met
+
+    def topics(self, config: RunConfig) -> tuple[str | None, str]:
+        """``(input, output)``: the role's topics in a run of ``config``."""
+        return self.serves_channel(config) or (self.input_topic, self.output_topic)
 
     def service_class(self) -> type:
         """The :class:`services.service.Service` subclass that implements the role (imported now)."""
@@ -74,6 +81,17 @@ ROLES: dict[str, Role] = {
             input_topic="prompts",
             output_topic="rollouts",
             weight_models=("actor",),
+            serves_channel=lambda config: ("requests", "completions") if config.gateway is not None else None,
+        ),
+        Role(
+            "gateway",
+            "services.gateway:GatewayService",
+            "prompts → rollouts: agents run the episodes through an OpenAI-compatible API; the generators sample",
+            input_topic="prompts",
+            output_topic="rollouts",
+            weight_models=("actor",),
+            runs_when=lambda config: config.gateway is not None,
+            requirement="a gateway section",
         ),
         Role(
             "scorer",

@@ -56,6 +56,7 @@ __all__ = ["LOG_CHECK_S", "ServiceRunner", "consumer_group"]
 
 LOG_CHECK_S = 2.0  # how often a replica checks that its log is still the one it started on
 STREAM_POLL_S = 0.01  # how long a streaming service's runner waits, with work in hand, before collecting again
+ADMIT_PER_POLL = 64  # the most inputs a streaming service is given in one poll
 
 
 class _BusChannel(Channel):
@@ -66,18 +67,50 @@ class _BusChannel(Channel):
     def __init__(self, runner: ServiceRunner, requests: str, replies: str):
         self.runner, self.requests, self.replies = runner, requests, replies
         self.reader = runner.bus.consumer(replies, group=None, client_id=f"{runner.replica_id}.{replies}")
+        self.read: list[Record] = []  # read by caught_up(), not yet received
 
     def send(self, message: Message) -> None:
         self.runner._produce([message], topic=self.requests)
 
     def receive(self) -> list[Message]:
         received = []
-        while records := self.reader.poll(0.0, max_records=64):
+        records, self.read = self.read, []
+        while records or (records := self.reader.poll(0.0, max_records=64)):
             for record in records:
                 message = self.runner._accept(record, TOPIC_MESSAGE[self.replies])
                 if message is not None:
                     received.append(message)
+            records = []
         return received
+
+    def caught_up(self) -> bool:
+        # A read longer than the broker holds an empty fetch (kafka.fetch_max_wait_ms) includes a fetch that began
+        # after this call: finding nothing, everything written before it has been read.
+        records = self.reader.poll(2 * self.reader.fetch_wait_s + 0.05 if self.reader.fetch_wait_s else 0.0, 64)
+        self.read.extend(records)
+        return not records and self.reader.lag() == 0
+
+    def dead_letter(self, message: Message, error: str) -> None:
+        letter = DeadLetter(
+            error=error,
+            source_topic=self.requests,
+            source_partition=-1,
+            source_offset=-1,
+            payload=encode(message),
+            producer=self.runner.replica_id,
+            created_at=time.time(),
+        )
+        self.runner.producer.send(dlq_topic(self.requests), encode(letter), key=message_key(message))
+        self.runner.producer.flush()
+        self.runner._count("dead_letter")
+        log.warning(
+            "%s: %s %s set aside on %s: %s",
+            self.runner.replica_id,
+            message.SCHEMA,
+            message.batch_id,
+            dlq_topic(self.requests),
+            error,
+        )
 
     def close(self) -> None:
         self.reader.close()
@@ -155,10 +188,9 @@ class ServiceRunner:
         self.processing = False  # True while an input is processed: a stop request waits for it (see _process)
         self.unsent: tuple[Record, list[Message], bool] | None = None  # outputs whose sending failed (see _process)
         self.settled: bool | None = None  # see settle()
-        topics = service.channel_topics()
-        self.channel = _BusChannel(self, *topics) if topics is not None else None
-        if self.channel is not None:
-            service.connect(self.channel)
+        self.channels = {name: _BusChannel(self, *topics) for name, topics in service.channels().items()}
+        if self.channels:
+            service.connect(dict(self.channels))
         self._produce(service.start())
 
     # ------------------------------------------------------------------ one step
@@ -188,7 +220,16 @@ class ServiceRunner:
         # While work is in hand, come back soon for its outputs rather than waiting on input.
         wait = 0.0 if did else min(timeout_s, STREAM_POLL_S) if self.in_flight else timeout_s
         if self.service.room() > 0:
-            return self._take_input(wait, self._admit) or did
+            # As many inputs as it has room for (a generator answering a gateway takes each call as it comes), the
+            # first waited for, the others only if they are there.
+            taken = 0
+            while (
+                taken < ADMIT_PER_POLL
+                and self.service.room() > 0
+                and self._take_input(wait if not taken else 0.0, self._admit)
+            ):
+                taken += 1
+            return bool(taken) or did
         if not did:
             time.sleep(wait)
         return did
@@ -479,7 +520,8 @@ class ServiceRunner:
         """Counters plus the consumer lag (records in this replica's partitions not yet consumed)."""
         lag = self.work.lag() if self.work is not None else 0
         busy = round(sum(self.seconds.values()), 1)
-        return {**self.counters, "lag": lag, "held": len(self.held), "in_flight": len(self.in_flight), "busy_s": busy}
+        counted = {**self.counters, **self.service.counters()}
+        return {**counted, "lag": lag, "held": len(self.held), "in_flight": len(self.in_flight), "busy_s": busy}
 
     def waiting_for(self) -> str:
         if not self.held:
@@ -514,7 +556,7 @@ class ServiceRunner:
             held=len(self.held),
             held_seconds=round(held_seconds, 1),
             lag=self.work.lag() if self.work is not None else 0,
-            counters={**self.counters, **versions},
+            counters={**self.counters, **self.service.counters(), **versions},
             created_at=time.time(),
         )
         self.producer.send(STATUS_TOPIC, encode(status), key=self.replica_id.encode())
@@ -593,8 +635,8 @@ class ServiceRunner:
             self.work.close()
         if self.weights is not None:
             self.weights.close()
-        if self.channel is not None:
-            self.channel.close()
+        for channel in self.channels.values():
+            channel.close()
 
     # ------------------------------------------------------------------ internals
 

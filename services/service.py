@@ -73,7 +73,9 @@ class Collected:
 class Channel(ABC):
     """A request/reply exchange a service holds beside its input and output (the generator's model turns to the
     environment replicas, and their answers), given to it by its runner (:meth:`Service.connect`). Nothing on it is
-    committed: a reply that never comes is the service's to time out, and a request is sent again only by it."""
+    committed: a reply that never comes is the service's to time out, and a request is sent again only by it. A
+    channel whose requests and replies are one topic is a log the service's replicas share (the gateway's episodes):
+    each replica reads all of it, its own records included."""
 
     @abstractmethod
     def send(self, message: Message) -> None:
@@ -82,6 +84,16 @@ class Channel(ABC):
     @abstractmethod
     def receive(self) -> list[Message]:
         """The replies that came since the last call, decoded and checked (what is not valid is dead-lettered)."""
+
+    @abstractmethod
+    def caught_up(self) -> bool:
+        """Whether every reply written before this call has been received: False until a read from the broker that
+        began after it found nothing more (call again; :meth:`receive` meanwhile)."""
+
+    @abstractmethod
+    def dead_letter(self, message: Message, error: str) -> None:
+        """Set ``message`` (made by the service, never sent) aside on the requests topic's dead-letter topic, with
+        why."""
 
 
 class ProcessGroup(ABC):
@@ -156,11 +168,11 @@ class Service(ABC):
 
     @property
     def input_topic(self) -> str | None:
-        return self.spec.input_topic
+        return self.spec.topics(self.config)[0]
 
     @property
     def output_topic(self) -> str:
-        return self.spec.output_topic
+        return self.spec.topics(self.config)[1]
 
     @property
     def weight_models(self) -> tuple[str, ...]:
@@ -214,13 +226,13 @@ class Service(ABC):
 
     # ------------------------------------------------------------------ a request/reply exchange (optional)
 
-    def channel_topics(self) -> tuple[str, str] | None:
-        """``(requests, replies)``: the topics of a :class:`Channel` the service needs (None: none). The runner then
-        calls :meth:`connect` before the first input."""
-        return None
+    def channels(self) -> dict[str, tuple[str, str]]:
+        """``{name: (requests, replies)}``: the topics of each :class:`Channel` the service needs (none by default).
+        The runner then calls :meth:`connect` before the first input."""
+        return {}
 
-    def connect(self, channel: Channel) -> None:
-        """Take the channel :meth:`channel_topics` asked for."""
+    def connect(self, channels: dict[str, Channel]) -> None:
+        """Take the channels :meth:`channels` asked for, by name."""
 
     def tick(self) -> list[Message]:
         """Called when the runner found nothing to do: outputs of work a service takes up on time alone (a learner
@@ -243,6 +255,11 @@ class Service(ABC):
         runner takes its memory of handled batch ids from it, so that a batch applied before a crash but not yet
         committed is recognised when it comes back."""
         return None
+
+    def counters(self) -> dict[str, int]:
+        """What the service counts beyond the runner's outcomes (the gateway's calls and episodes), for the status
+        line and the status topic."""
+        return {}
 
     def done(self) -> bool:
         """Whether this replica has finished its part of the run; most services serve until stopped."""

@@ -32,13 +32,15 @@ from common.schema import (
 PROTOS = Path(__file__).resolve().parent.parent / "protos"
 
 
-# The fields that rollouts version 4 (experience 5) added for multi-turn episodes.
+# The fields that rollouts version 4 (experience 5) added for multi-turn episodes, and version 5 (experience 6) for
+# gateways.
 EPISODE_FIELDS = ("response_mask", "turns", "environment_reward")
+GATEWAY_FIELDS = ("dead_lettered_groups",)
 
 
 def sample_message(cls, rng: np.random.Generator, dims: dict[str, int] | None = None):
     """A valid message of ``cls`` with random content."""
-    dims = {"K": 2, "J": 1} | (dims or {"B": 2, "N": 3, "P": 4, "T": 5, "L": 2, "G": 1})
+    dims = {"K": 2, "J": 1, "S": 2, "D": 0} | (dims or {"B": 2, "N": 3, "P": 4, "T": 5, "L": 2, "G": 1})
     values = {}
     for name, wire in cls.wire_fields():
         if isinstance(wire, Array):
@@ -65,8 +67,14 @@ def sample_message(cls, rng: np.random.Generator, dims: dict[str, int] | None = 
     if "response_mask" in values:  # the model's tokens lie among the real ones; an episode has a turn at least
         values["response_mask"] &= np.arange(dims["T"]) < values["response_lengths"][:, None]
         values["turns"] = values["turns"] % 3 + 1
+    if cls is schema.CompletionRequest:  # sampling settings within their bounds
+        values["top_p"] = 0.9
+    if cls in (schema.Completion, schema.EpisodeEvent):  # a call's answer
+        values["finish_reason"] = "stop"
+    if cls is schema.EpisodeEvent:
+        values["kind"] = "call"
     if "token_versions" in values:  # the header names the oldest version that sampled a token
-        real = values["response_mask"]
+        real = values.get("response_mask", np.ones(values["token_versions"].shape, bool))
         values["policy_version"] = int(values["token_versions"][real].min()) if real.any() else 7
     return cls(**values)
 
@@ -301,7 +309,7 @@ def test_messages_from_before_labels_read_with_empty_labels(cls):
     del raw["prompt_label"]
     raw.pop("no_signal_groups", None)  # experience version 3 added it
     raw.pop("token_versions", None)  # rollouts version 3 (experience 4) added it
-    for name in EPISODE_FIELDS:  # rollouts version 4 (experience 5) added them
+    for name in EPISODE_FIELDS + GATEWAY_FIELDS:  # rollouts version 4 (experience 5) added them, and 5 (6)
         raw.pop(name, None)
     old = decode(msgpack.packb(raw, use_bin_type=True))
     assert old.prompt_label == [""] * len(current.prompt_text) and old.prompt_text == current.prompt_text
@@ -315,7 +323,7 @@ def test_experience_from_before_dynamic_sampling_reads_with_no_group_dropped():
     raw = msgpack.unpackb(encode(current), raw=False)
     raw["version"] = 2
     del raw["no_signal_groups"], raw["token_versions"]
-    for name in EPISODE_FIELDS:
+    for name in EPISODE_FIELDS + GATEWAY_FIELDS:
         del raw[name]
     old = decode(msgpack.packb(raw, use_bin_type=True))
     assert old.no_signal_groups.shape == (0,) and old.no_signal_groups.dtype == np.int64
@@ -328,7 +336,7 @@ def test_records_from_before_token_versions_read_as_sampled_by_their_header_vers
     current.response_lengths, current.policy_version = np.array([5, 2, 0]), 7
     raw = msgpack.unpackb(encode(current), raw=False)
     raw["version"] = 3 if cls is ExperienceBatch else 2
-    for name in EPISODE_FIELDS + ("token_versions",):
+    for name in EPISODE_FIELDS + GATEWAY_FIELDS + ("token_versions",):
         del raw[name]
     old = decode(msgpack.packb(raw, use_bin_type=True))
     assert old.token_versions.tolist() == [[7] * 5, [7, 7, 0, 0, 0], [0] * 5], "the header's, 0 at padding"
@@ -343,13 +351,32 @@ def test_records_from_before_episodes_read_as_single_answers(cls):
     current.token_versions = np.where(current.response_mask, 3, 0).astype(np.int32)
     current.policy_version = 3
     raw = msgpack.unpackb(encode(current), raw=False)
-    raw["version"] = cls.VERSION - 1
-    for name in EPISODE_FIELDS:
+    raw["version"] = cls.VERSION - 2
+    for name in EPISODE_FIELDS + GATEWAY_FIELDS:
         del raw[name]
     old = decode(msgpack.packb(raw, use_bin_type=True))
     assert old.response_mask.tolist() == current.response_mask.tolist(), "every real token the model's"
     assert old.turns.tolist() == [1, 1, 1] and old.environment_reward.tolist() == [0.0, 0.0, 0.0]
     assert old.model_tokens().tolist() == [5, 2, 0]
+
+
+@pytest.mark.parametrize("cls", [RolloutBatch, ScoredBatch, ExperienceBatch], ids=lambda c: c.SCHEMA)
+def test_records_from_before_gateways_read_with_no_group_dead_lettered(cls):
+    current = sample_message(cls, np.random.default_rng(13))
+    raw = msgpack.unpackb(encode(current), raw=False)
+    raw["version"] = cls.VERSION - 1
+    del raw["dead_lettered_groups"]
+    old = decode(msgpack.packb(raw, use_bin_type=True))
+    assert old.dead_lettered_groups.shape == (0,) and old.dead_lettered_groups.dtype == np.int64
+    assert old.groups_accounted() == sorted({*current.groups(), *getattr(current, "no_signal_groups", [])})
+
+
+def test_a_group_dead_lettered_whole_is_accounted_for_and_deduplicated():
+    message = sample_message(RolloutBatch, np.random.default_rng(14))
+    message.dead_lettered_groups = np.array([9], np.int64)
+    assert f"{message.step}/9" in message.idempotency_keys() and 9 in message.groups_accounted()
+    trimmed = message.without_groups({f"{message.step}/9"})
+    assert trimmed.dead_lettered_groups.tolist() == [] and trimmed.groups() == message.groups()
 
 
 def test_a_mask_that_marks_padding_as_the_models_is_refused():

@@ -97,8 +97,8 @@ class AdvantageService(Service):
         return [experience.take_rows(~no_signal) if no_signal.any() else experience]
 
     def _values(self, message: ScoredBatch, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """``(N, T)`` critic values of the responses; zeros without a critic."""
-        if self.critic is None:
+        """``(N, T)`` critic values of the responses; zeros without a critic (or responses)."""
+        if self.critic is None or message.rows == 0:
             return torch.zeros(tokens.shape, dtype=torch.float32)
         check_token_ids(message, self.critic, "critic")
         prompt_lengths = torch.from_numpy(message.prompt_lengths)

@@ -27,7 +27,6 @@ needs mcp 2).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
 import typing
@@ -36,6 +35,7 @@ from functools import cache
 from typing import Any
 
 from common.config import EnvironmentSection, OpenEnvSection
+from common.named import load_named
 from services.environment.base import Environment, Step
 
 __all__ = ["OpenEnvEnvironment", "openenv_seed"]
@@ -49,11 +49,7 @@ def openenv_seed(prompt: str, label: str) -> int:
 
 
 def _named(path: str, what: str) -> Any:
-    module, _, name = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"environment.openenv.{what} {path!r} cannot be loaded: {exc}") from exc
+    return load_named(path, f"environment.openenv.{what}")  # a NamedError (a ValueError) says what was tried
 
 
 def _string_fields(model: type, exclude: tuple[str, ...] = ()) -> list[str]:

@@ -21,12 +21,12 @@ from its environment (the sum of its steps') travels with it to the scorer (``en
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from common.config import EnvironmentSection
+from common.named import load_named
 
 __all__ = ["Environment", "Step", "load_environment"]
 
@@ -71,11 +71,7 @@ class Environment(ABC):
 
 def load_environment(config: EnvironmentSection) -> type[Environment]:
     """The class ``config.name`` names (``"module:Class"``), checked to be an :class:`Environment`."""
-    module, _, name = config.name.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"environment.name {config.name!r} cannot be loaded: {exc}") from exc
+    cls = load_named(config.name, "environment.name")  # a NamedError (a ValueError) says what was tried
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"environment.name {config.name!r} is not a subclass of {Environment.__qualname__}")
     return cls

@@ -9,6 +9,10 @@ flight (vLLM batches them continuously; the transformers backend samples one gro
 its last response finishes, ``generation.groups_per_record`` of one prompt batch to a record, flushed by count or
 after ``generation.flush_s``. New weights load while responses are being sampled (``generation.in_flight_updates``);
 every token records the version that sampled it.
+
+In a gateway run the generator answers the gateways' calls instead (requests → completions): each request is one
+response to a whole prompt, sampled beside the others as they come, and answered as soon as it finishes. The bound on
+staleness is the gateway's (it hands out episodes as the learner's progress allows).
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from common.admission import Admission
 from common.config import RunConfig
 from common.models import load_tokenizer, resolve_model
 from common.sampling import Samples, SamplingParams
 from common.schema import (
     ADAPTER_BASE,
     LEARNER_GROUPS_DONE,
+    Completion,
+    CompletionRequest,
     PromptBatch,
     RolloutBatch,
     WeightAnnouncement,
@@ -43,6 +50,7 @@ from services.service import Channel, Collected, InputError, Service, check_toke
 log = logging.getLogger(__name__)
 
 STEP_S = 0.05  # streaming: how long one collect() lets the engine run before it sends what finished
+CALLS_IN_FLIGHT = 256  # a gateway run: the calls sampled at once at most (vLLM's default max_num_seqs)
 
 
 @dataclass
@@ -72,10 +80,12 @@ class GeneratorService(Service):
         self.model_id = str(path)
         self.policy_version = 0  # the configured initial weights are version 0
         self.digest = ""  # of the snapshot loaded ("": the configured initial weights)
-        self.groups_done = 0  # groups the learner had used up when it announced the weights loaded
+        self.admission = Admission(config)  # bounded staleness, by the learner's progress in the announcements
         self.queue: deque[tuple[PromptBatch, int]] = deque()  # streaming: the groups admitted, not yet started
         self.sampling: dict[str, tuple[str, int]] = {}  # streaming: per group key in the engine, (batch id, row)
         self.batches: dict[str, _Stream] = {}  # streaming: the prompt batches admitted and not yet sent whole
+        self.calls: dict[str, CompletionRequest] = {}  # a gateway run: the calls in the engine, by request key
+        self.answered: list[Completion] = []  # a gateway run: answers ready to go (calls that could not be sampled)
         broadcast = config.weights.broadcast
         if broadcast.address is not None:
             self.sampler.join_broadcast(broadcast.address, broadcast.timeout_s, config.weights.digest, self.replica_id)
@@ -85,9 +95,11 @@ class GeneratorService(Service):
         if mismatch:
             log.error("%s: keeping actor v%d: %s", self.replica_id, self.policy_version, mismatch)
             return False
-        groups_done = int(announcement.lineage.get(LEARNER_GROUPS_DONE, announcement.policy_version * self._per_update))
+        groups_done = int(
+            announcement.lineage.get(LEARNER_GROUPS_DONE, announcement.policy_version * self.admission.per_update)
+        )
         if self._holds(announcement):  # the learner's progress alone (groups used up without an update)
-            self.groups_done = max(self.groups_done, groups_done)
+            self.admission.groups_done = max(self.admission.groups_done, groups_done)
             return True
         if self.streams and not self.sampler.updates_in_flight:  # generation.in_flight_updates: finish
             while self._source.in_flight():  # the responses being sampled end under the weights that began them
@@ -99,17 +111,18 @@ class GeneratorService(Service):
         ):
             return False
         self.policy_version, self.digest = announcement.policy_version, announcement.digest
-        self.groups_done = groups_done
+        self.admission.groups_done = groups_done
         return True
+
+    @property
+    def groups_done(self) -> int:
+        """Groups the learner had used up when it announced the weights loaded."""
+        return self.admission.groups_done
 
     def _holds(self, announcement: WeightAnnouncement) -> bool:
         """Whether the weights announced are the ones loaded (the initial weights are version 0's)."""
         same_version = announcement.policy_version == self.policy_version
         return same_version and (announcement.digest == self.digest or (self.policy_version == 0 and not self.digest))
-
-    @property
-    def _per_update(self) -> int:
-        return self.config.groups_per_update
 
     def _kind_mismatch(self, announcement: WeightAnnouncement) -> str:
         """Why the announced snapshot is not for this generator (LoRA adapters for its base, or a whole model, as it
@@ -137,36 +150,20 @@ class GeneratorService(Service):
             log.info("%s: actor weights v%d loaded from the broadcast", self.replica_id, version)
         return loaded
 
-    def ready_for(self, message: PromptBatch) -> bool:
-        # Bounded staleness, counted in groups: a group is sampled at most (max_staleness + 1) updates' worth of
-        # groups ahead of what the learner has used up (trained or dropped), so it is trained within max_staleness
-        # versions of the policy that sampled it, however many groups each update takes or drops. A prompt batch is
-        # taken once its first group may be sampled: waiting for all of its groups could wait for good (the learner
-        # holding part of an update, dropped groups, needing this batch to finish it). Streaming then samples each
-        # group only when it may; a whole batch at once may overrun the bound by its other groups, which the
-        # learner drops (with dynamic sampling; otherwise the config keeps updates to whole batches). A step
-        # outside the run is let through for process() to dead-letter: held, it would wait for good.
-        in_run = 0 <= message.step < self.config.prompt_batches
-        return not in_run or self.admits(message.step, 0)
+    def ready_for(self, message: PromptBatch | CompletionRequest) -> bool:
+        if isinstance(message, CompletionRequest):
+            return True  # the gateway handed its episode out within the bound
+        # A prompt batch is taken once its first group may be sampled (common/admission.py). Streaming then samples
+        # each group only when it may; a whole batch at once may overrun the bound by its other groups, which the
+        # learner drops (with dynamic sampling; otherwise the config keeps updates to whole batches).
+        return self.admission.admits_batch(message.step)
 
     def admits(self, step: int, row: int) -> bool:
         """Whether the group of ``row`` of prompt batch ``step`` may be sampled now."""
-        return self._groups_before(step) + row < self._admissible()
-
-    def _groups_before(self, step: int) -> int:
-        """Groups fed before prompt batch ``step``."""
-        return step * self.config.data.batch_size
-
-    def _admissible(self) -> int:
-        """Groups that may have been fed: those used up, and (max_staleness + 1) updates' worth more."""
-        return self.groups_done + (self.config.pipeline.max_staleness + 1) * self._per_update
+        return self.admission.admits(step, row)
 
     def waiting_for(self, message: PromptBatch) -> str:
-        enough = self._groups_before(message.step) - self._admissible() + self.groups_done
-        return (
-            f"prompt batch {message.step} waits for the learner to have used up more than {enough} groups (it has "
-            f"used up {self.groups_done}, actor v{self.policy_version})"
-        )
+        return self.admission.waiting_for(message.step, self.policy_version)
 
     def process(self, message: PromptBatch) -> list[RolloutBatch]:
         self._check(message)
@@ -179,12 +176,17 @@ class GeneratorService(Service):
         return self.config.generation.streaming
 
     def room(self) -> int:
+        if self.config.gateway is not None:
+            return CALLS_IN_FLIGHT - len(self.calls)
         # The next prompt batch is admitted while fewer than a batch's groups wait to be sampled: the engine never
         # runs dry while the bound allows more.
         return int(len(self.queue) < self.config.data.batch_size)
 
-    def admit(self, message: PromptBatch) -> None:
+    def admit(self, message: PromptBatch | CompletionRequest) -> None:
         self._check(message)
+        if isinstance(message, CompletionRequest):
+            self._start_call(message)
+            return
         self.queue.extend((message, row) for row in range(message.rows))
         self.batches[message.batch_id] = _Stream(message, message.rows)
 
@@ -195,17 +197,22 @@ class GeneratorService(Service):
         self._start_admissible()
         if self._source.in_flight():
             self._take_finished(self._source.step(STEP_S))
-        return self._flush(time.monotonic())
+        answers, self.answered = self.answered, []
+        return [Collected(answer.batch_id, [answer], True) for answer in answers] + self._flush(time.monotonic())
 
     def under_way(self) -> bool:
-        return self._source.in_flight() > 0 or any(stream.finished for stream in self.batches.values())
+        return (
+            self._source.in_flight() > 0
+            or bool(self.answered)
+            or any(stream.finished for stream in self.batches.values())
+        )
 
-    def channel_topics(self) -> tuple[str, str] | None:
+    def channels(self) -> dict[str, tuple[str, str]]:
         env = self.config.environment
-        return ("turns", "observations") if env is not None and env.placement == "bus" else None
+        return {"environment": ("turns", "observations")} if env is not None and env.placement == "bus" else {}
 
-    def connect(self, channel: Channel) -> None:
-        self.episodes.connect(channel, self.replica_id)
+    def connect(self, channels: dict[str, Channel]) -> None:
+        self.episodes.connect(channels["environment"], self.replica_id)
 
     @property
     def _source(self):
@@ -224,8 +231,71 @@ class GeneratorService(Service):
             else:
                 self.sampler.submit(key, prompt, params)
 
+    def _start_call(self, request: CompletionRequest) -> None:
+        """Start sampling one call's response (an answer that it cannot be sampled, for a prompt the engine refuses)."""
+        key = request.idempotency_keys()[0]
+        params = SamplingParams(
+            n=1,
+            max_new_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            seed=request.seed,
+            stop=tuple(request.stop),
+        )
+        try:
+            self.sampler.submit(key, request.prompt_tokens.tolist(), params)
+        except ValueError as exc:  # vLLM refuses a prompt (and max_tokens) past the model's length at once
+            log.warning("%s: call %s cannot be sampled: %s", self.replica_id, request.call, exc)
+            self.answered.append(self._completion(request, None, f"cannot be sampled: {exc}".splitlines()[0]))
+            return
+        self.calls[key] = request
+
+    def _completion(self, request: CompletionRequest, samples: Samples | None, status: str = "ok") -> Completion:
+        """The answer to ``request``: the response in ``samples`` (None: an error, said by ``status``)."""
+        length = int(samples.response_lengths[0]) if samples is not None else 0
+        tokens = samples.response_tokens[0, :length].numpy() if samples is not None else np.zeros(0, np.int64)
+        if samples is not None and samples.token_versions is not None:
+            versions = samples.token_versions[0, :length].numpy().astype(np.int32)
+        else:
+            versions = np.full(length, self.policy_version, dtype=np.int32)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        stops = [text.find(stop) for stop in request.stop if stop in text]
+        if samples is None:
+            finish = "error"
+        else:
+            finish = "stop" if stops or bool(samples.finished[0]) else "length"
+        return Completion(
+            **new_header(
+                request.batch_id,
+                self.replica_id,
+                int(versions.min()) if length else self.policy_version,
+                {
+                    **request.lineage,
+                    "generator.backend": self.sampler.backend,
+                    "generator.replica": self.replica_id,
+                    "actor.model": self.model_id,
+                },
+            ),
+            step=request.step,
+            episode=request.episode,
+            call=request.call,
+            reply_to=request.reply_to,
+            response_tokens=tokens.astype(np.int64),
+            behaviour_logprobs=(
+                samples.behaviour_logprobs[0, :length].numpy() if samples is not None else np.zeros(0, np.float32)
+            ),
+            token_versions=versions,
+            text=text[: min(stops)] if stops else text,  # as OpenAI answers: the stop string is not part of it
+            finish_reason=finish,
+            status=status,
+        )
+
     def _take_finished(self, finished: list[tuple[str, Samples]]) -> None:
         for key, samples in finished:
+            if key in self.calls:
+                self.answered.append(self._completion(self.calls.pop(key), samples))
+                continue
             batch_id, row = self.sampling.pop(key)
             if samples.token_versions is None:  # sampled whole, by the weights loaded now
                 samples = dataclasses.replace(samples, token_versions=samples.labelled(self.policy_version))
@@ -257,7 +327,7 @@ class GeneratorService(Service):
 
     # ------------------------------------------------------------------ internals
 
-    def _check(self, message: PromptBatch) -> None:
+    def _check(self, message: PromptBatch | CompletionRequest) -> None:
         if not 0 <= message.step < self.config.prompt_batches:
             raise InputError(
                 f"step {message.step} is outside the run's prompt batches 0..{self.config.prompt_batches - 1}"
@@ -324,6 +394,7 @@ class GeneratorService(Service):
             response_mask=models,
             turns=samples.turn_counts().numpy().astype(np.int64),
             environment_reward=samples.environment_rewards().numpy().astype(np.float32),
+            dead_lettered_groups=np.zeros(0, np.int64),
         )
 
     def close(self) -> None:

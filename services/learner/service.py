@@ -105,6 +105,7 @@ class LearnerService(Service):
         self.updates = 0
         self.dropped_stale = 0  # groups
         self.no_signal = 0  # groups the advantage stage dropped (dynamic sampling)
+        self.dead_lettered = 0  # groups every episode of which a gateway dead-lettered
         self.groups_done = 0  # groups used up: trained, or dropped (stale, no signal)
         self.buffer = GroupBuffer()
         self.ledger = StepLedger(config.data.batch_size)
@@ -154,6 +155,7 @@ class LearnerService(Service):
         self.buffer.load(folder)
         self.updates, self.dropped_stale = meta["updates"], meta["dropped_stale"]
         self.no_signal = meta.get("no_signal", 0)
+        self.dead_lettered = meta.get("dead_lettered", 0)
         # Checkpoints from before groups: one update trained one whole prompt batch.
         self.groups_done = meta.get("groups_done", self.updates * self.config.data.batch_size)
         self.ledger = StepLedger.from_state(self.config.data.batch_size, meta.get("ledger"), self.updates)
@@ -210,13 +212,14 @@ class LearnerService(Service):
         if self.updates < self.config.run.steps:
             log.error(
                 "%s: the run ends after %d of its %d updates: all %d prompt batches are used (%d groups had no "
-                "signal, %d were too stale); raise algorithm.max_sampling_factor or lower run.steps",
+                "signal, %d were too stale, %d dead-lettered); raise algorithm.max_sampling_factor or lower run.steps",
                 self.replica_id,
                 self.updates,
                 self.config.run.steps,
                 self.config.prompt_batches,
                 self.no_signal,
                 self.dropped_stale,
+                self.dead_lettered,
             )
         export_final_models(
             self.run_dir,
@@ -250,15 +253,17 @@ class LearnerService(Service):
         check_token_ids(message, self.trainer.actor, "actor")
         self.changed = True
         no_signal = [int(g) for g in message.no_signal_groups]
-        self.ledger.settle(message.step, [*message.groups(), *no_signal])
+        dead = [int(g) for g in message.dead_lettered_groups]
+        self.ledger.settle(message.step, message.groups_accounted())
         self.no_signal += len(no_signal)
-        self.groups_done += len(no_signal)
+        self.dead_lettered += len(dead)
+        self.groups_done += len(no_signal) + len(dead)
         self.buffer.add(groups_of(message))
         updates, dropped = self.updates, self._drop_stale()
         dropped += self._train_ready()
         if self.updates > updates:
             return self.announce()
-        return self._progress_announcement() if dropped or no_signal else []
+        return self._progress_announcement() if dropped or no_signal or dead else []
 
     def tick(self) -> list[WeightAnnouncement]:
         # Waiting for a group in flight ends after pipeline.hold_timeout_s (it may never come: dead-lettered on
@@ -363,6 +368,7 @@ class LearnerService(Service):
             "staleness_counts": {str(k): staleness.count(k) for k in sorted(set(staleness))},
             "dropped_stale": self.dropped_stale,
             "no_signal_groups": self.no_signal,
+            "dead_lettered_groups": self.dead_lettered,
             **{k: round(v, 4) for k, v in seconds.items()},
             **stats,
         }
@@ -390,6 +396,7 @@ class LearnerService(Service):
                 "updates": self.updates,
                 "dropped_stale": self.dropped_stale,
                 "no_signal": self.no_signal,
+                "dead_lettered": self.dead_lettered,
                 "groups_done": self.groups_done,
                 "ledger": self.ledger.state(),
                 "done_at": {str(v): done for v, done in self.done_at.items()},

@@ -60,7 +60,7 @@ class ScorerService(Service):
         self.pad_token_id = load_tokenizer(path, m.trust_remote_code).pad_token_id
         self.reward, reward_lineage = load_reward(config)
         self.lineage = {"reference.model": str(path), "scorer.replica": self.replica_id, **reward_lineage}
-        if config.environment is not None:
+        if config.episodes:
             self.lineage["reward.environment_weight"] = config.reward.environment_weight
 
     def close(self) -> None:
@@ -75,7 +75,7 @@ class ScorerService(Service):
             scores = self.reward(message.prompt_text, message.response_text, message.prompt_label)
         except RewardError as exc:  # e.g. a label with no answer in it: this batch cannot be scored, others may
             raise InputError(str(exc)) from None
-        if self.config.environment is not None:  # an episode's reward from its environment goes with its score
+        if self.config.episodes:  # an episode's reward (its environment's, or its agent's) goes with its score
             scores = scores + self.config.reward.environment_weight * torch.from_numpy(message.environment_reward)
         lineage = self.lineage
         if isinstance(self.reward, JudgeScorer):  # how many of this batch's answers got the default score
@@ -94,6 +94,8 @@ class ScorerService(Service):
     def _reference_logprobs(self, message: RolloutBatch) -> torch.Tensor:
         """``(N, T)`` log-probs of the responses under the frozen reference, at the sampling temperature; 0 where the
         model did not sample the token (padding, an environment's tokens)."""
+        if message.rows == 0:  # a record that only settles groups dead-lettered on the way
+            return torch.zeros(message.response_tokens.shape, dtype=torch.float32)
         tokens = torch.from_numpy(message.response_tokens)
         lengths = torch.from_numpy(message.response_lengths)
         prompt_lengths = torch.from_numpy(message.prompt_lengths)

@@ -69,6 +69,10 @@ class Producer(ABC):
 
 
 class Consumer(ABC):
+    # The longest the broker holds a fetch that finds nothing: a poll that waits longer than twice this has read
+    # from a fetch that began after the poll did (what a reader that must be caught up waits for).
+    fetch_wait_s: float = 0.0
+
     @abstractmethod
     def poll(self, timeout_s: float = 0.0, max_records: int = 1) -> list[Record]:
         """Up to ``max_records`` records from the assigned partitions, waiting at most ``timeout_s``."""

@@ -283,12 +283,18 @@ class KafkaBus(Bus):
         if group is None:
             kafka_consumer = connect(None)
             kafka_consumer.assign(self._partitions(kafka_consumer, topic))
-            return _KafkaConsumer(kafka_consumer, topic, None)
+            return _KafkaConsumer(kafka_consumer, topic, None, fetch_wait_s=s.fetch_max_wait_ms / 1000)
         groups = _GroupGenerations(self, topic, group)
         kafka_consumer = connect(groups.current())
         kafka_consumer.subscribe([topic])
         wedged_after_s = max(3 * s.session_timeout_ms / 1000, WEDGED_AFTER_S)
-        return _KafkaConsumer(kafka_consumer, topic, groups.name, _WedgeWatch(groups, connect, wedged_after_s))
+        return _KafkaConsumer(
+            kafka_consumer,
+            topic,
+            groups.name,
+            _WedgeWatch(groups, connect, wedged_after_s),
+            fetch_wait_s=s.fetch_max_wait_ms / 1000,
+        )
 
     def _partitions(self, consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:
         """Every partition of ``topic``, once the broker's metadata names them (it may lag a topic's creation)."""
@@ -430,8 +436,16 @@ class _KafkaProducer(Producer):
 
 
 class _KafkaConsumer(Consumer):
-    def __init__(self, consumer: KafkaConsumer, topic: str, group: str | None, wedge: _WedgeWatch | None = None):
+    def __init__(
+        self,
+        consumer: KafkaConsumer,
+        topic: str,
+        group: str | None,
+        wedge: _WedgeWatch | None = None,
+        fetch_wait_s: float = 0.0,
+    ):
         self.consumer, self.topic, self.group, self.wedge = consumer, topic, group, wedge
+        self.fetch_wait_s = fetch_wait_s
         self.buffer: list[Record] = []
 
     def poll(self, timeout_s: float = 0.0, max_records: int = 1) -> list[Record]:

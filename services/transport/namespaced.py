@@ -63,6 +63,7 @@ class _Producer(Producer):
 class _Consumer(Consumer):
     def __init__(self, consumer: Consumer, bus: NamespacedBus):
         self.consumer, self.bus = consumer, bus
+        self.fetch_wait_s = consumer.fetch_wait_s
 
     def poll(self, timeout_s: float = 0.0, max_records: int = 1) -> list[Record]:
         records = self.consumer.poll(timeout_s, max_records)

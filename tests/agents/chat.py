@@ -1,0 +1,45 @@
+"""Agents for the gateway's tests, written as a user writes one: the `openai` package, a loop of its own. The tests
+name them by file (tests/agents/chat.py:two_turns)."""
+
+from openai import OpenAI
+
+
+def _client(episode) -> OpenAI:
+    # Many retries: the tests kill gateways and generators under these agents.
+    return OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=30, timeout=120)
+
+
+def two_turns(episode):
+    """Asks, then asks again after the answer (the chat goes on): the vowels of the second answer are its reward."""
+    client = _client(episode)
+    messages = [{"role": "user", "content": episode.prompt}]
+    first = client.chat.completions.create(model=episode.model, messages=messages, max_tokens=6)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "and then"},
+    ]
+    second = client.chat.completions.create(model=episode.model, messages=messages, max_tokens=6)
+    text = second.choices[0].message.content
+    return sum(c in "aeiou" for c in text) / max(1, len(text))
+
+
+def three_turns_streamed(episode):
+    """Three turns with stream=True, then leaves the reward to the run's reward section (returns None)."""
+    client = _client(episode)
+    messages = [{"role": "user", "content": episode.prompt}]
+    for _ in range(3):
+        stream = client.chat.completions.create(model=episode.model, messages=messages, max_tokens=5, stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+    return None
+
+
+def edits_history(episode):
+    """Asks twice, but rewrites its first answer before the second call: the episode splits into two rows."""
+    client = _client(episode)
+    messages = [{"role": "user", "content": episode.prompt}]
+    first = client.chat.completions.create(model=episode.model, messages=messages, max_tokens=4)
+    edited = "edited " + first.choices[0].message.content
+    messages += [{"role": "assistant", "content": edited}, {"role": "user", "content": "go on"}]
+    client.chat.completions.create(model=episode.model, messages=messages, max_tokens=4)
+    return 0.5

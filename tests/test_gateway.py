@@ -1,0 +1,504 @@
+"""The gateway: agents written for an OpenAI client run the episodes, and every call lands on the log.
+
+The prompt-building rule (tokens reused exactly, history edits split) and the episode book are checked on their own;
+then whole runs with real clients: the `openai` package against the gateway of an embedded run (the generator,
+scorer, advantage service and learner behind it), the test itself being the agent where it needs to misbehave.
+"""
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from conftest import REPO
+from helpers import read_messages
+from openai import OpenAI
+
+from common.named import NamedError, load_named
+from common.schema import EpisodeEvent, ExperienceBatch, new_header
+from services.gateway.conversation import CallView, Prompts, append_only_violation
+from services.gateway.episodes import EpisodeBook, KeyError_, episode_key, episode_of_key
+from services.transport import MemoryBus
+
+AGENTS = REPO / "tests" / "agents" / "chat.py"
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(model_cache):
+    from common.models import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model("builtin:tiny-chat-llama", model_cache))
+
+
+def call_view(tokenizer, call_id, prompt_text, prompt_tokens, response, messages=1):
+    text = tokenizer.decode(response, skip_special_tokens=True)
+    end = tokenizer.decode([response[-1]]) if response[-1] in tokenizer.all_special_ids else ""
+    return CallView(
+        call_id, prompt_text, tuple(prompt_tokens), tuple(response), text, end, len(prompt_tokens), messages
+    )
+
+
+# ---------------------------------------------------------------------------------------------- building prompts
+
+
+def test_a_chat_that_goes_on_reuses_the_sampled_tokens_as_they_were(chat_tokenizer):
+    tok, prompts = chat_tokenizer, Prompts(chat_tokenizer)
+    first = prompts.chat([{"role": "user", "content": "hi"}], [])
+    assert first.parent == "" and first.tokens == tuple(tok(first.text, add_special_tokens=False).input_ids)
+    # What the model sampled: "o", then <unk> (which the answer's text leaves out, so re-tokenising the chat would
+    # lose it), "k", and EOS. The client reads "ok" and sends it back.
+    o, k, unk, eos = tok.convert_tokens_to_ids(["o", "k", "<unk>", "</s>"])
+    sampled = [o, unk, k, eos]
+    earlier = call_view(tok, "c1", first.full_text, first.tokens, sampled)
+    assert earlier.text == "ok" and earlier.sampled_end == "</s>"
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "more"},
+    ]
+    second = prompts.chat(messages, [earlier])
+    tail = tok("<s>user more</s><s>assistant ", add_special_tokens=False).input_ids
+    assert second.parent == "c1"
+    assert second.tokens == first.tokens + tuple(sampled) + tuple(tail), "the sampled tokens, then the new ones only"
+    assert second.new_tokens == tuple(tail) and second.row_start == len(first.tokens)
+    rendered = tok(second.full_text, add_special_tokens=False).input_ids
+    assert list(second.tokens) != rendered, "re-tokenising the chat would have changed the model's tokens"
+
+
+def test_a_turn_ended_by_a_stop_string_keeps_it_in_the_model_s_tokens(chat_tokenizer):
+    tok, prompts = chat_tokenizer, Prompts(chat_tokenizer)
+    first = prompts.chat([{"role": "user", "content": "add"}], [])
+    sampled = tok("go!", add_special_tokens=False).input_ids  # stopped at "!": the client reads "go"
+    earlier = CallView("c1", first.full_text, first.tokens, tuple(sampled), "go", "", len(first.tokens), 1)
+    messages = [{"role": "user", "content": "add"}, {"role": "assistant", "content": "go"}]
+    second = prompts.chat([*messages, {"role": "user", "content": "two"}], [earlier])
+    assert second.parent == "c1"
+    assert second.tokens[: len(first.tokens) + 3] == first.tokens + tuple(sampled)
+    assert tok.decode(second.new_tokens) == "</s><s>user two</s><s>assistant "
+
+
+def test_an_edited_history_begins_a_new_row(chat_tokenizer):
+    tok, prompts = chat_tokenizer, Prompts(chat_tokenizer)
+    first = prompts.chat([{"role": "user", "content": "hi"}], [])
+    earlier = call_view(tok, "c1", first.full_text, first.tokens, tok("ok</s>", add_special_tokens=False).input_ids)
+    for edited in (
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "okay"}, {"role": "user", "content": "x"}],
+        [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "x"},
+        ],
+        [{"role": "user", "content": "x"}],
+    ):
+        prompt = prompts.chat(edited, [earlier])
+        assert prompt.parent == "" and prompt.row_start == len(prompt.tokens)
+        assert prompt.tokens == tuple(tok(prompt.full_text, add_special_tokens=False).input_ids)
+
+
+def test_text_and_token_prompts_extend_earlier_calls_too(chat_tokenizer):
+    tok, prompts = chat_tokenizer, Prompts(chat_tokenizer)
+    first = prompts.text("once upon", [])
+    sampled = tok(" a time", add_special_tokens=False).input_ids
+    earlier = call_view(tok, "c1", "once upon", first.tokens, sampled, messages=0)
+    second = prompts.text("once upon a time there", [earlier])
+    assert second.parent == "c1" and second.tokens == first.tokens + tuple(sampled) + tuple(second.new_tokens)
+    ids = [*first.tokens, *sampled, *tok(" was", add_special_tokens=False).input_ids]
+    third = prompts.tokens(ids, [earlier])
+    assert third.parent == "c1" and third.tokens == tuple(ids)
+    assert prompts.tokens(ids[1:], [earlier]).parent == ""
+
+
+def test_a_chat_template_that_rewrites_earlier_turns_is_named(chat_tokenizer):
+    assert append_only_violation(chat_tokenizer) is None
+    tok = chat_tokenizer
+    saved = tok.chat_template
+    try:  # an earlier answer is written without its text once more follows (as templates that drop reasoning do)
+        tok.chat_template = (
+            "{% for m in messages %}<s>{{ m['role'] }} "
+            "{% if m['role'] == 'assistant' and not loop.last %}...{% else %}{{ m['content'] }}{% endif %}</s>"
+            "{% endfor %}{% if add_generation_prompt %}<s>assistant {% endif %}"
+        )
+        assert "renders an earlier turn differently" in append_only_violation(tok)
+    finally:
+        tok.chat_template = saved
+
+
+# ---------------------------------------------------------------------------------------------- episodes and rows
+
+
+def _call_event(episode, call, parent, prompt, response, versions, text="x", finish="stop"):
+    return EpisodeEvent(
+        **new_header("run-00000000", "gateway-0", int(min(versions)), {"run.id": "run"}),
+        step=0,
+        episode=episode,
+        kind="call",
+        event=call,
+        parent=parent,
+        request_digest="d",
+        messages=1,
+        prompt_text="",
+        prompt_tokens=np.array(prompt, np.int64),
+        response_tokens=np.array(response, np.int64),
+        behaviour_logprobs=-np.arange(1, len(response) + 1, dtype=np.float32) / 10,
+        token_versions=np.array(versions, np.int32),
+        text=text,
+        finish_reason=finish,
+        reward=0.0,
+        outcome="",
+        detail="",
+    )
+
+
+def test_an_episode_s_calls_become_rows_with_the_model_s_tokens_marked():
+    book = EpisodeBook(lambda token: "")
+    ep = "0/1#0"
+    book.apply(_call_event(ep, "a", "", [1, 2, 3], [10, 11], [0, 0]), logged=True)
+    book.apply(_call_event(ep, "b", "a", [4, 5], [12], [1]), logged=True)  # extends a: its prompt after a's answer
+    book.apply(_call_event(ep, "c", "b", [6], [13, 14], [1, 2]), logged=True)
+    (row,) = book.get(ep).rows()
+    assert row.prompt_tokens.tolist() == [1, 2, 3]
+    assert row.response_tokens.tolist() == [10, 11, 4, 5, 12, 6, 13, 14]
+    assert row.model_mask.tolist() == [True, True, False, False, True, False, True, True]
+    assert row.versions.tolist() == [0, 0, 0, 0, 1, 0, 1, 2]
+    assert np.allclose(row.logprobs, [-0.1, -0.2, 0, 0, -0.1, 0, -0.1, -0.2])
+    assert row.calls == 3
+    # A call that extends nothing (an edited history) and one that extends a call already extended (a branch).
+    book.apply(_call_event(ep, "d", "", [7, 7], [15], [2]), logged=True)
+    book.apply(_call_event(ep, "e", "a", [9], [16], [2]), logged=True)
+    rows = {tuple(r.response_tokens.tolist()): r for r in book.get(ep).rows()}
+    assert set(rows) == {(10, 11, 4, 5, 12, 6, 13, 14), (15,), (10, 11, 9, 16)}
+    assert rows[(15,)].prompt_tokens.tolist() == [7, 7]
+
+
+def test_the_log_s_first_end_decides_and_what_comes_after_it_is_not_trained():
+    book = EpisodeBook(lambda token: "")
+    ep = "0/0#1"
+
+    def end(outcome, producer):
+        return EpisodeEvent(
+            **new_header("run-00000000", producer, 0, {"run.id": "run"}),
+            step=0, episode=ep, kind="end", event=f"{ep}/end", parent="", request_digest="", messages=0, prompt_text="",
+            prompt_tokens=np.zeros(0, np.int64), response_tokens=np.zeros(0, np.int64),
+            behaviour_logprobs=np.zeros(0, np.float32), token_versions=np.zeros(0, np.int32), text="",
+            finish_reason="", reward=0.0, outcome=outcome, detail="",
+        )  # fmt: skip
+
+    book.apply(end("timed_out", "gateway-1"), logged=False)  # written here, not read back yet
+    assert book.get(ep).over and book.get(ep).end is None
+    book.apply(end("rewarded", "gateway-0"), logged=True)  # another replica's end came first on the log
+    book.apply(end("timed_out", "gateway-1"), logged=True)
+    assert book.get(ep).end.outcome == "rewarded"
+    book.apply(_call_event(ep, "late", "", [1], [2], [0]), logged=True)
+    assert book.get(ep).late == 1 and not book.get(ep).calls
+
+
+def test_episode_keys_name_their_episode_and_cannot_be_forged():
+    assert episode_of_key(episode_key("12/3#1", None), None) == "12/3#1"
+    key = episode_key("12/3#1", b"secret")
+    assert key.startswith("e12-3-1.") and episode_of_key(key, b"secret") == "12/3#1"
+    for bad in ("e12-3-1", "e12-3-1.0000000000000000", key.replace("e12", "e13"), "../../etc", "", "e1-2"):
+        with pytest.raises(KeyError_):
+            episode_of_key(bad, b"secret")
+
+
+def test_a_function_is_named_by_module_or_by_file(tmp_path, monkeypatch):
+    (tmp_path / "mine.py").write_text("def score(p, r):\n    return [1.0] * len(r)\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_named("mine.py:score", "reward.function")(["a"], ["b"]) == [1.0]
+    assert load_named(f"{tmp_path}/mine.py:score", "reward.function")(["a"], ["b"]) == [1.0]
+    assert load_named("mine:score", "reward.function")([], []) == []  # the working directory's module
+    with pytest.raises(NamedError, match="no module 'absent'.*path/to/file.py"):
+        load_named("absent:score", "reward.function")
+    with pytest.raises(NamedError, match="has no 'nothing'"):
+        load_named("mine.py:nothing", "reward.function")
+    with pytest.raises(NamedError, match="no file"):
+        load_named("nowhere/x.py:f", "gateway.agent.function")
+
+
+# ---------------------------------------------------------------------------------------------- whole runs
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def gateway_config(make_config, *overrides):
+    """The vowels task's GRPO settings on the tiny chat model, the reward the agents' alone."""
+    return make_config(
+        "model.actor=builtin:tiny-chat-llama",
+        "generation.streaming=true",
+        "generation.n=2",
+        "data.batch_size=2",
+        "learner.mini_batch_size=4",
+        "data.eval_prompts=0",
+        "reward.function=recipes.rewards:no_score",
+        *overrides,
+        example="grpo.yaml",
+    )
+
+
+def experience_rows(bus) -> list[tuple[str, list[int], list[int], list[bool], list[float], list[int]]]:
+    rows = []
+    for message in read_messages(bus, "experience"):
+        assert isinstance(message, ExperienceBatch)
+        for i in range(message.rows):
+            n, p = int(message.response_lengths[i]), int(message.prompt_lengths[i])
+            rows.append(
+                (
+                    f"{message.step}/{int(message.group_index[i])}",
+                    message.prompt_tokens[i, :p].tolist(),
+                    message.response_tokens[i, :n].tolist(),
+                    message.response_mask[i, :n].tolist(),
+                    message.behaviour_logprobs[i, :n].tolist(),
+                    message.token_versions[i, :n].tolist(),
+                )
+            )
+    return rows
+
+
+def logged_rows(bus) -> dict[str, list]:
+    """Each episode's rows as the episodes log alone makes them."""
+    book = EpisodeBook(lambda token: "")
+    for event in read_messages(bus, "episodes"):
+        book.apply(event, logged=True)
+    return {episode.id: episode.rows() for episode in book.episodes.values()}
+
+
+@pytest.mark.slow
+def test_an_openai_client_s_episodes_are_trained_once_with_the_tokens_it_sampled(make_config):
+    from services.embedded import run_embedded
+
+    config = gateway_config(
+        make_config, "run.steps=3", "gateway.port=0", f"gateway.agent.function={AGENTS}:two_turns",
+        "gateway.agent.workers=4",
+    )  # fmt: skip
+    bus = MemoryBus()
+    run_embedded(config, progress=False, bus=bus)
+    lines = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").open()]
+    groups = [group for line in lines for group in line["groups"]]
+    assert len(lines) == 3 and sorted(groups) == [f"{s}/{r}" for s in range(3) for r in range(2)]
+    trained = experience_rows(bus)
+    assert len(trained) == 3 * 2 * 2, "every episode is one row: its two calls chained"
+    logged = logged_rows(bus)
+    for group, prompt, response, mask, logprobs, versions in trained:
+        matches = [row for ep, rows in logged.items() if ep.startswith(group + "#") for row in rows]
+        same = [r for r in matches if r.response_tokens.tolist() == response and r.prompt_tokens.tolist() == prompt]
+        assert len(same) == 1, "the trained tokens are the tokens sampled, as the log has them"
+        (row,) = same
+        assert mask == row.model_mask.tolist() and sum(mask) < len(mask), "the model's tokens, not the chat's"
+        assert np.allclose(logprobs, row.logprobs) and versions == row.versions.tolist()
+    events = read_messages(bus, "episodes")
+    calls = [e for e in events if e.kind == "call"]
+    assert len(calls) == 3 * 2 * 2 * 2 and len({e.event for e in calls}) == len(calls)
+    assert all(e.parent for e in calls if e.prompt_text.startswith("</s>")), "the second call extends the first"
+    assert sorted(e.outcome for e in events if e.kind == "end") == ["rewarded"] * 12
+    rewards = {e.episode: e.reward for e in events if e.kind == "reward"}
+    rollouts = read_messages(bus, "rollouts")
+    assert sorted(float(r) for m in rollouts for r in m.environment_reward) == pytest.approx(sorted(rewards.values()))
+
+
+@pytest.mark.slow
+def test_a_client_that_edits_its_history_gets_its_episode_split_into_rows(make_config):
+    from services.embedded import run_embedded
+
+    config = gateway_config(
+        make_config, "run.steps=1", "gateway.port=0", f"gateway.agent.function={AGENTS}:edits_history"
+    )
+    bus = MemoryBus()
+    run_embedded(config, progress=False, bus=bus)
+    trained = experience_rows(bus)
+    assert len(trained) == 2 * 2 * 2, "each episode's two calls are two rows: the second did not extend the first"
+    calls = [e for e in read_messages(bus, "episodes") if e.kind == "call"]
+    assert len(calls) == 8 and not any(e.parent for e in calls)
+    assert all(sum(mask) == len(mask) for *_, mask, _, _ in trained), "a row of one call: all of it the model's"
+
+
+class Agent:
+    """The test as an agent of a gateway run (an embedded run in a thread): it claims episodes and does as told."""
+
+    def __init__(self, make_config, *overrides):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = gateway_config(make_config, f"gateway.port={self.port}", *overrides)
+        self.bus = MemoryBus()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.http = httpx.Client(timeout=60)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if self.http.get(f"{self.url}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and self.thread.is_alive(), f"the run did not start: {self.error}"
+            time.sleep(0.1)
+
+    def _run(self):
+        from services.embedded import run_embedded
+
+        try:
+            run_embedded(self.config, progress=False, bus=self.bus)
+        except BaseException as exc:
+            self.error = exc
+
+    def claim(self) -> dict:
+        response = self.http.post(f"{self.url}/episodes/claim", json={"agent": "test", "wait_s": 30})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def client(self, task, **kwargs) -> OpenAI:
+        return OpenAI(base_url=task["base_url"], api_key=task["api_key"], **kwargs)
+
+    def finish(self, timeout_s=300):
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "the run did not end"
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.slow
+def test_hostile_requests_get_openai_errors_and_lose_nothing(make_config):
+    agent = Agent(make_config, "run.steps=1", "gateway.max_request_bytes=65536")
+    task = agent.claim()
+    url, http = task["base_url"], agent.http
+    good = {"model": task["model"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+    def error_of(response, status):
+        assert response.status_code == status, response.text
+        body = response.json()["error"]
+        assert set(body) == {"message", "type", "param", "code"} and body["message"]
+        return body
+
+    error_of(http.post(f"{url}/chat/completions", content=b"{not json"), 400)
+    error_of(http.post(f"{url}/chat/completions", content=b"x" * 70_000), 413)
+    assert error_of(http.post(f"{url}/chat/completions", json={**good, "model": "gpt-4o"}), 404)["code"] == (
+        "model_not_found"
+    )
+    error_of(http.post(f"{url}/chat/completions", json={**good, "messages": []}), 400)
+    error_of(http.post(f"{url}/chat/completions", json={**good, "n": 3}), 400)
+    error_of(http.post(f"{url}/chat/completions", json={**good, "messages": [{"content": "no role"}]}), 400)
+    wrong = url.replace(task["key"], "e9-9-9")
+    assert error_of(http.post(f"{wrong}/chat/completions", json=good), 404)["code"] == "episode_not_found"
+    bad_key = url.replace(task["key"], "nonsense")
+    assert error_of(http.post(f"{bad_key}/chat/completions", json=good), 401)["code"] == "invalid_api_key"
+    error_of(http.post(f"{agent.url}/v1/chat/completions", json=good), 401)  # no key at all
+    error_of(http.get(f"{agent.url}/v2/anything"), 404)
+    error_of(http.post(f"{agent.url}/episodes/{task['key']}/reward", json={"reward": "lots"}), 400)
+    error_of(http.post(f"{agent.url}/episodes/{task['key']}/reward", json={}), 400)
+    # Nothing of that reached the log; the episode still works, by the API key as well as by the base URL.
+    by_key = OpenAI(base_url=f"{agent.url}/v1", api_key=task["api_key"])
+    answer = by_key.chat.completions.create(**good)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.completion_tokens >= 1
+    completion = agent.client(task).completions.create(model=task["model"], prompt="once upon", max_tokens=2)
+    assert completion.choices[0].text is not None
+    assert http.post(f"{agent.url}/episodes/{task['key']}/reward", json={"reward": 1.0}).json()["ended"]
+    error_of(http.post(f"{url}/chat/completions", json=good), 409)  # ended
+    for _ in range(3):  # the other episodes, plainly
+        other = agent.claim()
+        agent.client(other).chat.completions.create(**{**good, "model": other["model"]})
+        http.post(f"{agent.url}/episodes/{other['key']}/reward", json={"rewards": [0.25, 0.25]})
+    agent.finish()
+    events = read_messages(agent.bus, "episodes")
+    assert len([e for e in events if e.kind == "call"]) == 2 + 3
+    assert len(read_messages(agent.bus, "episodes.dlq")) == 0
+
+
+@pytest.mark.slow
+def test_a_retried_call_gets_the_same_answer_not_a_second_sample(make_config):
+    agent = Agent(make_config, "run.steps=1", "generation.temperature=2.0")
+    task = agent.claim()
+    body = {"model": task["model"], "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 8}
+    url = f"{task['base_url']}/chat/completions"
+    first = agent.http.post(url, json=body, headers={"Idempotency-Key": "k-1"}).json()
+    again = agent.http.post(url, json=body, headers={"Idempotency-Key": "k-1"}).json()
+    assert again["choices"] == first["choices"] and again["id"] == first["id"]
+    # The openai client's own retry (x-stainless-retry-count) of a call whose answer was lost on the way.
+    lost = agent.http.post(url, json=body).json()
+    retried = agent.http.post(url, json=body, headers={"x-stainless-retry-count": "1"}).json()
+    assert retried["id"] == lost["id"] and retried["choices"] == lost["choices"]
+    fresh = agent.http.post(url, json=body).json()  # the same request, not a retry: another sample
+    assert fresh["id"] != lost["id"]
+    agent.http.post(f"{agent.url}/episodes/{task['key']}/reward", json={"reward": 1.0})
+    for _ in range(3):
+        agent.http.post(f"{agent.url}/episodes/{agent.claim()['key']}/reward", json={"reward": 0.0})
+    agent.finish()
+    calls = [e for e in read_messages(agent.bus, "episodes") if e.kind == "call"]
+    assert len(calls) == 3, "one call for the idempotency key, one for the lost answer, one fresh"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["dead_letter", "reward"])
+def test_a_reward_that_never_comes_ends_the_episode_as_configured_and_counted(make_config, policy):
+    overrides = ["gateway.unrewarded_reward=-1.0"] if policy == "reward" else []
+    agent = Agent(make_config, "run.steps=1", "gateway.episode_timeout_s=2", f"gateway.unrewarded={policy}", *overrides)
+    tasks = [agent.claim() for _ in range(4)]
+    for task in tasks:
+        agent.client(task).chat.completions.create(
+            model=task["model"], messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+    for task in tasks[:3]:  # the last one's agent walks away
+        agent.http.post(f"{agent.url}/episodes/{task['key']}/reward", json={"reward": 1.0})
+    started = time.monotonic()
+    agent.finish()
+    assert time.monotonic() - started < 60
+    ends = {e.episode: e for e in read_messages(agent.bus, "episodes") if e.kind == "end"}
+    assert ends[tasks[3]["episode"]].outcome == "timed_out"
+    rewards = sorted(float(r) for m in read_messages(agent.bus, "rollouts") for r in m.environment_reward)
+    letters = read_messages(agent.bus, "episodes.dlq")
+    if policy == "dead_letter":
+        assert rewards == [1.0, 1.0, 1.0] and len(letters) == 1
+        assert tasks[3]["episode"] in letters[0].error and "timed out" in letters[0].error
+    else:
+        assert rewards == [-1.0, 1.0, 1.0, 1.0] and not letters
+
+
+def test_a_gateway_run_is_configured_as_one(make_config):
+    from common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="generation.streaming"):
+        gateway_config(make_config, "gateway.port=0", "generation.streaming=false")
+    with pytest.raises(ConfigError, match="one of them"):
+        gateway_config(make_config, "gateway.port=0", "environment.tools=[calculator]")
+    with pytest.raises(ConfigError, match="unrewarded_reward"):
+        gateway_config(make_config, "gateway.unrewarded_reward=1")
+    with pytest.raises(ConfigError, match="gateway.port"):
+        gateway_config(make_config, "gateway.port=eighty")
+    config = gateway_config(make_config, "gateway.port=8500-8510")
+    from services.roles import ROLES, roles_of
+
+    assert [r.name for r in roles_of(config)] == ["feeder", "generator", "gateway", "scorer", "advantage", "learner"]
+    assert ROLES["generator"].topics(config) == ("requests", "completions")
+    assert ROLES["gateway"].topics(config) == ("prompts", "rollouts")
+
+
+def test_agents_named_by_file_that_fail_end_their_episode_failed(tmp_path):
+    """The agent pool's contract with a function: a number is the reward, None ends it, an exception fails it."""
+    from services.gateway.agents import AgentPool
+
+    posted = []
+
+    class Episode:
+        id = "0/0#0"
+
+        def reward(self, value, done=True):
+            posted.append(("reward", value))
+
+        def end(self, outcome="ended", detail=""):
+            posted.append((outcome, detail.split(":")[0]))
+
+    (tmp_path / "agent.py").write_text("def run(episode):\n    return {'a': 0.5, 'b': None}[episode.which]\n")
+    for which, function in (("a", f"{tmp_path}/agent.py:run"), ("b", f"{tmp_path}/agent.py:run"), ("c", None)):
+        episode = Episode()
+        episode.which = which
+        pool = AgentPool(function or (lambda e: 1 / 0), ["http://127.0.0.1:1"], 1)
+        pool._run(episode)
+    assert posted == [("reward", 0.5), ("ended", ""), ("failed", "ZeroDivisionError")]
+    assert Path(AGENTS).is_file()
