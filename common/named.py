@@ -28,14 +28,14 @@ def load_named(spec: str, setting: str) -> Any:
     try:
         return getattr(module, name)
     except AttributeError:
-        raise NamedError(f"{setting} {spec!r}: {where} has no {name!r}") from None
+        raise NamedError(f"{setting} {spec!r} cannot be loaded: {where} has no {name!r}") from None
 
 
 def _from_file(path: Path, spec: str, setting: str):
     path = path.expanduser()
     resolved = path if path.is_absolute() else Path.cwd() / path
     if not resolved.is_file():
-        raise NamedError(f"{setting} {spec!r}: no file {resolved}")
+        raise NamedError(f"{setting} {spec!r} cannot be loaded: no file {resolved}")
     module_name = f"streamppo_named_{resolved.stem}_{abs(hash(str(resolved))) % 10**8}"
     if module_name in sys.modules:
         return sys.modules[module_name]
@@ -46,7 +46,7 @@ def _from_file(path: Path, spec: str, setting: str):
         loader_spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[module_name]
-        raise NamedError(f"{setting} {spec!r}: {resolved} failed to load: {type(exc).__name__}: {exc}") from exc
+        raise NamedError(f"{setting} {spec!r} cannot be loaded: {resolved} raised {type(exc).__name__}: {exc}") from exc
     return module
 
 
@@ -55,17 +55,20 @@ def _from_path(module_name: str, spec: str, setting: str):
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name != module_name.split(".")[0] and exc.name != module_name:
-            raise NamedError(f"{setting} {spec!r}: importing {module_name} failed: {exc}") from exc
+            raise NamedError(f"{setting} {spec!r} cannot be loaded: importing {module_name} failed: {exc}") from exc
         # The working directory, where a user's own module lies, is not on the path of an installed command.
         if Path(module_name.replace(".", "/") + ".py").is_file() or Path(module_name.split(".")[0]).is_dir():
             sys.path.insert(0, str(Path.cwd()))
             try:
                 return importlib.import_module(module_name)
             except Exception as again:
-                raise NamedError(f"{setting} {spec!r}: {module_name} failed to load: {again}") from again
+                raise NamedError(f"{setting} {spec!r} cannot be loaded: {module_name} raised {again}") from again
+        searched = ", ".join(sys.path[:4])
         raise NamedError(
-            f"{setting} {spec!r}: no module {module_name!r} on the Python path ({', '.join(sys.path[:4])}, ...) or in "
-            f"the working directory {Path.cwd()}; name a file as path/to/file.py:name"
+            f"{setting} {spec!r} cannot be loaded: no module {module_name!r} on the Python path ({searched}, ...) or "
+            f"in the working directory {Path.cwd()}; name a file as path/to/file.py:name"
         ) from None
     except Exception as exc:
-        raise NamedError(f"{setting} {spec!r}: importing {module_name} failed: {type(exc).__name__}: {exc}") from exc
+        raise NamedError(
+            f"{setting} {spec!r} cannot be loaded: importing {module_name} raised {type(exc).__name__}: {exc}"
+        ) from exc

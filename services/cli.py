@@ -104,6 +104,30 @@ def _wait(args) -> int:
     return 0
 
 
+def _agents(args) -> int:
+    from common.config import ConfigError, load_config
+    from services.gateway.agents import AgentPool
+
+    config = load_config(args.config, args.set)
+    gateway = config.gateway
+    if gateway is None:
+        raise ConfigError("streamppo agents runs the episodes of a gateway run: the config has no gateway section")
+    function = args.function or (gateway.agent.function if gateway.agent is not None else None)
+    if function is None:
+        raise ConfigError("no agent to run: give --function module:function, or set gateway.agent.function")
+    workers = args.workers or (gateway.agent.workers if gateway.agent is not None else 8)
+    urls = args.gateway or [gateway.public_url or f"http://{gateway.host}:{gateway.port.partition('-')[0]}"]
+    pool = AgentPool(function, urls, workers, name=args.name)
+    print(f"{workers} agents running {function} on the episodes of {', '.join(urls)} (Ctrl-C stops them)", flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        pool.run()
+    except KeyboardInterrupt:
+        pass
+    print(f"{pool.done} episodes run", flush=True)
+    return 0
+
+
 def _up(args) -> int:
     from common.config import load_config
     from services.cluster import parse_replicas, up
@@ -255,6 +279,19 @@ def _add_pipeline_commands(sub) -> None:
     wait.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="give up (exit 1) after this")
     wait.set_defaults(handler=_wait)
 
+    agents = sub.add_parser(
+        "agents", help="run your agent on the episodes of a gateway run (gateway.agent.function, or --function)"
+    )
+    _config_options(agents)
+    agents.add_argument(
+        "--gateway", action="append", default=[], metavar="URL",
+        help="a gateway to take episodes from (repeatable; default: gateway.public_url, or HOST:the first PORT)",
+    )  # fmt: skip
+    agents.add_argument("--function", default=None, help="module:function or path/to/file.py:function")
+    agents.add_argument("--workers", type=int, default=None, help="episodes run at once (default gateway.agent's)")
+    agents.add_argument("--name", default="agents", help="what the gateway records as the agent")
+    agents.set_defaults(handler=_agents)
+
     cluster = sub.add_parser("up", help="run every service as its own process over a local (or given) broker")
     _config_options(cluster)
     cluster.add_argument("--bootstrap", default=None, help="use this broker instead of starting a local one")
@@ -352,12 +389,13 @@ def _exit_code_of(exc: Exception) -> int | None:
     from common.config import ConfigError
     from common.data import DatasetError
     from common.models import ModelLoadError
+    from common.named import NamedError
     from common.rewards import RewardError
     from common.storage import NoSpaceError
     from services.transport import TopicMismatch
     from services.transport.kafka import BrokerUnavailable
 
-    if isinstance(exc, (ConfigError, TopicMismatch, ModelLoadError, RewardError, DatasetError)):
+    if isinstance(exc, (ConfigError, TopicMismatch, ModelLoadError, RewardError, DatasetError, NamedError)):
         # What a setting names that cannot be had (a prompt file, a reward function, a model folder): a restart
         # cannot cure it, and a supervisor must not try.
         return exit_codes.CONFIG

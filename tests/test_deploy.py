@@ -74,11 +74,13 @@ def test_every_rendered_manifest_validates_against_the_kubernetes_schemas(values
         "Deployment",
         "Deployment",
         "Deployment",  # environments (0 replicas unless a run has them)
+        "Deployment",  # gateways (0 replicas unless a run has one)
         "Job",
         "Service",
         "Service",
         "Service",
         "Service",
+        "Service",  # the gateway's API
         "StatefulSet",
     ]
     if values is None:
@@ -120,8 +122,14 @@ def test_scaled_values_reach_the_manifests():
     assert trigger["metadata"]["serverAddress"] == "http://prometheus-operated.monitoring:9090"
     (monitor,) = by_kind(docs, "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prom" and monitor["spec"]["endpoints"][0]["port"] == "metrics"
-    services = by_kind(docs, "Service")
-    assert all(s["spec"]["ports"][0]["name"] == "metrics" for s in services)
+    services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
+    api = services.pop("rl-streamppo-gateway")
+    assert all(s["spec"]["ports"][0]["name"] == "metrics" for s in services.values())
+    assert api["spec"]["ports"] == [{"name": "http", "port": 8400, "targetPort": "http"}]
+    gateway = deployments["gateway"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "http", "containerPort": 8400} in gateway["ports"]
+    assert "gateway.public_url=http://rl-streamppo-gateway:8400" in gateway["args"], "base URLs name the Service"
+    assert "gateway.host=0.0.0.0" in gateway["args"] and deployments["gateway"]["spec"]["replicas"] == 0
 
 
 @pytest.mark.parametrize("values", [None, SCALED], ids=["default", "scaled"])
@@ -245,7 +253,7 @@ def test_the_images_compose_and_the_chart_keep_to_one_contract():
                 mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
                 assert contract["shared"] in mounts and _mounted(contract["config"], mounts), container["name"]
                 checked += 1
-    assert checked >= 2 * (len(ROLES) - 1), "every role's workload of the chart, both renders (environment: 0 replicas)"
+    assert checked >= 2 * (len(ROLES) - 2), "every role's workload, both renders (environment, gateway: 0 replicas)"
     for variable in contract["environment"]:  # each is read somewhere: by the code, or named by the chart's config
         assert any(variable in path.read_text() for path in [*REPO.glob("services/*.py"), *CHART.rglob("*.yaml")])
 

@@ -6,22 +6,33 @@ scorer, advantage service and learner behind it), the test itself being the agen
 """
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+import yaml
 from conftest import REPO
-from helpers import read_messages
+from helpers import broker_address, is_local_broker, read_messages
 from openai import OpenAI
 
+from common.config import load_config
 from common.named import NamedError, load_named
-from common.schema import EpisodeEvent, ExperienceBatch, new_header
+from common.schema import EpisodeEvent, ExperienceBatch, decode, new_header
+from services.cluster import stop_all
 from services.gateway.conversation import CallView, Prompts, append_only_violation
 from services.gateway.episodes import EpisodeBook, KeyError_, episode_key, episode_of_key
+from services.roles import pipeline_topics
+from services.run_bus import kafka_bus
+from services.runlog.reader import BusReader
 from services.transport import MemoryBus
 
 AGENTS = REPO / "tests" / "agents" / "chat.py"
@@ -502,3 +513,130 @@ def test_agents_named_by_file_that_fail_end_their_episode_failed(tmp_path):
         pool._run(episode)
     assert posted == [("reward", 0.5), ("ended", ""), ("failed", "ZeroDivisionError")]
     assert Path(AGENTS).is_file()
+
+
+# ---------------------------------------------------------------------------------------------- faults, for real
+
+
+class Processes:
+    """The services of a gateway run as their own processes over a real broker, and `streamppo agents` beside them."""
+
+    def __init__(self, tmp_path, config_path, env):
+        self.tmp_path, self.config_path, self.env = tmp_path, config_path, env
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start(self, name, *args):
+        log = open(self.tmp_path / f"{name}.log", "a")
+        command = [sys.executable, "-m", "services.cli", "-v", *args, "--config", str(self.config_path)]
+        if args[0] not in ("feed", "agents"):
+            command += ["--replica-id", name]
+        self.processes[name] = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+
+    def kill(self, name):
+        self.processes[name].send_signal(signal.SIGKILL)
+        self.processes[name].wait()
+
+    def updates(self) -> list[dict]:
+        path = self.tmp_path / "run" / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def wait_for_updates(self, count, timeout_s=240):
+        deadline = time.monotonic() + timeout_s
+        while len(self.updates()) < count:
+            crashed = [n for n, p in self.processes.items() if p.poll() not in (None, 0, -signal.SIGKILL)]
+            assert not crashed, f"{crashed} crashed; logs in {self.tmp_path}"
+            assert time.monotonic() < deadline, f"stuck at {len(self.updates())} updates; logs in {self.tmp_path}"
+            time.sleep(0.2)
+
+    def close(self):
+        stop_all(list(self.processes.values()))
+
+
+@pytest.mark.slow
+def test_killing_the_gateway_and_the_generator_mid_call_loses_and_repeats_nothing(tmp_path, model_cache, own_broker):
+    """kill -9 of the gateway, then of the generator, while agents (an `openai` client each, `streamppo agents`)
+    have calls in flight: the clients' calls are retried or complete, and every episode is trained once, with the
+    tokens its calls sampled."""
+    port = free_port()
+    steps = 8
+    config_path = tmp_path / "run.yaml"
+    config_path.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"dir": str(tmp_path / "run"), "steps": steps, "run_id": f"g{uuid.uuid4().hex[:8]}"},
+                "model": {"actor": "builtin:tiny-chat-llama", "cache_dir": str(model_cache)},
+                "data": {"prompts": str(REPO / "examples/vowels/prompts.jsonl"), "batch_size": 2, "eval_prompts": 0},
+                "generation": {"n": 2, "max_new_tokens": 24, "streaming": True, "backend": "transformers"},
+                "reward": {"function": "recipes.rewards:no_score"},
+                "algorithm": {"estimator": "grpo", "kl_in": "loss", "kl_estimator": "k3"},
+                "learner": {"mini_batch_size": 4, "checkpoint_every": 2},
+                "gateway": {"port": str(port), "call_timeout_s": 90, "episode_timeout_s": 90},
+                "kafka": {
+                    "bootstrap": broker_address(own_broker),
+                    **({"idempotent_producer": False} if is_local_broker(own_broker) else {}),
+                    "session_timeout_ms": 1000 if is_local_broker(own_broker) else 6000,
+                    "heartbeat_interval_ms": 250,
+                },
+            }
+        )
+    )
+    log = tmp_path / "agents.jsonl"
+    env = {**os.environ, "AGENT_LOG": str(log), "OMP_NUM_THREADS": "1"}
+    cluster = Processes(tmp_path, config_path, env)
+    try:
+        assert subprocess.run([sys.executable, "-m", "services.cli", "topics", "--config", str(config_path)],
+                              cwd=REPO, capture_output=True).returncode == 0  # fmt: skip
+        for role in ("learner", "advantage", "scorer", "generator", "gateway"):
+            cluster.start(f"{role}-0", role)
+        cluster.start("feed", "feed")
+        cluster.start("agents", "agents", "--function", f"{AGENTS}:two_turns_counting", "--workers", "4")
+        cluster.wait_for_updates(2)
+        cluster.kill("gateway-0")  # four agents at work: some of their calls are at the gateway now
+        time.sleep(1.0)
+        cluster.start("gateway-0", "gateway")
+        cluster.wait_for_updates(4)
+        cluster.kill("generator-0")  # and some at the generator
+        time.sleep(1.0)
+        cluster.start("generator-0", "generator")
+        cluster.wait_for_updates(steps)
+    finally:
+        cluster.close()
+    updates = cluster.updates()
+    groups = [group for line in updates for group in line["groups"]]
+    assert sorted(groups) == sorted({f"{s}/{r}" for s in range(steps) for r in range(2)}), "each group once"
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sum(sum(c["retries"]) for c in calls) > 0, "some calls were cut short by the kills and retried"
+    config = load_config(config_path)
+    bus = kafka_bus(config, make=False)
+    try:
+        reader = BusReader(
+            bus=bus,
+            partitions={
+                t: s.partitions
+                for t in ("episodes", "experience")
+                for s in pipeline_topics(config.kafka.partitions)
+                if s.name == t
+            },
+        )
+        events = [decode(r.value) for r in reader.records("episodes")]
+        experience = [decode(r.value) for r in reader.records("experience")]
+    finally:
+        bus.close()
+    book = EpisodeBook(lambda token: "")
+    for event in events:
+        book.apply(event, logged=True)
+    trained = {g for line in updates for g in line["groups"]}
+    logged = {}
+    for episode in book.episodes.values():
+        if f"{episode.step}/{episode.row}" in trained:
+            assert episode.end is not None and episode.end.outcome == "rewarded", episode.id
+            logged[episode.id] = [(r.prompt_tokens.tolist(), r.response_tokens.tolist(), r.model_mask.tolist())
+                                  for r in episode.rows()]  # fmt: skip
+    rows = [
+        (m.prompt_tokens[i, : m.prompt_lengths[i]].tolist(), m.response_tokens[i, : m.response_lengths[i]].tolist(),
+         m.response_mask[i, : m.response_lengths[i]].tolist())
+        for m in experience for i in range(m.rows) if f"{m.step}/{int(m.group_index[i])}" in trained
+    ]  # fmt: skip
+    expected = [row for episode_rows in logged.values() for row in episode_rows]
+    assert sorted(map(str, rows)) == sorted(map(str, expected)), "trained exactly the logged calls, each once"
+    assert len(logged) == steps * 2 * 2

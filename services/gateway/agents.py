@@ -115,7 +115,7 @@ class AgentPool:
                     backoff = min(backoff * 2, AWAY_BACKOFF_S[1])
                     continue
                 backoff = AWAY_BACKOFF_S[0]
-                if response.status_code == 204:
+                if response.status_code == 204 or self.stopping.is_set():
                     continue
                 if response.status_code != 200:
                     log.warning("agents: claim at %s: %d %s", gateway, response.status_code, response.text[:300])

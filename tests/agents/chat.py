@@ -43,3 +43,22 @@ def edits_history(episode):
     messages += [{"role": "assistant", "content": edited}, {"role": "user", "content": "go on"}]
     client.chat.completions.create(model=episode.model, messages=messages, max_tokens=4)
     return 0.5
+
+
+def two_turns_counting(episode):
+    """two_turns, writing how many retries each call took (AGENT_LOG, a line per call): the tests that kill a gateway
+    or a generator under it see that calls were cut short and retried."""
+    import json
+    import os
+
+    client = _client(episode)
+    messages, retries = [{"role": "user", "content": episode.prompt}], []
+    for follow_up in ("and then", None):
+        raw = client.chat.completions.with_raw_response.create(model=episode.model, messages=messages, max_tokens=24)
+        retries.append(raw.retries_taken)
+        text = raw.parse().choices[0].message.content
+        if follow_up:
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": follow_up}]
+    with open(os.environ["AGENT_LOG"], "a") as log:
+        log.write(json.dumps({"episode": episode.id, "retries": retries}) + "\n")
+    return sum(c in "aeiou" for c in text) / max(1, len(text))

@@ -52,6 +52,10 @@ app.kubernetes.io/component: {{ .role }}
   ports:
     - name: metrics
       containerPort: {{ .root.Values.metrics.port }}
+    {{- if eq .role "gateway" }}
+    - name: http
+      containerPort: {{ .spec.port }}
+    {{- end }}
   readinessProbe:
     httpGet:
       path: /metrics
