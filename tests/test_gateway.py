@@ -45,11 +45,13 @@ def chat_tokenizer(model_cache):
     return load_tokenizer(resolve_model("builtin:tiny-chat-llama", model_cache))
 
 
-def call_view(tokenizer, call_id, prompt_text, prompt_tokens, response, messages=1):
-    text = tokenizer.decode(response, skip_special_tokens=True)
+def call_view(tokenizer, call_id, prompt_text, prompt_tokens, response, messages=1, text=None):
+    """An earlier call as the book keeps it: the answer the client read is ``text`` (default: all it wrote)."""
+    written = tokenizer.decode(response, skip_special_tokens=True)
     end = tokenizer.decode([response[-1]]) if response[-1] in tokenizer.all_special_ids else ""
+    text = written if text is None else text
     return CallView(
-        call_id, prompt_text, tuple(prompt_tokens), tuple(response), text, end, len(prompt_tokens), messages
+        call_id, prompt_text, tuple(prompt_tokens), tuple(response), text, written, end, len(prompt_tokens), messages
     )
 
 
@@ -84,12 +86,16 @@ def test_a_turn_ended_by_a_stop_string_keeps_it_in_the_model_s_tokens(chat_token
     tok, prompts = chat_tokenizer, Prompts(chat_tokenizer)
     first = prompts.chat([{"role": "user", "content": "add"}], [])
     sampled = tok("go!", add_special_tokens=False).input_ids  # stopped at "!": the client reads "go"
-    earlier = CallView("c1", first.full_text, first.tokens, tuple(sampled), "go", "", len(first.tokens), 1)
+    earlier = call_view(tok, "c1", first.full_text, first.tokens, sampled, text="go")
     messages = [{"role": "user", "content": "add"}, {"role": "assistant", "content": "go"}]
     second = prompts.chat([*messages, {"role": "user", "content": "two"}], [earlier])
     assert second.parent == "c1"
     assert second.tokens[: len(first.tokens) + 3] == first.tokens + tuple(sampled)
     assert tok.decode(second.new_tokens) == "</s><s>user two</s><s>assistant "
+    # A client that puts back the stop string its answer was cut at ("go!", as the model wrote it) extends it too.
+    back = prompts.chat([messages[0], {"role": "assistant", "content": "go!"}, {"role": "user", "content": "two"}],
+                        [earlier])  # fmt: skip
+    assert back.parent == "c1" and back.tokens == second.tokens
 
 
 def test_an_edited_history_begins_a_new_row(chat_tokenizer):
@@ -164,8 +170,8 @@ def _call_event(episode, call, parent, prompt, response, versions, text="x", fin
     )
 
 
-def test_an_episode_s_calls_become_rows_with_the_model_s_tokens_marked():
-    book = EpisodeBook(lambda token: "")
+def test_an_episode_s_calls_become_rows_with_the_model_s_tokens_marked(chat_tokenizer):
+    book = EpisodeBook(chat_tokenizer)
     ep = "0/1#0"
     book.apply(_call_event(ep, "a", "", [1, 2, 3], [10, 11], [0, 0]), logged=True)
     book.apply(_call_event(ep, "b", "a", [4, 5], [12], [1]), logged=True)  # extends a: its prompt after a's answer
@@ -185,8 +191,8 @@ def test_an_episode_s_calls_become_rows_with_the_model_s_tokens_marked():
     assert rows[(15,)].prompt_tokens.tolist() == [7, 7]
 
 
-def test_the_log_s_first_end_decides_and_what_comes_after_it_is_not_trained():
-    book = EpisodeBook(lambda token: "")
+def test_the_log_s_first_end_decides_and_what_comes_after_it_is_not_trained(chat_tokenizer):
+    book = EpisodeBook(chat_tokenizer)
     ep = "0/0#1"
 
     def end(outcome, producer):
@@ -273,16 +279,16 @@ def experience_rows(bus) -> list[tuple[str, list[int], list[int], list[bool], li
     return rows
 
 
-def logged_rows(bus) -> dict[str, list]:
+def logged_rows(bus, tokenizer) -> dict[str, list]:
     """Each episode's rows as the episodes log alone makes them."""
-    book = EpisodeBook(lambda token: "")
+    book = EpisodeBook(tokenizer)
     for event in read_messages(bus, "episodes"):
         book.apply(event, logged=True)
     return {episode.id: episode.rows() for episode in book.episodes.values()}
 
 
 @pytest.mark.slow
-def test_an_openai_client_s_episodes_are_trained_once_with_the_tokens_it_sampled(make_config):
+def test_an_openai_client_s_episodes_are_trained_once_with_the_tokens_it_sampled(make_config, chat_tokenizer):
     from services.embedded import run_embedded
 
     config = gateway_config(
@@ -296,7 +302,7 @@ def test_an_openai_client_s_episodes_are_trained_once_with_the_tokens_it_sampled
     assert len(lines) == 3 and sorted(groups) == [f"{s}/{r}" for s in range(3) for r in range(2)]
     trained = experience_rows(bus)
     assert len(trained) == 3 * 2 * 2, "every episode is one row: its two calls chained"
-    logged = logged_rows(bus)
+    logged = logged_rows(bus, chat_tokenizer)
     for group, prompt, response, mask, logprobs, versions in trained:
         matches = [row for ep, rows in logged.items() if ep.startswith(group + "#") for row in rows]
         same = [r for r in matches if r.response_tokens.tolist() == response and r.prompt_tokens.tolist() == prompt]
@@ -553,7 +559,9 @@ class Processes:
 
 
 @pytest.mark.slow
-def test_killing_the_gateway_and_the_generator_mid_call_loses_and_repeats_nothing(tmp_path, model_cache, own_broker):
+def test_killing_the_gateway_and_the_generator_mid_call_loses_and_repeats_nothing(
+    tmp_path, model_cache, own_broker, chat_tokenizer
+):
     """kill -9 of the gateway, then of the generator, while agents (an `openai` client each, `streamppo agents`)
     have calls in flight: the clients' calls are retried or complete, and every episode is trained once, with the
     tokens its calls sampled."""
@@ -622,7 +630,7 @@ def test_killing_the_gateway_and_the_generator_mid_call_loses_and_repeats_nothin
         experience = [decode(r.value) for r in reader.records("experience")]
     finally:
         bus.close()
-    book = EpisodeBook(lambda token: "")
+    book = EpisodeBook(chat_tokenizer)
     for event in events:
         book.apply(event, logged=True)
     trained = {g for line in updates for g in line["groups"]}

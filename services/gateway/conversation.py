@@ -34,6 +34,7 @@ class CallView:
     prompt_tokens: tuple[int, ...]  # the whole prompt's token ids
     response_tokens: tuple[int, ...]  # what the model sampled
     text: str  # the answer as the client read it
+    written: str  # what the model wrote: its tokens decoded without special tokens (a stop string included)
     sampled_end: str  # the special token the model's turn ended with (EOS), as text; '' when it ended otherwise
     row_start: int  # the prompt tokens of its row (its first call's): its tokens past them are the row's response
     messages: int = 0  # a chat's messages (0: a prompt of the completions API)
@@ -42,6 +43,11 @@ class CallView:
     def context(self) -> str:
         """The prompt and the answer, as the client read them: what a call that extends this one begins with."""
         return self.prompt_text + self.text
+
+    def answers(self) -> tuple[str, ...]:
+        """The answer as a client may send it back: as it read it, or as the model wrote it (a client that puts back
+        the stop string its answer was cut at)."""
+        return (self.text, self.written) if self.written != self.text else (self.text,)
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,7 @@ class Prompts:
             if not 0 < call.messages < len(messages):
                 return False
             reply = messages[call.messages]
-            return reply.get("role") == "assistant" and reply.get("content") == call.text
+            return reply.get("role") == "assistant" and reply.get("content") in call.answers()
 
         candidates = [call for call in earlier if answered(call)]
         return self.text(render_chat(self.tokenizer, messages, tools), candidates, special_tokens=False)
@@ -75,14 +81,14 @@ class Prompts:
     def text(self, prompt: str, earlier: list[CallView], special_tokens: bool = True) -> Prompt:
         """The prompt of a call whose prompt is ``prompt`` (``special_tokens``: the tokenizer adds its own, e.g. BOS,
         to a prompt that extends nothing, as the completions API does; a rendered chat has them already)."""
-        parent = _extended(prompt, earlier)
+        parent, answer = _extended(prompt, earlier)
         if parent is None:
             tokens = tuple(self.tokenizer(prompt, add_special_tokens=special_tokens).input_ids)
             return Prompt("", prompt, tokens, tokens, prompt, len(tokens))
-        rest = prompt[len(parent.context) :]
+        rest = prompt[len(parent.prompt_text) + len(answer) :]
         new = self._tokenize(_after_sampled(rest, parent))
         whole = parent.prompt_tokens + parent.response_tokens + new
-        return Prompt(parent.id, rest, new, whole, prompt, parent.row_start)
+        return Prompt(parent.id, prompt[len(parent.context) :], new, whole, prompt, parent.row_start)
 
     def tokens(self, prompt: list[int], earlier: list[CallView]) -> Prompt:
         """The prompt of a call that sends token ids (the completions API): an earlier call's tokens are extended
@@ -100,12 +106,16 @@ class Prompts:
         return tuple(self.tokenizer(text, add_special_tokens=False).input_ids) if text else ()
 
 
-def _extended(prompt: str, earlier: list[CallView]) -> CallView | None:
-    """The earlier call whose prompt and answer ``prompt`` begins with, the longest such (None: none)."""
-    for call in sorted(earlier, key=lambda call: -len(call.context)):
-        if prompt.startswith(call.context):
-            return call
-    return None
+def _extended(prompt: str, earlier: list[CallView]) -> tuple[CallView | None, str]:
+    """The earlier call whose prompt and answer (either form, :meth:`CallView.answers`) ``prompt`` begins with, the
+    longest such, and that answer; ``(None, "")`` when there is none."""
+    found = [
+        (call, answer)
+        for call in earlier
+        for answer in call.answers()
+        if prompt.startswith(call.prompt_text) and prompt.startswith(answer, len(call.prompt_text))
+    ]
+    return max(found, key=lambda pair: len(pair[0].prompt_text) + len(pair[1]), default=(None, ""))
 
 
 def _after_sampled(rest: str, parent: CallView) -> str:

@@ -16,7 +16,6 @@ import hashlib
 import hmac
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -178,8 +177,9 @@ class EpisodeBook:
     """Every episode this replica knows of, from the events of the episodes log. Applying an event twice (one this
     replica wrote, then read back) changes nothing; the first end the log has decides an episode's outcome."""
 
-    def __init__(self, special_text: Callable[[int], str]):
-        self.special_text = special_text  # a token id's text if it is a special token (EOS), else ''
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.specials = set(tokenizer.all_special_ids)
         self.episodes: dict[str, Episode] = {}
         self.seen: set[str] = set()  # the ids of the events applied
         self.gone: set[str] = set()  # episodes forgotten (ended, their group sent or used up)
@@ -228,8 +228,9 @@ class EpisodeBook:
             text = before.context + text
             tokens = before.prompt_tokens + before.response_tokens + tokens
             row_start = before.row_start
-        end = self.special_text(response[-1]) if response else ""
-        return CallView(event.event, text, tokens, response, event.text, end, row_start, event.messages)
+        end = self.tokenizer.decode([response[-1]]) if response and response[-1] in self.specials else ""
+        written = self.tokenizer.decode(list(response), skip_special_tokens=True)
+        return CallView(event.event, text, tokens, response, event.text, written, end, row_start, event.messages)
 
     def forget(self, episode: str) -> None:
         """Drop what the book holds of an ended episode (its events stay marked as seen)."""

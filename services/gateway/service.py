@@ -102,8 +102,7 @@ class GatewayService(Service):
         if self.template_problem:
             log.warning("%s: %s", self.replica_id, self.template_problem)
         self.secret = config.pipeline.signing_key()
-        specials = set(self.tokenizer.all_special_ids)
-        self.book = EpisodeBook(lambda token: self.tokenizer.decode([token]) if token in specials else "")
+        self.book = EpisodeBook(self.tokenizer)
         self.admission = Admission(config)
         self.policy_version = 0
         self.reply_to = f"{self.replica_id}/{uuid.uuid4().hex[:12]}"
