@@ -3,7 +3,7 @@ generator: a training file, a held-out file that shares no expression with it (b
 in the chat template written out, the model's turn begun in a calculator call), and the held-out questions alone,
 for the model on its own (``examples/arithmetic/evaluate.py`` applies the chat template).
 
-    python examples/tools/problems.py --out runs/tools   # train.jsonl, heldout.jsonl, heldout-plain.jsonl
+    python examples/tools/problems.py --out runs/tools   # train, heldout, train-plain, heldout-plain (.jsonl)
 
 Each row's label is the answer; ``recipes.rewards:final_number_matches`` grades the last number of a response.
 """
@@ -66,7 +66,13 @@ def main() -> None:
     train = [row for row in problems(args.seed, 2 * args.train) if row["question"] not in seen]
     train = train[: args.train]
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, rows, tools in (("train", train, True), ("heldout", heldout, True), ("heldout-plain", heldout, False)):
+    files = (
+        ("train", train, True),
+        ("heldout", heldout, True),
+        ("train-plain", train, False),  # the questions alone, for an agent that writes its own messages
+        ("heldout-plain", heldout, False),
+    )
+    for name, rows, tools in files:
         with (args.out / f"{name}.jsonl").open("w") as out:
             for row in rows:
                 prompt = CHAT.format(question=row["question"]) if tools else row["question"]

@@ -109,13 +109,15 @@ class Prompts:
 def _extended(prompt: str, earlier: list[CallView]) -> tuple[CallView | None, str]:
     """The earlier call whose prompt and answer (either form, :meth:`CallView.answers`) ``prompt`` begins with, the
     longest such, and that answer; ``(None, "")`` when there is none."""
-    found = [
-        (call, answer)
-        for call in earlier
-        for answer in call.answers()
-        if prompt.startswith(call.prompt_text) and prompt.startswith(answer, len(call.prompt_text))
-    ]
-    return max(found, key=lambda pair: len(pair[0].prompt_text) + len(pair[1]), default=(None, ""))
+    candidates = sorted(
+        ((call, answer) for call in earlier for answer in call.answers()),
+        key=lambda pair: len(pair[0].prompt_text) + len(pair[1]),
+        reverse=True,
+    )
+    for call, answer in candidates:  # the newest call is the longest and, in a chat that goes on, the one: one check
+        if prompt.startswith(call.prompt_text) and prompt.startswith(answer, len(call.prompt_text)):
+            return call, answer
+    return None, ""
 
 
 def _after_sampled(rest: str, parent: CallView) -> str:

@@ -240,7 +240,15 @@ class GatewayService(Service):
         self.log.send(event)  # acknowledged by the broker: on the log before anyone is answered
         return self.book.apply(event, logged=False) or self.book.get(event.episode)
 
-    def _event(self, episode: Episode, kind: str, event_id: str, version: int | None = None, **fields) -> EpisodeEvent:
+    def _event(
+        self,
+        episode: Episode,
+        kind: str,
+        event_id: str,
+        version: int | None = None,
+        lineage: dict | None = None,
+        **fields,
+    ) -> EpisodeEvent:
         empty = {
             "parent": "",
             "request_digest": "",
@@ -256,7 +264,7 @@ class GatewayService(Service):
             "outcome": "",
             "detail": "",
         }
-        lineage = {**self._origin(episode).lineage, "gateway.replica": self.replica_id}
+        lineage = {**self._origin(episode).lineage, **(lineage or {}), "gateway.replica": self.replica_id}
         return EpisodeEvent(
             **new_header(
                 episode.batch_id, self.replica_id, self.policy_version if version is None else version, lineage
@@ -453,6 +461,7 @@ class GatewayService(Service):
             "call",
             pending.call,
             version=completion.policy_version,
+            lineage={k: v for k, v in completion.lineage.items() if k.startswith("generator.")},
             parent=pending.prompt.parent,
             request_digest=pending.request_digest,
             messages=len(request_messages)

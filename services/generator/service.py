@@ -84,7 +84,8 @@ class GeneratorService(Service):
         self.queue: deque[tuple[PromptBatch, int]] = deque()  # streaming: the groups admitted, not yet started
         self.sampling: dict[str, tuple[str, int]] = {}  # streaming: per group key in the engine, (batch id, row)
         self.batches: dict[str, _Stream] = {}  # streaming: the prompt batches admitted and not yet sent whole
-        self.calls: dict[str, CompletionRequest] = {}  # a gateway run: the calls in the engine, by request key
+        self.calls: dict[str, tuple[CompletionRequest, float]] = {}  # a gateway run: the calls in the engine, by
+        # request key, with when each began (perf_counter)
         self.answered: list[Completion] = []  # a gateway run: answers ready to go (calls that could not be sampled)
         broadcast = config.weights.broadcast
         if broadcast.address is not None:
@@ -247,12 +248,15 @@ class GeneratorService(Service):
             self.sampler.submit(key, request.prompt_tokens.tolist(), params)
         except ValueError as exc:  # vLLM refuses a prompt (and max_tokens) past the model's length at once
             log.warning("%s: call %s cannot be sampled: %s", self.replica_id, request.call, exc)
-            self.answered.append(self._completion(request, None, f"cannot be sampled: {exc}".splitlines()[0]))
+            self.answered.append(self._completion(request, None, 0.0, f"cannot be sampled: {exc}".splitlines()[0]))
             return
-        self.calls[key] = request
+        self.calls[key] = (request, time.perf_counter())
 
-    def _completion(self, request: CompletionRequest, samples: Samples | None, status: str = "ok") -> Completion:
-        """The answer to ``request``: the response in ``samples`` (None: an error, said by ``status``)."""
+    def _completion(
+        self, request: CompletionRequest, samples: Samples | None, seconds: float, status: str = "ok"
+    ) -> Completion:
+        """The answer to ``request``: the response in ``samples`` (None: an error, said by ``status``), sampled in
+        ``seconds`` (from taking the request to its last token)."""
         length = int(samples.response_lengths[0]) if samples is not None else 0
         tokens = samples.response_tokens[0, :length].numpy() if samples is not None else np.zeros(0, np.int64)
         if samples is not None and samples.token_versions is not None:
@@ -274,6 +278,7 @@ class GeneratorService(Service):
                     **request.lineage,
                     "generator.backend": self.sampler.backend,
                     "generator.replica": self.replica_id,
+                    "generator.seconds": round(seconds, 4),
                     "actor.model": self.model_id,
                 },
             ),
@@ -294,7 +299,8 @@ class GeneratorService(Service):
     def _take_finished(self, finished: list[tuple[str, Samples]]) -> None:
         for key, samples in finished:
             if key in self.calls:
-                self.answered.append(self._completion(self.calls.pop(key), samples))
+                request, started = self.calls.pop(key)
+                self.answered.append(self._completion(request, samples, time.perf_counter() - started))
                 continue
             batch_id, row = self.sampling.pop(key)
             if samples.token_versions is None:  # sampled whole, by the weights loaded now

@@ -62,3 +62,21 @@ def two_turns_counting(episode):
     with open(os.environ["AGENT_LOG"], "a") as log:
         log.write(json.dumps({"episode": episode.id, "retries": retries}) + "\n")
     return sum(c in "aeiou" for c in text) / max(1, len(text))
+
+
+def calls_logged(episode):
+    """Four calls of a chat that goes on, each answer's call id written to AGENT_LOG (benchmarks/gateway.py kills):
+    every answer a client got is then looked up on the episodes log."""
+    import json
+    import os
+
+    client = _client(episode)
+    messages, calls = [{"role": "user", "content": episode.prompt}], []
+    for _ in range(4):
+        answer = client.chat.completions.create(model=episode.model, messages=messages, max_tokens=12)
+        calls.append(answer.id.removeprefix("call-"))
+        messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                     {"role": "user", "content": "go on"}]  # fmt: skip
+    with open(os.environ["AGENT_LOG"], "a") as log:
+        log.write(json.dumps({"episode": episode.id, "calls": calls}) + "\n")
+    return 0.5
