@@ -58,6 +58,12 @@ class ServiceMetrics:
         self.staleness = Gauge(
             "streamppo_staleness", "Versions between the learner and the batch it trained on.", ["role"], registry=r
         )
+        self.counted = Gauge(
+            "streamppo_service_count",
+            "What a service counts beyond its input's outcomes (a gateway's calls, retries, episodes by outcome).",
+            ["role", "name"],
+            registry=r,
+        )
         self.learner = {
             name: Gauge(f"streamppo_learner_{name}", f"Of the last update: {LEARNER_STATISTICS[name].doc}.", registry=r)
             for name in gauges()

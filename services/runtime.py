@@ -543,6 +543,9 @@ class ServiceRunner:
         ``state`` defaults to ``waiting`` while input is held, else ``serving``.
         """
         held_seconds = self.held_seconds()
+        counted = self.service.counters()
+        for name, value in counted.items():
+            self.metrics.counted.labels(self.service.role, name).set(value)
         self.metrics.held_records.labels(self.service.role).set(len(self.held))
         self.metrics.held_seconds.labels(self.service.role).set(held_seconds)
         loaded = self.weights.loaded if self.weights is not None else {}
@@ -556,7 +559,7 @@ class ServiceRunner:
             held=len(self.held),
             held_seconds=round(held_seconds, 1),
             lag=self.work.lag() if self.work is not None else 0,
-            counters={**self.counters, **self.service.counters(), **versions},
+            counters={**self.counters, **counted, **versions},
             created_at=time.time(),
         )
         self.producer.send(STATUS_TOPIC, encode(status), key=self.replica_id.encode())
