@@ -288,11 +288,14 @@ def logged_rows(bus, tokenizer) -> dict[str, list]:
 
 
 @pytest.mark.slow
-def test_an_openai_client_s_episodes_are_trained_once_with_the_tokens_it_sampled(make_config, chat_tokenizer):
+@pytest.mark.parametrize("agent", ["two_turns", "langchain_two_turns"], ids=["openai", "langchain"])
+def test_an_openai_client_s_episodes_are_trained_once_with_the_tokens_it_sampled(make_config, chat_tokenizer, agent):
+    """An unmodified agent (the `openai` package; LangChain's ChatOpenAI) in a chat that goes on: each episode one
+    row, trained once, its tokens, mask, log-probs and versions those the episodes log holds for its calls."""
     from services.embedded import run_embedded
 
     config = gateway_config(
-        make_config, "run.steps=3", "gateway.port=0", f"gateway.agent.function={AGENTS}:two_turns",
+        make_config, "run.steps=3", "gateway.port=0", f"gateway.agent.function={AGENTS}:{agent}",
         "gateway.agent.workers=4",
     )  # fmt: skip
     bus = MemoryBus()

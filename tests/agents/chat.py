@@ -80,3 +80,17 @@ def calls_logged(episode):
     with open(os.environ["AGENT_LOG"], "a") as log:
         log.write(json.dumps({"episode": episode.id, "calls": calls}) + "\n")
     return 0.5
+
+
+def langchain_two_turns(episode):
+    """two_turns as a LangChain user writes it: ChatOpenAI pointed at the episode's base URL, its own message types."""
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=episode.base_url, api_key=episode.api_key, model=episode.model, max_tokens=6, max_retries=30
+    )
+    history = [HumanMessage(episode.prompt)]
+    history += [llm.invoke(history), HumanMessage("and then")]
+    text = llm.invoke(history).content
+    return sum(c in "aeiou" for c in text) / max(1, len(text))
