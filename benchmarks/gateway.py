@@ -101,10 +101,12 @@ class Run:
         self.port = free_port()
         settings = _merge(settings, {
             "run": {"dir": str(folder / "run"), "run_id": f"bench{os.getpid()}"},
-            "gateway": {"port": str(self.port), "call_timeout_s": 120, "episode_timeout_s": 300},
             "kafka": {"bootstrap": self.broker.bootstrap, "idempotent_producer": False, "session_timeout_ms": 1000,
                       "heartbeat_interval_ms": 250},
         })  # fmt: skip
+        if "gateway" in settings:
+            settings = _merge(settings, {"gateway": {"port": str(self.port),
+                                                     "episode_timeout_s": 300}})  # fmt: skip
         import yaml
 
         self.config_path = folder / "run.yaml"
@@ -305,41 +307,48 @@ def kills(args) -> dict:
 
 
 def throughput(args) -> dict:
-    """Model tokens per second of the same task and model: agents (examples/agent/agent.py, 16 at once) through the
-    gateway, and the built-in episode loop (examples/tools: the calculator as an environment replica), each a run
-    of ``--steps`` updates over the local broker with every role as its own process; the tokens the model sampled
-    (the learner's response_length × sequences) over the run's time from its first to its last update."""
+    """Model tokens per second on the same task and model, sampling alone (no learner: ``--steps`` updates' worth of
+    prompt batches, the staleness bound wide enough for all of them): agents (examples/agent/agent.py, ``--workers``
+    at once) through the gateway, against the built-in episode loop (examples/tools: the calculator as an environment
+    replica, every episode in flight), each as processes over the local broker on vLLM. The tokens the model sampled
+    (the rollouts' response masks) over the time from the first prompt batch to the last group's record."""
     out = {}
     folder = Path(args.dir) / "throughput"
     _problems(folder)
-    tools = _merge(_smollm(folder, steps=args.steps), {})
-    tools.pop("gateway")
-    tools["data"] = {"prompts": str(folder / "train.jsonl"), "batch_size": 8, "eval_prompts": 0, "chat_template": False,
-                     "max_prompt_tokens": 160}  # fmt: skip
+    common = _smollm(folder, steps=args.steps)
+    common["pipeline"] = {"max_staleness": args.steps}
+    tools = {k: v for k, v in common.items() if k != "gateway"}
+    tools["data"] = {"prompts": str(folder / "train.jsonl"), "batch_size": 8, "eval_prompts": 0,
+                     "chat_template": False, "max_prompt_tokens": 160}  # fmt: skip
     tools["environment"] = {"tools": ["calculator"], "max_turns": 3}
-    agent = _merge(_smollm(folder, steps=args.steps), {
-        "gateway": {"agent": {"function": str(REPO / "examples/agent/agent.py:solve"), "workers": 16}}})  # fmt: skip
+    agent = _merge(common, {"gateway": {"agent": {"function": str(REPO / "examples/agent/agent.py:solve"),
+                                                  "workers": args.workers}}})  # fmt: skip
+    groups = args.steps * 8
     for name, settings, roles in (
-        ("gateway", agent, ["learner", "advantage", "scorer", "generator", "gateway", "feed"]),
-        ("episodes", tools, ["learner", "advantage", "scorer", "generator", "environment", "feed"]),
+        ("gateway", agent, ["generator", "gateway", "feed"]),
+        ("episodes", tools, ["generator", "environment", "feed"]),
     ):
         run = Run(folder / name, settings, roles)
-        metrics = folder / name / "run" / "metrics.jsonl"
         try:
             deadline = time.monotonic() + 3600
-            while not (metrics.exists() and len(metrics.read_text().splitlines()) >= args.steps):
+            while True:
+                records = run.read("rollouts")
+                if sum(len(r.groups()) for r in records) >= groups:
+                    break
                 assert time.monotonic() < deadline and all(p.poll() in (None, 0) for p in run.processes.values()), name
-                time.sleep(2)
+                time.sleep(5)
+            prompts = run.read("prompts")
         finally:
             run.close()
-        updates = [json.loads(line) for line in metrics.read_text().splitlines()]
-        tokens = sum(u["response_length"] * u["sequences"] for u in updates[1:])
-        seconds = updates[-1]["time"] - updates[0]["time"]
+        tokens = sum(int(r.response_mask.sum()) for r in records)
+        seconds = max(r.created_at for r in records) - min(p.created_at for p in prompts)
+        turns = [int(t) for r in records for t in r.turns]
         out[name] = {
-            "updates": len(updates),
+            "episodes": len(turns),
+            "model_tokens": tokens,
+            "seconds": round(seconds, 1),
             "model_tokens_per_s": round(tokens / seconds, 1),
-            "seconds_per_update": round(seconds / (len(updates) - 1), 1),
-            "reward_first_last": [round(updates[0]["reward_mean"], 3), round(updates[-1]["reward_mean"], 3)],
+            "turns_mean": round(sum(turns) / len(turns), 2),
         }
     out["ratio"] = round(out["gateway"]["model_tokens_per_s"] / out["episodes"]["model_tokens_per_s"], 3)
     return out
@@ -351,8 +360,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=128)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=4, help="kills: updates of the run; throughput: updates' worth")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=128, help="throughput: agents at once (128: every episode)")
     parser.add_argument("--dir", default=str(REPO / "runs" / "bench-gateway"))
     args = parser.parse_args()
     print(json.dumps({"benchmark": args.what, **globals()[args.what](args)}))

@@ -406,10 +406,10 @@ class GatewaySection(_Section):
         None, description="The model's name in /v1/models and in answers; default: the actor folder's name."
     )
     call_timeout_s: float = Field(
-        120.0,
+        600.0,
         gt=0,
-        description="A call the generators have not answered in this long gets a retryable error (503 with "
-        "Retry-After); the agent's client retries it.",
+        description="A client that has waited this long for a call's answer gets a retryable error (503 with "
+        "Retry-After; OpenAI's clients time out at 600 s); the call goes on, and the client's retry gets its answer.",
     )
     episode_timeout_s: float = Field(
         300.0, gt=0, description="An episode with no call, reward or end for this long ends (outcome timed_out)."

@@ -485,6 +485,52 @@ def test_a_retried_call_gets_the_same_answer_not_a_second_sample(make_config):
     assert len(calls) == 3, "one call for the idempotency key, one for the lost answer, one fresh"
 
 
+def test_a_call_its_client_gave_up_waiting_for_is_answered_to_the_retry_and_sampled_once(make_config):
+    """A client that waited gateway.call_timeout_s gets a retryable 503, and the call goes on: the retry gets its
+    answer, never a second sample (under load, retries that each started a sample would pile up in the engine). The
+    real gateway and generator on the in-memory bus, the generator held back by not running it until the client
+    gave up."""
+    from services.feeder import FeederService
+    from services.gateway import GatewayService
+    from services.generator import GeneratorService
+    from services.roles import pipeline_topics
+    from services.runtime import ServiceRunner
+
+    port = free_port()
+    config = gateway_config(make_config, "run.steps=1", f"gateway.port={port}", "gateway.call_timeout_s=0.5")
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics())
+    ServiceRunner(FeederService(config), bus)  # publishes the prompt batches
+    generator = ServiceRunner(GeneratorService(config), bus)
+    gateway = ServiceRunner(GatewayService(config), bus)
+    stop = threading.Event()
+    loop = threading.Thread(target=lambda: [gateway.poll_once(0.01) for _ in iter(stop.is_set, True)], daemon=True)
+    loop.start()
+    try:
+        http = httpx.Client(timeout=30)
+        task = http.post(f"http://127.0.0.1:{port}/episodes/claim", json={"wait_s": 10}).json()
+        url = f"{task['base_url']}/chat/completions"
+        body = {"model": task["model"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        gave_up = http.post(url, json=body)
+        assert gave_up.status_code == 503 and gave_up.headers["x-should-retry"] == "true"
+        assert gave_up.headers["retry-after"] == "1"
+        for _ in range(20):  # the generator takes the call now, and answers it
+            generator.poll_once(0.05)
+        retried = http.post(url, json=body, headers={"x-stainless-retry-count": "1"})
+        assert retried.status_code == 200, retried.text
+        again = http.post(url, json=body, headers={"x-stainless-retry-count": "2"})  # its answer lost on the way
+        assert again.json()["id"] == retried.json()["id"]
+        counts = http.get(f"http://127.0.0.1:{port}/health").json()["counts"]
+    finally:
+        stop.set()
+        loop.join(5)
+        gateway.close()
+        generator.close()
+    calls = [e for e in read_messages(bus, "episodes") if e.kind == "call"]
+    assert [e.event for e in calls] == [retried.json()["id"].removeprefix("call-")], "one sample, the one answered"
+    assert len(read_messages(bus, "requests")) == 1 and counts["calls_timed_out"] == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["dead_letter", "reward"])
 def test_a_reward_that_never_comes_ends_the_episode_as_configured_and_counted(make_config, policy):

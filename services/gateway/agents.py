@@ -58,10 +58,18 @@ class Episode:
         _post(f"{self.gateway}/episodes/{self.api_key}/end", {"outcome": outcome, "detail": detail[:2000]})
 
 
+class Refused(RuntimeError):
+    """The gateway answered with an error (its status and message)."""
+
+    def __init__(self, url: str, status: int, text: str):
+        super().__init__(f"POST {url}: {status} {text[:500]}")
+        self.status = status
+
+
 def _post(url: str, body: dict) -> dict:
     response = httpx.post(url, json=body, timeout=60)
     if response.status_code >= 400:
-        raise RuntimeError(f"POST {url}: {response.status_code} {response.text[:500]}")
+        raise Refused(url, response.status_code, response.text)
     return response.json() if response.content else {}
 
 
@@ -156,10 +164,9 @@ class AgentPool:
             try:
                 close()
                 return
-            except RuntimeError as exc:
-                if " 409 " in str(exc):
-                    return
-                log.warning("agents: ending episode %s: %s", episode.id, exc)
+            except Refused as exc:
+                if exc.status != 409:  # 409: it ended meanwhile
+                    log.warning("agents: ending episode %s: %s", episode.id, exc)
                 return
             except httpx.HTTPError as exc:
                 log.info("agents: ending episode %s: %s; again in %.1f s", episode.id, exc, backoff)

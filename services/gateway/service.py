@@ -67,14 +67,17 @@ IDLE_SAY_S = 30.0  # episodes offered and not taken for this long: say so
 
 @dataclass
 class _Pending:
-    """A call sent to the generators, waiting for their answer."""
+    """A call sent to the generators. Its clients wait for the answer; one that waits past gateway.call_timeout_s is
+    told to try again, and the call goes on: a retry waits for the same answer (never a second sample), which is
+    written to the log once someone waits for it (an answer nobody asks for again is never trained)."""
 
     episode: str
     call: str
     prompt: Prompt
     request_digest: str
-    deadline: float
+    messages: int  # the chat's messages (0: a prompt of the completions API)
     waiting: list[Request] = field(default_factory=list)
+    completion: Completion | None = None  # the generators' answer, while nobody waits for it
 
 
 @dataclass
@@ -292,17 +295,17 @@ class GatewayService(Service):
                 requests.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
-        for request in requests:
+        handlers = {"chat": self._call, "completion": self._call, "claim": self._claim, "reward": self._reward,
+                    "end": self._end}  # fmt: skip
+        for position, request in enumerate(requests):
             try:
-                {
-                    "chat": self._call,
-                    "completion": self._call,
-                    "claim": self._claim,
-                    "reward": self._reward,
-                    "end": self._end,
-                }[request.kind](request)
+                handlers[request.kind](request)
             except ApiError as exc:
                 request.answer(exc)
+            except Exception:  # the broker away (the runner retries), or a fault: nobody is left waiting on it
+                for unserved in requests[position:]:
+                    unserved.answer(ApiError(503, "the gateway cannot serve this now; try again", "unavailable"))
+                raise
 
     def _episode(self, request: Request) -> Episode:
         """The episode the request's key names (taken, or offered here), read from the log to its end first if this
@@ -313,8 +316,9 @@ class GatewayService(Service):
         except KeyError_ as exc:
             raise ApiError(401, str(exc), "invalid_api_key") from None
         episode = self.book.get(name)
-        if (episode is None or not episode.started) and name not in self.book.gone and not request.caught_up:
-            self._catch_up()
+        unknown = episode is None or not episode.started
+        if unknown and name not in self.book.gone and self.peers and not request.caught_up:
+            self._catch_up()  # another replica may have handed it out
             request.caught_up = True
             episode = self.book.get(name)
         if name in self.book.gone or (episode is not None and episode.over):
@@ -343,6 +347,7 @@ class GatewayService(Service):
             return
         if call_id in self.pending:
             self.pending[call_id].waiting.append(request)
+            self._deliver(self.pending[call_id])
             return
         if len(episode.calls) >= self.gateway.max_calls:
             raise ApiError(
@@ -355,6 +360,8 @@ class GatewayService(Service):
             self._call(request)
             return
         max_tokens = self._max_tokens(body.limit, prompt)
+        if not prompt.parent and episode.calls:
+            self.counts["splits"] += 1  # a new row of the episode (see episodes.py)
         self.sampling.send(
             CompletionRequest(
                 **new_header(call_id, self.replica_id, self.policy_version, self._origin(episode).lineage),
@@ -371,8 +378,8 @@ class GatewayService(Service):
                 stop=body.stops,
             )
         )
-        deadline = time.monotonic() + self.gateway.call_timeout_s
-        self.pending[call_id] = _Pending(episode.id, call_id, prompt, digest, deadline, [request])
+        messages = len(body.messages) if request.kind == "chat" else 0
+        self.pending[call_id] = _Pending(episode.id, call_id, prompt, digest, messages, [request])
         episode.active = time.monotonic()
 
     def _call_id(self, episode: Episode, request: Request, digest: str) -> str:
@@ -386,8 +393,8 @@ class GatewayService(Service):
                 request.caught_up = True
             return call_id
         if request.retries:
-            if not request.caught_up:
-                self._catch_up()
+            if self.peers and not request.caught_up:
+                self._catch_up()  # another replica may have answered it
                 request.caught_up = True
             same = [call for call in episode.calls.values() if call.event.request_digest == digest]
             waiting = [p.call for p in self.pending.values() if p.episode == episode.id and p.request_digest == digest]
@@ -413,8 +420,6 @@ class GatewayService(Service):
         vocabulary = len(self.tokenizer)
         if any(not 0 <= t < vocabulary for t in prompt.new_tokens):
             raise ApiError(400, f"the prompt holds token ids outside the vocabulary of {vocabulary}", "invalid_prompt")
-        if not prompt.parent and episode.calls:
-            self.counts["splits"] += 1  # a new row of the episode (see episodes.py)
         return prompt
 
     def _max_tokens(self, asked: int | None, prompt: Prompt) -> int:
@@ -439,12 +444,19 @@ class GatewayService(Service):
         for completion in self.sampling.receive():
             if completion.reply_to != self.reply_to:
                 continue  # another replica's (or a predecessor's)
-            pending = self.pending.pop(completion.call, None)
-            if pending is None:
-                continue  # answered already, or given up on (call_timeout_s)
-            self._answered(pending, completion)
+            pending = self.pending.get(completion.call)
+            if pending is None or pending.completion is not None:
+                continue  # answered already (a generator answered a re-delivered request twice)
+            pending.completion = completion
+            self._deliver(pending)
 
-    def _answered(self, pending: _Pending, completion: Completion) -> None:
+    def _deliver(self, pending: _Pending) -> None:
+        """Answer the call's clients, once the generators' answer is in and someone waits for it: write it to the
+        log, then answer."""
+        completion = pending.completion
+        if completion is None or not pending.waiting:
+            return
+        del self.pending[pending.call]
         if completion.status != "ok":
             error = ApiError(400, f"the generator could not sample this call: {completion.status}", "cannot_sample")
             for request in pending.waiting:
@@ -464,9 +476,7 @@ class GatewayService(Service):
             lineage={k: v for k, v in completion.lineage.items() if k.startswith("generator.")},
             parent=pending.prompt.parent,
             request_digest=pending.request_digest,
-            messages=len(request_messages)
-            if (request_messages := getattr(pending.waiting[0].body, "messages", None))
-            else 0,
+            messages=pending.messages,
             prompt_text=pending.prompt.text,
             prompt_tokens=np.asarray(pending.prompt.new_tokens, np.int64),
             response_tokens=completion.response_tokens,
@@ -589,18 +599,18 @@ class GatewayService(Service):
 
     def _expire(self) -> None:
         now_ = time.monotonic()
-        for call_id in [c for c, p in self.pending.items() if p.deadline <= now_]:
-            pending = self.pending.pop(call_id)
-            self.counts["calls_timed_out"] += 1
-            for request in pending.waiting:
-                request.answer(
-                    ApiError(
-                        503,
-                        f"the generators did not answer within {self.gateway.call_timeout_s:.0f} s; try again",
-                        "timeout",
-                    )
-                )
-        busy = {p.episode for p in self.pending.values()}
+        limit = self.gateway.call_timeout_s
+        for pending in list(self.pending.values()):
+            late = [request for request in pending.waiting if now_ - request.received >= limit]
+            for request in late:  # told to try again; the call goes on, and the retry waits for its answer
+                pending.waiting.remove(request)
+                self.counts["calls_timed_out"] += 1
+                request.answer(ApiError(503, f"no answer from the generators within {limit:.0f} s; try again", "busy"))
+            episode = self.book.get(pending.episode)
+            if not pending.waiting and (episode is None or episode.over):  # nobody will ask for it again
+                del self.pending[pending.call]
+                self.counts["answers_unclaimed"] += 1
+        busy = {p.episode for p in self.pending.values() if p.waiting}
         limit = self.gateway.episode_timeout_s
         for batch in self.batches.values():
             for row in batch.open_rows:
