@@ -36,7 +36,8 @@ def sample_responses(
     lengths = prompt_lengths[group_index]
     empty = torch.zeros((len(group_index), 0), dtype=torch.long)
     packed = pack(prompts, lengths, empty, torch.zeros_like(lengths), pad_token_id)
-    torch.manual_seed(params.seed)
+    if params.seed is not None:
+        torch.manual_seed(params.seed)
     out = model.generate(
         input_ids=packed.input_ids.to(model.device),
         attention_mask=packed.attention_mask.to(model.device),

@@ -18,7 +18,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
-    seed: int = 0
+    seed: int | None = 0  # None: unseeded, the engine's own randomness (a gateway's calls: a retry is never resampled)
     stop: tuple[str, ...] = ()  # strings that end a response besides EOS (kept in it): an episode's tool calls
 
     def lineage(self) -> dict:

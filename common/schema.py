@@ -640,7 +640,7 @@ class CompletionRequest(BatchMessage):
     temperature: float = scalar("float", "Sampling temperature (> 0).")
     top_p: float = scalar("float", "Nucleus sampling's mass, in (0, 1].")
     top_k: int = scalar("int", "Top-k sampling; 0: off.")
-    seed: int = scalar("int", "The call's sampling seed.")
+    seed: int = scalar("int", "The call's sampling seed; -1: none (the engine's own randomness).")
     stop: list = _wire(StringList("S", "Strings that end the response besides EOS (kept in its tokens)."))
 
     @classmethod

@@ -241,7 +241,7 @@ class GeneratorService(Service):
             temperature=request.temperature,
             top_p=request.top_p,
             top_k=request.top_k,
-            seed=request.seed,
+            seed=request.seed if request.seed >= 0 else None,
             stop=tuple(request.stop),
         )
         try:
