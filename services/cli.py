@@ -361,7 +361,12 @@ def _configure_logging(verbose: bool) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    # vLLM's engine processes inherit these: without -v they say errors only (its start-up advice about Triton,
+    # tcmalloc and eager mode is for vLLM's own developers), nor do torch's C++ warnings and library FutureWarnings.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
+    if not verbose:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     # kafka-python logs every connection it opens and closes at INFO, every failed attempt at ERROR; the services
     # report broker trouble once themselves.
     logging.getLogger("kafka").setLevel(logging.WARNING if verbose else logging.CRITICAL)

@@ -283,7 +283,7 @@ def test_importing_the_project_changes_no_global_state():
     modules = sorted(set(project_modules()) - LOADED_BY_VLLM)
     code = f"""
 import logging, os
-import torch, transformers
+import torch, transformers, peft  # peft's import sets TORCHINDUCTOR_CACHE_DIR (torch's inductor): not the project's
 before_env, before_level = dict(os.environ), transformers.logging.get_verbosity()
 before_bars = transformers.utils.logging.is_progress_bar_enabled()
 import importlib
