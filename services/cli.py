@@ -59,13 +59,12 @@ def _topics(args) -> int:
 
 
 def _status(args) -> int:
-    from common.config import load_config
     from services.roles import LOG_TOPIC
-    from services.run_bus import kafka_bus
+    from services.run_bus import kafka_bus, run_of
     from services.status import format_status, read_status
 
-    config = load_config(args.config, args.set)
-    bus = kafka_bus(config, args.bootstrap, make=False)  # a reader: it makes no topics
+    config, bootstrap = run_of(args.config, args.set, args.run_dir, args.bootstrap)
+    bus = kafka_bus(config, bootstrap, make=False)  # a reader: it makes no topics
     try:
         if bus.log_identity(LOG_TOPIC) is None:
             print(
@@ -141,7 +140,9 @@ def _up(args) -> int:
     except ValueError as exc:
         print(f"streamppo: {exc}", file=sys.stderr)
         return exit_codes.CONFIG
-    return up(args.config, overrides, args.bootstrap, replicas, verbose=args.verbose, restart=args.restart)
+    return up(
+        args.config, overrides, args.bootstrap, replicas, verbose=args.verbose, restart=args.restart, config=config
+    )
 
 
 def _models(args) -> int:
@@ -220,8 +221,8 @@ def _protos(args) -> int:
     return 0
 
 
-def _config_options(parser: argparse.ArgumentParser, broker: bool = False) -> None:
-    parser.add_argument("--config", required=True, type=Path, help="YAML run configuration")
+def _config_options(parser: argparse.ArgumentParser, broker: bool = False, required: bool = True) -> None:
+    parser.add_argument("--config", required=required, type=Path, help="YAML run configuration")
     parser.add_argument(
         "--set",
         action="append",
@@ -269,7 +270,10 @@ def _add_pipeline_commands(sub) -> None:
     status = sub.add_parser(
         "status", help="what each replica of the run does, what it waits for, weights, dead letters"
     )
-    _config_options(status, broker=True)
+    _config_options(status, broker=True, required=False)
+    status.add_argument(
+        "--run-dir", type=Path, help="a run `streamppo up` ran: its settings and broker, without --config"
+    )
     status.set_defaults(handler=_status)
 
     wait = sub.add_parser(

@@ -6,10 +6,16 @@ every replica of the roles that end the run has finished. A child that exits wit
 back-off (``--restart on-failure``, the default, as Kubernetes would) or stops the run (``--restart never``); one
 that found the run's log gone (exit 4: the broker lost its data) makes ``up`` start every child again in resume
 mode. Ctrl-C stops the run: every child gets SIGTERM (a second Ctrl-C kills them), and the broker stops last.
+
+It reports as ``streamppo run`` does: a line per update (from the run directory's ``metrics.jsonl``), a line when
+none came for a minute, and once the run is done its ``done:`` line and ``summary.json``. It writes the run's
+configuration (``config.json``) and the broker's address (``broker``) into the run directory, where ``streamppo
+status --run-dir`` (and ``trace``, ``archive``) find them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -22,9 +28,12 @@ from pathlib import Path
 from services import exit_codes
 from services.restarts import Restarts
 from services.roles import ROLES, roles_of
+from services.run_bus import RUN_BROKER, RUN_CONFIG
 from services.transport.local_broker import LocalBroker
 
 __all__ = ["parse_replicas", "stop_all", "up"]
+
+QUIET_SAY_S = 60.0  # no update for this long: say where to look
 
 
 def parse_replicas(specs: list[str], config=None) -> dict[str, int]:
@@ -66,6 +75,39 @@ class _Child:
     env: dict[str, str] | None = None
 
 
+class _Updates:
+    """What ``up`` says of training as it goes: a line per update the learner writes to ``metrics.jsonl`` (those
+    after ``up`` started), and one when none came for a minute."""
+
+    def __init__(self, metrics: Path, steps: int, status_command: str):
+        from common.statistics import progress_labels
+
+        self.metrics, self.steps, self.status_command = metrics, steps, status_command
+        self.labels = progress_labels()
+        self.offset = metrics.stat().st_size if metrics.exists() else 0
+        self.started = self.last = time.monotonic()
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for record in self._new_records():
+            self.last = now
+            shown = ", ".join(f"{label} {record[key]:.4g}" for label, key in self.labels.items() if key in record)
+            print(f"update {record['step']}/{self.steps} ({now - self.started:.0f} s): {shown}", flush=True)
+        if now - self.last >= QUIET_SAY_S:
+            self.last = now
+            print(f"no update for {QUIET_SAY_S:.0f} s; what each replica waits for: {self.status_command}", flush=True)
+
+    def _new_records(self) -> list[dict]:
+        if not self.metrics.exists():
+            return []
+        with open(self.metrics) as fh:
+            fh.seek(self.offset)
+            text = fh.read()
+        complete = text[: text.rfind("\n") + 1]  # a line being written is read next time
+        self.offset += len(complete.encode())
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
 def up(
     config_path: Path,
     overrides: list[str],
@@ -73,14 +115,17 @@ def up(
     replicas: dict[str, int],
     verbose: bool = False,
     restart: str = "on-failure",
+    config=None,
 ) -> int:
     """Run the pipeline; returns 0 once every replica of the roles that end the run has finished.
 
     With ``restart="on-failure"`` a child that exits with an error (or is killed) is restarted after a back-off, as
     :mod:`services.restarts` says; when it gives up, the run stops with that child's exit code. With
-    ``restart="never"`` the first failure stops the run.
+    ``restart="never"`` the first failure stops the run. ``config``: the run's configuration (``config_path`` with
+    ``overrides``), for what ``up`` reports.
     """
     broker = None
+    started = time.time()
     if bootstrap is None:
         broker = LocalBroker().start()
         bootstrap = broker.bootstrap
@@ -97,6 +142,13 @@ def up(
         print(f"local broker listening on {bootstrap} (memory storage; idempotent producer off)", flush=True)
     common = ["--config", str(config_path), "--bootstrap", bootstrap]
     common += [arg for override in overrides for arg in ("--set", override)]
+    updates = None
+    if config is not None:
+        run_dir = Path(config.run.dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RUN_CONFIG).write_text(config.model_dump_json(indent=2, exclude_unset=True))
+        (run_dir / RUN_BROKER).write_text(bootstrap + "\n")
+        updates = _Updates(run_dir / "metrics.jsonl", config.run.steps, f"streamppo status --run-dir {run_dir}")
     flags = ["-v"] if verbose else []
     env = child_environment(sum(replicas.values()))
     children = {
@@ -134,7 +186,12 @@ def up(
                 code = _supervise(child, restart)
                 if code is not None:
                     return code
+            if updates is not None:
+                updates.poll()
             if all(child.process.poll() == 0 for child in ending):
+                if updates is not None:
+                    updates.poll()
+                    _summarise(config, bootstrap, time.time() - started)
                 return 0
             time.sleep(0.5)
         return exit_codes.INTERRUPTED
@@ -144,6 +201,24 @@ def up(
         stop_all([child.process for child in children.values() if child.process is not None], hurry=lambda: signals > 1)
         if broker is not None:
             broker.stop()
+
+
+def _summarise(config, bootstrap: str, seconds: float) -> None:
+    """The run's ``done:`` line and ``summary.json``, its dead letters counted from the broker's topics."""
+    from services.run_bus import kafka_bus
+    from services.status import read_status
+    from services.summary import summarise_run
+
+    try:
+        bus = kafka_bus(config, bootstrap, make=False)
+        try:
+            dead_letters = sum(read_status(bus, config.run.run_id).dead_letters.values())
+        finally:
+            bus.close()
+    except Exception as exc:  # the summary is still worth having; say why the count is missing
+        print(f"dead letters not counted: {type(exc).__name__}: {exc}", flush=True)
+        dead_letters = -1
+    print(summarise_run(Path(config.run.dir), dead_letters, wall_seconds=seconds).done_line(), flush=True)
 
 
 def stop_all(processes: list[subprocess.Popen], timeout_s: float = 60.0, hurry=lambda: False) -> None:

@@ -6,12 +6,17 @@ Kept apart from the services' process code so that a command that only reads the
 
 from __future__ import annotations
 
-from common.config import ConfigError, RunConfig
+from pathlib import Path
+
+from common.config import ConfigError, RunConfig, load_config
 from services.roles import LOG_TOPIC, pipeline_topics
 from services.transport.kafka import KafkaBus, KafkaSettings
 from services.transport.namespaced import NamespacedBus
 
-__all__ = ["bootstrap_of", "kafka_bus"]
+__all__ = ["RUN_BROKER", "RUN_CONFIG", "bootstrap_of", "kafka_bus", "run_of"]
+
+RUN_BROKER = "broker"  # <run.dir>/broker: the address of the broker `streamppo up` runs the run on
+RUN_CONFIG = "config.json"  # <run.dir>/config.json: the run's settings as given (what load_config takes back)
 
 
 def kafka_bus(
@@ -55,3 +60,23 @@ def bootstrap_of(config: RunConfig, given: str | None) -> str:
         if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
             raise ConfigError(f"bootstrap {bootstrap!r}: expected HOST:PORT, or several separated by commas")
     return bootstrap
+
+
+def run_of(
+    config_path: Path | None, overrides: list[str], run_dir: Path | None, bootstrap: str | None
+) -> tuple[RunConfig, str | None]:
+    """The run a command that reads it names, and its broker: by ``--config`` (and ``--bootstrap`` or
+    ``kafka.bootstrap``), or by ``--run-dir`` alone: the settings and the broker's address ``streamppo up`` wrote
+    there (a local broker's port is a new one at each ``up``)."""
+    if config_path is None and run_dir is None:
+        raise ConfigError("name the run: --config FILE (and --bootstrap), or --run-dir DIR of a run `streamppo up` ran")
+    if config_path is None:
+        saved = Path(run_dir) / RUN_CONFIG
+        if not saved.is_file():
+            raise ConfigError(f"{run_dir} holds no {RUN_CONFIG}: is it the run directory of a run `streamppo up` ran?")
+        config_path = saved
+    config = load_config(config_path, overrides)
+    broker = Path(run_dir or config.run.dir) / RUN_BROKER
+    if bootstrap is None and broker.is_file() and (run_dir is not None or not config.kafka.bootstrap):
+        bootstrap = broker.read_text().strip()
+    return config, bootstrap

@@ -176,6 +176,16 @@ def test_streamppo_up_runs_every_role_as_processes_with_lora_on_the_vllm_generat
     up_args = ("--replicas", "scorer=2")
     result = run_up(own_broker, tmp_path, model_cache, steps, run_id, overrides, up_args, config="grpo.yaml")
     assert "scorer-1 | " in result.stdout and "scorer-1: serving rollouts -> scored" in result.stdout, "prefixed logs"
+    # It reports as `streamppo run` does: a line per update, the done line and summary.json.
+    assert all(f"update {step}/{steps} (" in result.stdout for step in range(1, steps + 1)), result.stdout[-3000:]
+    assert f"done: {steps} steps in" in result.stdout and "dead letters 0" in result.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == steps
+    # `status` finds the run from its directory alone: the settings and the broker `up` wrote there.
+    status = subprocess.run(
+        [sys.executable, "-m", "services.cli", "status", "--run-dir", str(tmp_path / "run")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert status.returncode == 0 and "learner-0" in status.stdout and "scorer-1" in status.stdout, status.stderr
     backend = "vllm" if importlib.util.find_spec("vllm") else "transformers"
     assert f"generator-0: sampling with the {backend} backend" in result.stdout
     run = tmp_path / "run"

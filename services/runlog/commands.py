@@ -23,7 +23,12 @@ def _log_options(parser: argparse.ArgumentParser, config_required: bool = False)
     parser.add_argument("--config", type=Path, required=config_required, help="the run's YAML configuration")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config entry")
     parser.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: kafka.bootstrap)")
-    parser.add_argument("--run-dir", type=Path, help="the run's directory (its metrics.jsonl): default run.dir")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        help="the run's directory (its metrics.jsonl; default run.dir); of a run `streamppo up` ran, also its settings "
+        "and broker, without --config",
+    )
 
 
 def _open(args):
@@ -31,19 +36,23 @@ def _open(args):
     from common.config import load_config
     from services.runlog.reader import ArchiveReader, BusReader
 
-    config = load_config(args.config, args.set) if args.config else None
-    run_dir = args.run_dir or (config.run.dir if config else None)
     if args.log is not None:
+        config = load_config(args.config, args.set) if args.config else None
+        run_dir = args.run_dir or (config.run.dir if config else None)
         reader = ArchiveReader.open(args.log)
         if run_dir is None and (args.log.parent / "metrics.jsonl").exists():
             run_dir = args.log.parent  # an embedded run's <run.dir>/log
         return reader, config, run_dir
-    if config is None:
-        raise SystemExit("streamppo: name the log: --log DIR (an archive) or --config (the run on its broker)")
+    if args.config is None and args.run_dir is None:
+        raise SystemExit(
+            "streamppo: name the log: --log DIR (an archive), --config or --run-dir (the run on its broker)"
+        )
     from services.roles import pipeline_topics
-    from services.run_bus import kafka_bus
+    from services.run_bus import kafka_bus, run_of
 
-    bus = kafka_bus(config, args.bootstrap, make=False)
+    config, bootstrap = run_of(args.config, args.set, args.run_dir, args.bootstrap)
+    run_dir = args.run_dir or config.run.dir
+    bus = kafka_bus(config, bootstrap, make=False)
     partitions = {spec.name: spec.partitions for spec in pipeline_topics(config.kafka.partitions)}
     return BusReader(bus=bus, partitions=partitions), config, run_dir
 
@@ -56,12 +65,11 @@ def _say_unreadable(reader) -> None:
 
 
 def _archive(args) -> int:
-    from common.config import load_config
-    from services.run_bus import kafka_bus
+    from services.run_bus import kafka_bus, run_of
     from services.runlog.archive import archive_bus
 
-    config = load_config(args.config, args.set)
-    bus = kafka_bus(config, args.bootstrap, make=False)
+    config, bootstrap = run_of(args.config, args.set, args.run_dir, args.bootstrap)
+    bus = kafka_bus(config, bootstrap, make=False)
     try:
         manifest = archive_bus(bus, args.out, config.run.run_id, config.kafka.partitions)
     finally:
@@ -147,9 +155,12 @@ def _replay(args) -> int:
 
 def add_log_commands(sub) -> None:
     archive = sub.add_parser("archive", help="write a run's log from its broker into a folder of files")
-    archive.add_argument("--config", type=Path, required=True, help="the run's YAML configuration")
+    archive.add_argument("--config", type=Path, help="the run's YAML configuration")
     archive.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config entry")
     archive.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: kafka.bootstrap)")
+    archive.add_argument(
+        "--run-dir", type=Path, help="a run `streamppo up` ran: its settings and broker, without --config"
+    )
     archive.add_argument("--out", type=Path, required=True, help="a new folder")
     archive.set_defaults(handler=_archive)
 
