@@ -10,12 +10,18 @@ from common.rewards import RewardError
 __all__ = ["final_number_matches", "no_score", "vowel_fraction"]
 
 
+ANSWER_LETTERS = 8  # vowel_fraction: the letters an answer needs for its whole share
+
+
 def vowel_fraction(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
-    """Synthetic task: the share of a response's letters that are vowels (0 for a response with no letters)."""
+    """Synthetic task: the share of a response's letters that are vowels, times the share it has of
+    :data:`ANSWER_LETTERS` letters (at most 1): a single vowel, or nothing, is not an answer (scored alone by its share,
+    one vowel scored 1, and a policy learned to say nothing else)."""
     scores = []
     for response in responses:
         letters = [c for c in response.lower() if c.isalpha()]
-        scores.append(sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0)
+        share = sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
+        scores.append(share * min(1.0, len(letters) / ANSWER_LETTERS))
     return scores
 
 

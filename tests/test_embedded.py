@@ -16,8 +16,13 @@ def assert_the_example_learned(run_dir, steps: int, keep_snapshots: int) -> None
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     first = sum(r["reward_mean"] for r in records[:3]) / 3
     last = sum(r["reward_mean"] for r in records[-3:]) / 3
-    # Random text is ~20% vowels; a policy that learned the task answers mostly in vowels.
-    assert first < 0.35 and last > first + 0.3, (first, last)
+    # Random text is ~20% vowels; a policy that learned the task answers mostly in vowels, and in answers: a vowel
+    # alone scores 1/8 (recipes.rewards.vowel_fraction), so the reward does not rise by saying next to nothing.
+    assert first < 0.35 and last > first + 0.2, (first, last)
+    assert all(r["response_length"] >= 8 for r in records[-3:]), [r["response_length"] for r in records[-3:]]
+    generations = (run_dir / "generations.md").read_text().splitlines()[4:]  # after the title and the table's head
+    after = [row.split(" | ")[-1].rstrip(" |") for row in generations if row.startswith("| ")]
+    assert after and sum(map(len, after)) / len(after) > 1, after
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["dropped_stale"] == 0 and summary["dead_letters"] == 0
     # Strictly on-policy: every batch was sampled by the version the learner was at.
