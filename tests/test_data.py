@@ -60,7 +60,7 @@ def test_a_reward_function_gets_labels_only_if_it_takes_them():
     two = RewardFunction("recipes.rewards:vowel_fraction")
     three = RewardFunction("recipes.rewards:final_number_matches")
     assert not two.takes_labels and three.takes_labels
-    assert two(["p"], ["aa"], ["7"]).tolist() == [1.0]
+    assert two(["p"], ["aaaaeeee"], ["7"]).tolist() == [1.0]
     assert three(["p"], ["it is 7"], ["7"]).tolist() == [1.0]
 
 
@@ -107,3 +107,10 @@ def test_a_batch_whose_labels_cannot_be_checked_is_a_dead_letter(labelled_config
     # The next batch, labelled, is scored: one bad batch does not stop the scorer.
     (scored,) = [decode(r.value) for r in bus.consumer("scored", None, "reader").poll(0.0, max_records=10)]
     assert scored.batch_id == rollouts.batch_id
+
+
+def test_the_vowels_reward_needs_an_answer_not_one_vowel():
+    from recipes.rewards import vowel_fraction
+
+    scores = vowel_fraction([""] * 5, ["a", "", "aeiou aeiou", "the cat sat", "bcdfghjklm"])
+    assert scores == pytest.approx([1 / 8, 0.0, 1.0, 3 / 9, 0.0])
