@@ -453,6 +453,13 @@ class RewardSection(_Section):
     model: str | None = Field(None, description="Sequence-classification reward model folder (one label).")
     judge: JudgeSection | None = Field(None, description="A language model that reads each answer and writes a score.")
     batch_size: int = Field(16, gt=0)
+    on_error: Literal["stop", "dead_letter"] = Field(
+        "stop",
+        description="What a reward that fails (a function that raises, or gives no finite score per response; a judge "
+        "or reward model that cannot score) does to the run: stop (the error names the reward, the batch and the "
+        "input it failed on), or dead_letter (the batch is set aside on rollouts.dlq with that error, counted; the "
+        "run goes on).",
+    )
     environment_weight: float = Field(
         1.0,
         description="An episode's score is the reward's plus this times its own reward (environment_reward: what "

@@ -71,8 +71,27 @@ class RewardFunction:
         self.takes_labels = _takes_labels(self.fn)
 
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[str]) -> torch.Tensor:
+        try:
+            return self._scores(prompts, responses, labels)
+        except Exception as exc:  # the user's code: say which input it failed on, and how
+            raise RewardError(f"{self._failure(exc)}{self._failing_row(prompts, responses, labels)}") from exc
+
+    def _scores(self, prompts, responses, labels) -> torch.Tensor:
         texts = (list(prompts), list(responses)) + ((list(labels),) if self.takes_labels else ())
         return checked_scores(self.fn(*texts), len(responses), f"reward function {self.spec}")
+
+    def _failure(self, exc: Exception) -> str:
+        said = str(exc) if isinstance(exc, RewardError) else f"reward function {self.spec} raised {type(exc).__name__}"
+        return said if isinstance(exc, RewardError) else f"{said}: {exc}"
+
+    def _failing_row(self, prompts, responses, labels) -> str:
+        """The first row the function fails on alone, as text for the error (it may fail on the batch alone)."""
+        for i, (prompt, response, label) in enumerate(zip(prompts, responses, labels)):
+            try:
+                self._scores([prompt], [response], [label])
+            except Exception:
+                return f"; on row {i}: prompt {prompt[:200]!r}, response {response[:200]!r}, label {label!r}"
+        return ""
 
 
 def encode_pairs(tokenizer, prompts: Sequence[str], responses: Sequence[str], max_length: int):

@@ -90,15 +90,22 @@ def test_labels_travel_from_the_dataset_to_the_reward_function(labelled_config):
     assert decode(encode(scored)).prompt_label == rollouts.prompt_label
 
 
-def test_a_batch_whose_labels_cannot_be_checked_is_a_dead_letter(labelled_config):
-    bus = MemoryBus()
-    bus.create_topics(pipeline_topics(partitions=1))
+def test_a_batch_whose_labels_cannot_be_checked_is_a_dead_letter_where_the_run_says_so(labelled_config):
+    """reward.on_error: dead_letter sets a batch the reward fails on aside and goes on; by default (stop) the run
+    stops, with the reward, the batch and the row named."""
     rollouts = GeneratorService(labelled_config).process(FeederService(labelled_config).batch(0))[0]
     unlabelled = dataclasses.replace(rollouts, prompt_label=[""] * len(rollouts.prompt_label))
+    with pytest.raises(RewardError, match=f"batch {rollouts.batch_id} .* holds no number .*; on row 0: prompt 'what"):
+        ScorerService(labelled_config).process(unlabelled)
+    config = labelled_config.model_copy(
+        update={"reward": labelled_config.reward.model_copy(update={"on_error": "dead_letter"})}
+    )
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics(partitions=1))
     producer = bus.producer("test")
     producer.send("rollouts", encode(unlabelled), key=b"a")
     producer.send("rollouts", encode(rollouts), key=b"a")
-    runner = ServiceRunner(ScorerService(labelled_config, "scorer"), bus)
+    runner = ServiceRunner(ScorerService(config, "scorer"), bus)
     while runner.poll_once():
         pass
     dead = [decode(r.value) for r in bus.consumer("rollouts.dlq", None, "reader").poll(0.0, max_records=10)]
@@ -114,3 +121,13 @@ def test_the_vowels_reward_needs_an_answer_not_one_vowel():
 
     scores = vowel_fraction([""] * 5, ["a", "", "aeiou aeiou", "the cat sat", "bcdfghjklm"])
     assert scores == pytest.approx([1 / 8, 0.0, 1.0, 3 / 9, 0.0])
+
+
+def test_a_reward_function_that_raises_names_itself_and_the_input(tmp_path, monkeypatch):
+    (tmp_path / "mine.py").write_text("def score(prompts, responses):\n    return [1 / len(r) for r in responses]\n")
+    monkeypatch.chdir(tmp_path)
+    reward = RewardFunction("mine.py:score")  # a file of the user's, by path
+    assert reward(["p", "q"], ["ab", "abcd"], ["", ""]).tolist() == [0.5, 0.25]
+    with pytest.raises(RewardError, match="mine.py:score raised ZeroDivisionError: division by zero; on row 1: "
+                                          "prompt 'q', response ''"):  # fmt: skip
+        reward(["p", "q"], ["ab", ""], ["", ""])

@@ -73,8 +73,11 @@ class ScorerService(Service):
         ref_logprobs = self._reference_logprobs(message)
         try:
             scores = self.reward(message.prompt_text, message.response_text, message.prompt_label)
-        except RewardError as exc:  # e.g. a label with no answer in it: this batch cannot be scored, others may
-            raise InputError(str(exc)) from None
+        except RewardError as exc:  # reward.on_error: stop the run, or set the batch aside and go on
+            failed = f"batch {message.batch_id} (step {message.step}) cannot be scored: {exc}"
+            if self.config.reward.on_error == "dead_letter":
+                raise InputError(failed) from None
+            raise RewardError(f"{failed} (reward.on_error: stop; dead_letter sets such a batch aside)") from exc
         if self.config.episodes:  # an episode's reward (its environment's, or its agent's) goes with its score
             scores = scores + self.config.reward.environment_weight * torch.from_numpy(message.environment_reward)
         lineage = self.lineage
