@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from common.batch_store import BatchStore
 from common.log_archive import ArchiveError, LogArchive
@@ -168,20 +169,21 @@ def test_the_score_comparison_is_right_on_a_hand_made_case():
     assert compare_scores(np.array([1.0, 1.0]), np.array([0.0, 1.0]))["spearman"] is None, "constant side"
 
 
-def test_rescore_scores_the_retained_responses_with_another_reward_and_compares(archived_run, tmp_path):
+@pytest.mark.parametrize("given", ["run config", "reward section", "reward keys"])
+def test_rescore_scores_the_retained_responses_with_another_reward_and_compares(archived_run, tmp_path, given):
+    """The new reward from a whole run config (with --reward-set), or from a file of the reward section alone."""
     config, run_dir = archived_run
     out = tmp_path / "rescore"
-    streamppo(
-        "rescore",
-        "--log",
-        str(run_dir / "log"),
-        "--reward-config",
-        str(REPO / "examples" / "vowels" / "config.yaml"),
-        "--reward-set",
-        "reward.function=tests.test_runlog:response_letters",
-        "--out",
-        str(out),
-    )
+    new_reward = {"function": "tests.test_runlog:response_letters"}
+    reward_file = tmp_path / "reward.yaml"
+    reward_file.write_text(yaml.safe_dump({"reward": new_reward} if given == "reward section" else new_reward))
+    reward_args = (
+        ["--reward-config", str(REPO / "examples" / "vowels" / "config.yaml"), "--reward-set",
+         "reward.function=tests.test_runlog:response_letters"]
+        if given == "run config"
+        else ["--reward-config", str(reward_file)]
+    )  # fmt: skip
+    streamppo("rescore", "--log", str(run_dir / "log"), *reward_args, "--out", str(out))
     rows = [json.loads(line) for line in (out / "rescore.jsonl").read_text().splitlines()]
     scored = archived(run_dir, ScoredBatch)
     assert len(rows) == sum(len(m.response_text) for m in scored)
@@ -356,3 +358,16 @@ def test_a_replay_detects_an_altered_experience_record(archived_run, tmp_path):
     first = trained[group_key(1, 0)]
     assert f"replay differs from the run from v{first} (actor" in result.stderr
     assert all(": same " in line for line in result.stdout.splitlines() if line.startswith(f"v{first - 1} "))
+
+
+def test_the_largest_disagreements_come_first_ties_last_and_no_move_is_none():
+    from services.runlog.rescore import largest_disagreements
+
+    rows = [
+        {"id": "alone", "old": 0.9, "new": 0.1, "rank_shift": -0.5},
+        {"id": "tied-a", "old": 1.0, "new": 0.0, "rank_shift": 0.5},
+        {"id": "tied-b", "old": 1.0, "new": 0.0, "rank_shift": -0.5},
+        {"id": "small", "old": 0.2, "new": 0.3, "rank_shift": 0.1},
+        {"id": "still", "old": 0.5, "new": 0.5, "rank_shift": 0.0},
+    ]
+    assert [r["id"] for r in largest_disagreements(rows)] == ["alone", "tied-a", "tied-b", "small"]

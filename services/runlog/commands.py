@@ -106,13 +106,45 @@ def _export(args) -> int:
     return 0
 
 
+def _scoring_config(path: Path, overrides: list[str], base):
+    """The config whose reward section scores again: ``path`` a whole run config, or a file of the reward section
+    alone (``reward: {...}``, or its keys at the top), on the run's own settings (``base``) where there are any."""
+    import yaml
+
+    from common.config import ConfigError, RewardSection, RunConfig, load_config
+
+    try:
+        tree = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--reward-config {path}: {exc}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"--reward-config {path} must hold a mapping: a run config, or its reward section")
+    if set(tree) - {"reward"} - set(RewardSection.model_fields):
+        return load_config(path, overrides)  # a whole run config
+    reward = dict(tree.get("reward", tree))
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or not key.startswith("reward.") or "." in key.removeprefix("reward."):
+            raise ConfigError(f"--reward-set {override!r}: a reward-only file takes reward.KEY=VALUE")
+        reward[key.removeprefix("reward.")] = yaml.safe_load(value)
+    if base is None:  # no run config at hand: the defaults (a reward model or judge from the default model cache)
+        base = RunConfig.model_validate({"model": {"actor": "-"}, "data": {"prompts": "-"}, "reward": reward})
+    try:
+        return base.model_copy(update={"reward": RewardSection.model_validate(reward)})
+    except ValueError as exc:
+        raise ConfigError(f"--reward-config {path}: the reward section is not valid: {exc}") from None
+
+
 def _rescore(args) -> int:
-    from common.config import load_config
     from services.runlog.rescore import rescore
     from services.scorer.service import load_reward
 
-    reader, _, _ = _open(args)
-    scoring = load_config(args.reward_config, args.reward_set)
+    reader, config, run_dir = _open(args)
+    if config is None and run_dir is not None and (Path(run_dir) / "config.json").is_file():
+        from common.config import load_config
+
+        config = load_config(Path(run_dir) / "config.json")  # the run's own settings (its model cache, device)
+    scoring = _scoring_config(args.reward_config, args.reward_set, config)
     reward, reward_id = load_reward(scoring)
     try:
         summary = rescore(reader, reward, reward_id, args.out, top=args.top)
@@ -186,7 +218,10 @@ def add_log_commands(sub) -> None:
     rescore = sub.add_parser("rescore", help="score a run's responses again with another reward and compare")
     _log_options(rescore)
     rescore.add_argument(
-        "--reward-config", type=Path, required=True, help="a config whose reward section is the new reward"
+        "--reward-config",
+        type=Path,
+        required=True,
+        help="the new reward: a file of a reward section alone (reward: {function: ...}), or a whole run config",
     )
     rescore.add_argument("--reward-set", action="append", default=[], metavar="KEY=VALUE")
     rescore.add_argument("--out", type=Path, required=True)

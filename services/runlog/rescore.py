@@ -18,7 +18,7 @@ import numpy as np
 from common.schema import ScoredBatch, group_key
 from services.runlog.reader import LogReader
 
-__all__ = ["average_ranks", "compare_scores", "rescore"]
+__all__ = ["average_ranks", "compare_scores", "largest_disagreements", "rescore"]
 
 
 def average_ranks(values: np.ndarray) -> np.ndarray:
@@ -77,8 +77,18 @@ def rescore(reader: LogReader, reward: Callable, reward_id: dict, out: Path, top
     out.mkdir(parents=True, exist_ok=True)
     (out / "rescore.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "report.md").write_text(_report(summary, sorted(rows, key=lambda r: -abs(r["rank_shift"]))[:top]))
+    (out / "report.md").write_text(_report(summary, largest_disagreements(rows)[:top]))
     return summary
+
+
+def largest_disagreements(rows: list[dict]) -> list[dict]:
+    """The rows whose rank moved, the most first; among equal moves, rows whose scores many others share (ties,
+    as a 0/1 reward gives) after those that stand alone."""
+    shared = {}
+    for row in rows:
+        shared[row["old"], row["new"]] = shared.get((row["old"], row["new"]), 0) + 1
+    moved = [row for row in rows if row["rank_shift"] != 0]
+    return sorted(moved, key=lambda row: (-round(abs(row["rank_shift"]), 9), shared[row["old"], row["new"]]))
 
 
 def _report(summary: dict, worst: list[dict]) -> str:
