@@ -28,6 +28,7 @@ from common.schema import (
     describe,
     encode,
 )
+from services.service import Service
 
 PROTOS = Path(__file__).resolve().parent.parent / "protos"
 
@@ -429,3 +430,42 @@ def test_groups_are_keyed_by_step_and_row_and_a_record_sheds_the_ones_handled():
     empty = message.take_rows(np.zeros(6, dtype=bool))
     assert empty.rows == 0 and empty.idempotency_keys() == ["7/3"]
     assert decode(encode(empty)).rows == 0, "a record whose groups all had no signal still travels"
+
+
+def test_a_client_decodes_every_record_of_a_run_s_log_from_the_protos_alone(make_config):
+    """What a client in another language does: every topic of a finished run, read with plain msgpack and checked
+    against protos/ (the log's identity, the one record that is not a map, by protos/log-identity.yaml)."""
+    import re
+
+    from services.embedded import run_embedded
+    from services.roles import STATUS_TOPIC, pipeline_topics
+    from services.runtime import ServiceRunner
+    from services.transport import MemoryBus
+
+    bus = MemoryBus()
+    config = make_config("run.steps=1", "data.eval_prompts=0")
+    run_embedded(config, progress=False, bus=bus)
+    ServiceRunner(_StatusOnly(config), bus).publish_status()  # a status record too (the embedded run writes none)
+    identity = yaml.safe_load((PROTOS / "log-identity.yaml").read_text())
+    files = {p.stem: yaml.safe_load(p.read_text()) for p in PROTOS.glob("*.yaml") if p.stem != "log-identity"}
+    by_schema = {spec["schema"]: spec for spec in files.values()}
+    seen = set()
+    for spec in pipeline_topics():
+        for record in bus.consumer(spec.name, None, "outsider").poll(0.0, max_records=10_000):
+            seen.add(spec.name)
+            if spec.name == identity["topic"]:
+                assert re.fullmatch(identity["value"]["pattern"], record.value.decode("ascii"))
+                continue
+            raw = msgpack.unpackb(record.value, raw=False)
+            published = by_schema[raw.pop("schema")]
+            assert raw.pop("version") == published["version"] and set(raw) == set(published["fields"]), spec.name
+    assert {"log-identity", STATUS_TOPIC, "prompts", "rollouts", "scored", "experience", "weights"} <= seen
+
+
+class _StatusOnly(Service):
+    """A replica that only says how it is (the embedded run publishes no status)."""
+
+    role = "scorer"
+
+    def process(self, message):
+        return []
