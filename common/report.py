@@ -69,34 +69,55 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def write_report(run_dir: Path, tensorboard: bool = False) -> tuple[list[Path], dict]:
-    """Draw the PNGs into ``run_dir/report``; returns their paths and the summary."""
+def draw(name: str, records: list[dict]):
+    """The matplotlib figure of plot ``name`` (:data:`common.statistics.PLOTS`) of a run's metrics records."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    plot = PLOTS[name]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
+    right = ax.twinx() if any(on_right for _, _, on_right in plotted(name)) else None
+    lines, values = [], []
+    for index, (key, label, on_right) in enumerate(plotted(name)):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            axis = right if on_right else ax
+            lines += axis.plot(*zip(*points), marker="." if len(points) < 50 else None, label=label, color=f"C{index}")
+            if on_right:
+                right.set_ylim(0, max(value for _, value in points) * 1.2 or 1.0)  # a coefficient: from 0
+            else:
+                values += [value for _, value in points]
+    if not lines:
+        ax.text(0.5, 0.5, "not recorded in this run", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(plot.title)
+    ax.set_xlabel("PPO update")
+    ax.set_ylabel(plot.ylabel)
+    if right is not None:
+        right.set_ylabel(plot.right_ylabel)
+    if plot.whole_numbers:
+        ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        if values:
+            ax.set_ylim(min(0, min(values)) - 0.5, max(1, max(values)) + 0.5)
+    ax.grid(alpha=0.3)
+    if len(lines) > 1:
+        ax.legend(lines, [line.get_label() for line in lines])
+    fig.tight_layout()
+    return fig
+
+
+def write_report(run_dir: Path, tensorboard: bool = False) -> tuple[list[Path], dict]:
+    """Draw the PNGs into ``run_dir/report``; returns their paths and the summary."""
     import matplotlib.pyplot as plt
 
     records = load_metrics(run_dir)
     out = Path(run_dir) / "report"
     out.mkdir(exist_ok=True)
     paths = []
-    for name, plot in PLOTS.items():
-        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
-        drawn = 0
-        for key, label in plotted(name):
-            points = [(r["step"], r[key]) for r in records if key in r]
-            if points:
-                ax.plot(*zip(*points), marker="." if len(points) < 50 else None, label=label)
-                drawn += 1
-        if not drawn:
-            ax.text(0.5, 0.5, "not recorded in this run", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(plot.title)
-        ax.set_xlabel("PPO update")
-        ax.set_ylabel(plot.ylabel)
-        ax.grid(alpha=0.3)
-        if drawn > 1:
-            ax.legend()
-        fig.tight_layout()
+    for name in PLOTS:
+        fig = draw(name, records)
         path = out / f"{name}.png"
         fig.savefig(path)
         plt.close(fig)

@@ -23,23 +23,26 @@ class Statistic:
     progress: str | None = None  # its label on the progress bar of `streamppo run`
     plot: str | None = None  # the PLOTS entry that draws it
     legend: str | None = None  # its line's label in that plot (default: its name)
+    right_axis: bool = False  # drawn on its plot's second axis (another scale: β beside the KL)
 
 
 @dataclass(frozen=True)
 class Plot:
     title: str
     ylabel: str = ""
+    right_ylabel: str = ""  # of a second axis, on the right, for the statistics marked right_axis
+    whole_numbers: bool = False  # the values are counts (versions): whole-number ticks, never a ±0.04 axis
 
 
 PLOTS: dict[str, Plot] = {
     "reward": Plot("Mean reward (reward model / function score)", "score"),
-    "kl": Plot("KL to the reference (per token) and β"),
+    "kl": Plot("KL to the reference (per token) and β", "KL per token (nats)", right_ylabel="β (KL coefficient)"),
     "losses": Plot("Policy and value loss", "loss"),
     "clip_fraction": Plot("Clip fraction"),
     "entropy": Plot("Policy entropy (per token)", "nats"),
     "explained_variance": Plot("Critic explained variance"),
     "stage_throughput": Plot("Per-stage throughput", "sequences / s of compute"),
-    "staleness": Plot("Staleness of the experience trained on", "versions"),
+    "staleness": Plot("Staleness of the experience trained on", "versions", whole_numbers=True),
 }
 
 _STATISTICS = (
@@ -48,7 +51,7 @@ _STATISTICS = (
     Statistic("reward_std", "standard deviation of those scores"),
     Statistic("kl", "per-token KL estimate to the reference, mean", True, True, "kl", "kl", "KL"),
     Statistic("kl_per_sequence", "KL summed over each response, mean"),
-    Statistic("kl_coef", "β after this update", True, True, plot="kl", legend="β"),
+    Statistic("kl_coef", "β after this update", True, True, plot="kl", legend="β", right_axis=True),
     Statistic(
         "explained_variance",
         "1 − Var(R − V) / Var(R) of the critic",
@@ -138,7 +141,7 @@ def progress_labels() -> dict[str, str]:
     return {s.progress: s.name for s in LEARNER_STATISTICS.values() if s.progress}
 
 
-def plotted(plot: str) -> list[tuple[str, str]]:
-    """``(statistic, legend)`` of each line of ``plot``."""
+def plotted(plot: str) -> list[tuple[str, str, bool]]:
+    """``(statistic, legend, on the right axis)`` of each line of ``plot``."""
     every = {**LEARNER_STATISTICS, **THROUGHPUT}.values()
-    return [(s.name, s.legend or s.name) for s in every if s.plot == plot]
+    return [(s.name, s.legend or s.name, s.right_axis) for s in every if s.plot == plot]

@@ -135,6 +135,20 @@ def test_report_draws_every_plot_for_a_short_run(make_config, tmp_path):
     assert table[2] == "| prompt | before | after |" and len(table) == 4 + 2
 
 
+def test_the_plots_give_each_scale_its_axis_and_counts_whole_numbers():
+    """KL (nats) and β on axes of their own, each labelled; a staleness flat at 0 on a whole-number axis, not ±0.04."""
+    from common.report import draw
+
+    records = [{"step": s, "kl": 0.1 * s, "kl_coef": 0.05, "staleness": 0} for s in range(1, 6)]
+    kl = draw("kl", records)
+    left, right = kl.axes
+    assert left.get_ylabel().startswith("KL") and right.get_ylabel().startswith("β")
+    assert right.get_ylim()[0] == 0 and right.get_ylim()[1] > 0.05
+    staleness = draw("staleness", records).axes[0]
+    low, high = staleness.get_ylim()
+    assert low <= -0.5 and high >= 1.5 and all(float(t).is_integer() for t in staleness.get_yticks())
+
+
 def test_report_of_a_folder_without_metrics_is_a_clear_error(tmp_path):
     result = streamppo("report", str(tmp_path))
     assert result.returncode == 2 and "metrics.jsonl not found" in result.stderr

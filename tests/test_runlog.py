@@ -151,8 +151,17 @@ def test_trace_names_what_made_an_update_and_which_updates_a_prompt_trained(arch
     row = int(prompts.prompt_index[3])
     reverse = json.loads(streamppo("trace", "--log", str(run_dir / "log"), "--prompt", str(row), "--json").stdout)
     assert reverse["groups"][group_key(update - 1, 3)] == update and update in reverse["updates"]
+    # Each group's reward: its responses' scores as trained on (the scored records, read here independently).
+    (scored,) = [m for m in archived(run_dir, ScoredBatch) if m.step == update - 1]
+    for group in answer["groups"]:
+        row = int(group["group"].split("/")[1])
+        assert group["scores"] == pytest.approx(scored.scores[scored.group_index == row].tolist())
     text = streamppo("trace", "--log", str(run_dir / "log"), "--update", str(update)).stdout
-    assert text.startswith(f"update {update}: {len(line['groups'])} groups")
+    # Updates count from 1, steps from 0: the text says both, and each group's reward.
+    assert text.startswith(f"update {update} (updates count from 1): {len(line['groups'])} groups of prompt batches")
+    assert f"[{update - 1}] (steps count from 0" in text.splitlines()[0]
+    first = answer["groups"][0]
+    assert f"{first['group']} (dataset row {first['prompt_row']}) reward {first['reward']:.4g} over" in text
 
 
 def test_the_score_comparison_is_right_on_a_hand_made_case():

@@ -33,8 +33,14 @@ class GroupTrace:
     rewards: set[str] = field(default_factory=set)
     advantage: set[str] = field(default_factory=set)
     critic_versions: set[int] = field(default_factory=set)
+    scores: list[float] = field(default_factory=list)  # its responses' scores (as trained on)
     records: list[str] = field(default_factory=list)  # "<topic>:<partition>:<offset>" of every record carrying it
     trained_in: int | None = None
+
+    @property
+    def reward(self) -> float | None:
+        """The mean score of its responses (None before it was scored)."""
+        return sum(self.scores) / len(self.scores) if self.scores else None
 
     def as_json(self) -> dict:
         return {
@@ -47,6 +53,8 @@ class GroupTrace:
             "rewards": sorted(self.rewards),
             "advantage": sorted(self.advantage),
             "critic_versions": sorted(self.critic_versions),
+            "scores": self.scores,
+            "reward": self.reward,
             "records": self.records,
             "trained_in": self.trained_in,
         }
@@ -90,6 +98,8 @@ class LogIndex:
             elif message_type is ScoredBatch:
                 trace.scorers.add(batch.producer)
                 trace.rewards.update(f"{key}={lineage[key]}" for key in REWARD_KEYS if key in lineage)
+                if not trace.scores:  # a group scored again (a re-delivery) keeps its first scores
+                    trace.scores = [float(x) for x in batch.scores[batch.group_index == row]]
             else:
                 trace.advantage.add(batch.producer)
                 if "critic.version" in lineage:
@@ -136,8 +146,10 @@ def trace_prompt(index: LogIndex, row: int) -> dict:
 def format_trace(answer: dict) -> str:
     """Plain text of :func:`trace_update`'s or :func:`trace_prompt`'s answer."""
     if "update" in answer:
+        steps = sorted({int(g["group"].split("/")[0]) for g in answer["groups"]})
         lines = [
-            f"update {answer['update']}: {len(answer['groups'])} groups from dataset rows {answer['prompt_rows']}",
+            f"update {answer['update']} (updates count from 1): {len(answer['groups'])} groups of prompt batches "
+            f"{steps} (steps count from 0; a group is <step>/<row>), from dataset rows {answer['prompt_rows']}",
             f"  generators: {', '.join(answer['generators'])}",
             "  tokens per policy version: " + ", ".join(f"v{v}: {n}" for v, n in answer["token_versions"].items()),
             f"  scorers: {', '.join(answer['scorers'])}; reward: {', '.join(answer['rewards'])}",
@@ -146,8 +158,10 @@ def format_trace(answer: dict) -> str:
         ]
         for g in answer["groups"]:
             versions = ", ".join(f"v{v}: {n}" for v, n in g["token_versions"].items())
+            reward = "-" if g["reward"] is None else f"{g['reward']:.4g}"
             lines.append(
-                f"    {g['group']} (row {g['prompt_row']}) tokens {versions}; records {' '.join(g['records'])}"
+                f"    {g['group']} (dataset row {g['prompt_row']}) reward {reward} over {len(g['scores'])} responses; "
+                f"tokens {versions}; records {' '.join(g['records'])}"
             )
         return "\n".join(lines)
     lines = [f"dataset row {answer['prompt_row']}: {answer['prompt']!r}"]
