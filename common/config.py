@@ -7,11 +7,13 @@ are errors that name the field (``learner.actor_lr: Input should be greater than
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
+import types
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -52,7 +54,7 @@ class TrackingOptions(_Section):
 
 class RunSection(_Section):
     dir: Path = Field(Path("runs/default"), description="Run directory: metrics, weight store, final model.")
-    seed: int = 0
+    seed: int = Field(0, description="Seeds the prompt order, the models built locally, sampling and training.")
     steps: int = Field(20, gt=0, description="PPO updates to run (each on learner.groups_per_update groups).")
     run_id: str = Field("run", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="Prefix of every batch_id.")
     resume: bool = Field(
@@ -87,19 +89,19 @@ class ModelDtypes(_Section):
     """Per-model dtypes (bf16 on GPUs); unset ones take ``model.dtype``. The learner keeps fp32 master weights
     whatever the actor's and critic's dtype: under FSDP these set the compute dtype of its mixed precision."""
 
-    actor: DType | None = None
-    critic: DType | None = None
-    reference: DType | None = None
-    reward: DType | None = None
+    actor: DType | None = Field(None, description="The actor's dtype (default: model.dtype).")
+    critic: DType | None = Field(None, description="The critic's dtype (default: model.dtype).")
+    reference: DType | None = Field(None, description="The reference model's dtype (default: model.dtype).")
+    reward: DType | None = Field(None, description="The reward model's (or judge's) dtype (default: model.dtype).")
 
 
 class LoraOptions(_Section):
     """Train low-rank adapters on the actor (peft's LoRA) instead of all its weights: the learner trains, checkpoints
     and publishes the adapters alone; the generators keep the base weights and swap adapters."""
 
-    rank: int = Field(8, gt=0)
+    rank: int = Field(8, gt=0, description="r of the adapters: each adapted matrix gains r × (in + out) weights.")
     alpha: float = Field(16.0, gt=0, description="Scale: the update is alpha / rank · B·A.")
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input in training.")
     target_modules: list[str] = Field(
         ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, description="Names of the linear layers adapted."
     )
@@ -117,7 +119,7 @@ class ModelSection(_Section):
         pattern=r"^(cpu|cuda(:\d+)?|mps)$",
         description="Where the transformers models run (the vLLM engine places itself). 'cuda' for a GPU.",
     )
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(False, description="Run the model folder's own Python code (transformers).")
     cache_dir: Path = Field(Path.home() / ".cache" / "streamppo", description="Where builtin models are built.")
     max_tokens_per_microbatch: int | None = Field(
         None,
@@ -136,7 +138,7 @@ class DataSection(_Section):
         "reward function of (prompts, responses, labels) checks)."
     )
     batch_size: int = Field(8, gt=0, description="Prompts per step.")
-    shuffle: bool = True
+    shuffle: bool = Field(True, description="Shuffle the prompts each epoch (seeded by run.seed).")
     max_prompt_tokens: int = Field(64, gt=0, description="Longer prompts are truncated from the left.")
     chat_template: bool = Field(
         False, description="Wrap each prompt as a user turn with the tokenizer's chat template (instruct models)."
@@ -176,9 +178,9 @@ class GenerationSection(_Section):
     )
     vllm: VllmOptions = VllmOptions()
     n: int = Field(4, gt=0, description="Responses sampled per prompt.")
-    max_new_tokens: int = Field(32, gt=0)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(32, gt=0, description="Tokens per response at most (per model turn of an episode).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; every log-prob is of this distribution.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling's mass; 1: off.")
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     streaming: bool = Field(
         False,
@@ -227,7 +229,9 @@ class JudgeSection(_Section):
         description="A judge's text without a score: default: that answer gets default_score; dead_letter: its batch "
         "goes to the dead letters. Counted either way.",
     )
-    default_score: float = 0.0
+    default_score: float = Field(
+        0.0, description="The score of an answer the judge wrote no score for (on_unparsed: default)."
+    )
     max_new_tokens: int = Field(8, gt=0, description="The most the judge writes per answer (greedy).")
     backend: Literal["auto", "vllm", "transformers"] = Field("auto", description="auto: vLLM where installed.")
     kv_cache_gib: float = Field(0.25, gt=0, description="With vLLM: the judge engine's KV cache.")
@@ -452,7 +456,7 @@ class RewardSection(_Section):
     function: str | None = Field(None, description="'module:function' taking (prompts, responses) -> scores.")
     model: str | None = Field(None, description="Sequence-classification reward model folder (one label).")
     judge: JudgeSection | None = Field(None, description="A language model that reads each answer and writes a score.")
-    batch_size: int = Field(16, gt=0)
+    batch_size: int = Field(16, gt=0, description="Responses the reward model, function or judge scores at once.")
     on_error: Literal["stop", "dead_letter"] = Field(
         "stop",
         description="What a reward that fails (a function that raises, or gives no finite score per response; a judge "
@@ -486,7 +490,7 @@ def _declared(kind: Kind):
 
 class AlgorithmSection(_Section):
     estimator: _declared(ESTIMATORS) = Field("gae", description=ESTIMATORS.describe())
-    gamma: float = Field(1.0, ge=0, le=1)
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount of later token rewards (1: none, the LLM default).")
     lam: float = Field(0.95, ge=0, le=1, description="GAE λ (gae only).")
     kl_estimator: _declared(KL_ESTIMATORS) = Field("k1", description=KL_ESTIMATORS.describe())
     kl_coef: float = Field(0.05, ge=0, description="β of the KL penalty (initial β if adaptive).")
@@ -509,7 +513,7 @@ class AlgorithmSection(_Section):
         """Whether the learner whitens the advantages it receives."""
         return self.uses_critic and self.whiten_advantages
 
-    score_clip: float | None = Field(None, gt=0)
+    score_clip: float | None = Field(None, gt=0, description="Scores clipped to [-score_clip, score_clip]; none: not.")
     missing_eos_penalty: float | None = Field(None, description="Subtracted from the score of truncated responses.")
     overlong_buffer: int | None = Field(
         None,
@@ -595,11 +599,11 @@ class LearnerSection(_Section):
         description="Groups (a prompt's n responses) one update trains on, taken as they arrive, oldest version "
         "first; default: data.batch_size (one prompt batch per update).",
     )
-    ppo_epochs: int = Field(2, gt=0)
+    ppo_epochs: int = Field(2, gt=0, description="Passes over each update's experience.")
     mini_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step.")
     micro_batch_size: int | None = Field(None, gt=0, description="Sequences per forward pass; default: the mini-batch.")
-    actor_lr: float = Field(1e-5, gt=0)
-    critic_lr: float = Field(1e-5, gt=0)
+    actor_lr: float = Field(1e-5, gt=0, description="The actor's learning rate (AdamW).")
+    critic_lr: float = Field(1e-5, gt=0, description="The critic's learning rate (AdamW).")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant",
         description="The learning rates over the run's updates (run.steps), set at each update: constant; linear "
@@ -607,16 +611,18 @@ class LearnerSection(_Section):
     )
     lr_warmup_updates: int = Field(0, ge=0, description="Updates over which the rates rise linearly to their value.")
     lr_min_ratio: float = Field(0.0, ge=0, le=1, description="Where linear and cosine end, as a share of the rate.")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's weight decay, both models.")
     clip_low: float = Field(0.2, gt=0, lt=1, description="ε_low of the ratio clip.")
     clip_high: float = Field(0.2, gt=0, description="ε_high of the ratio clip.")
-    dual_clip: float | None = Field(None, gt=1)
+    dual_clip: float | None = Field(
+        None, gt=1, description="Dual clip: the loss of a negative advantage at most c·|A|."
+    )
     gspo_clip_low: float = Field(3e-4, gt=0, lt=1, description="ε_low of GSPO's clip of a response's ratio.")
     gspo_clip_high: float = Field(4e-4, gt=0, description="ε_high of GSPO's clip of a response's ratio.")
-    value_clip: float | None = Field(0.2, gt=0)
+    value_clip: float | None = Field(0.2, gt=0, description="ε_v: the value loss clips V to V_old ± this; none: not.")
     value_coef: float = Field(1.0, gt=0, description="Scale of the critic's loss (it has its own optimizer).")
-    entropy_coef: float = Field(0.0, ge=0)
-    max_grad_norm: float | None = Field(1.0, gt=0)
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus in the policy loss.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradients clipped to this norm; none: not clipped.")
     policy_loss: _declared(POLICY_LOSSES) = Field("ppo", description=POLICY_LOSSES.describe())
     loss_agg: _declared(LOSS_AGGREGATIONS) = Field(
         "token-mean", description="How per-token losses add up: " + LOSS_AGGREGATIONS.describe()
@@ -748,7 +754,7 @@ class WeightsSection(_Section):
 
 
 class TopicRetention(_Section):
-    hours: float | None = Field(None, gt=0)
+    hours: float | None = Field(None, gt=0, description="Hours this topic's records are kept; none: the default.")
     bytes: int | None = Field(None, gt=0, description="Per partition, as Kafka's retention.bytes.")
 
 
@@ -799,14 +805,14 @@ class KafkaSection(_Section):
     )
     partitions: int = Field(4, gt=0, description="Partitions of the data topics when streamppo creates them.")
     retention: RetentionSection = RetentionSection()
-    max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    max_message_bytes: int = Field(64 * 1024 * 1024, gt=0, description="The largest record the clients send or fetch.")
     session_timeout_ms: int = Field(
         6000,
         gt=0,
         description="How long a silent consumer keeps its partitions; "
         "Apache Kafka accepts ≥ 6000 unless its group.min.session.timeout.ms is lowered.",
     )
-    heartbeat_interval_ms: int = Field(1000, gt=0)
+    heartbeat_interval_ms: int = Field(1000, gt=0, description="How often a consumer tells its group it is alive.")
     connect_timeout_s: float = Field(
         30.0,
         gt=0,
@@ -824,14 +830,20 @@ class KafkaSection(_Section):
         description="acks=all plus idempotence; turn off only for a broker whose idempotence kafka-python "
         "cannot use (the local test broker).",
     )
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
-    sasl_username: str | None = None
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="How the clients reach the brokers."
+    )
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        None, description="With SASL_*: the mechanism."
+    )
+    sasl_username: str | None = Field(
+        None, description="With SASL_*: the user (its password by sasl_password_env or _file)."
+    )
     sasl_password_env: str | None = Field(None, description="Name of the environment variable with the password.")
     sasl_password_file: Path | None = Field(None, description="File whose content is the password.")
-    ssl_cafile: Path | None = None
-    ssl_certfile: Path | None = None
-    ssl_keyfile: Path | None = None
+    ssl_cafile: Path | None = Field(None, description="With SSL: the CA bundle that signed the brokers' certificates.")
+    ssl_certfile: Path | None = Field(None, description="With SSL: the client's certificate (mutual TLS).")
+    ssl_keyfile: Path | None = Field(None, description="With SSL: the client certificate's key.")
     ssl_password_env: str | None = Field(None, description="Environment variable with the key's password.")
 
     @model_validator(mode="after")
@@ -1100,8 +1112,32 @@ def _format_errors(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
         where = ".".join(str(p) for p in item["loc"]) or "(top level)"
-        lines.append(f"  {where}: {item['msg']}")
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "no such setting" + _nearest_setting(item["loc"])
+        lines.append(f"  {where}: {message}")
     return "invalid configuration:\n" + "\n".join(lines)
+
+
+def _nearest_setting(location: tuple) -> str:
+    """``; did you mean `section.key`?`` for a mistyped key, from the settings its section has ('' if none is
+    near)."""
+    model, known = RunConfig, []
+    for part in location[:-1]:
+        field = model.model_fields.get(str(part)) if isinstance(model, type) else None
+        annotation = field.annotation if field is not None else None
+        nested = [a for a in (annotation, *getattr(annotation, "__args__", ())) if isinstance(a, type)]
+        model = next((a for a in nested if issubclass(a, BaseModel)), None)
+        if model is None:
+            return ""
+    known = list(model.model_fields)
+    near = difflib.get_close_matches(str(location[-1]), known, n=1, cutoff=0.6)
+    prefix = ".".join(str(p) for p in location[:-1])
+    return (
+        f"; did you mean `{prefix + '.' if prefix else ''}{near[0]}`?"
+        if near
+        else f" (the settings here: {', '.join(known)})"
+    )
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -1144,3 +1180,82 @@ def _resolve_relative(tree: dict, base: Path) -> None:
             candidate = base / value
             if candidate.exists():
                 tree[section][key] = str(candidate)
+
+
+def reference() -> str:
+    """Every setting of a run config as Markdown, section by section: its type, default, bounds and meaning, read
+    from the declarations above (``docs/config-reference.md``, which ``streamppo config-reference --write`` makes and
+    a test holds equal to them)."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `common/config.py` by `streamppo config-reference --write`; `tests/test_config.py` holds it",
+        "equal to the code. A run config is YAML, one mapping per section; every setting can be given on the command",
+        "line as `--set section.key=value`. A mistyped key is refused with the nearest one it could be.",
+    ]
+    sections: list[tuple[str, type[BaseModel], str]] = [("", RunConfig, "")]
+    while sections:
+        prefix, model, about = sections.pop(0)
+        rows, nested = [], []
+        for name, field in model.model_fields.items():
+            path = f"{prefix}{name}"
+            inner = _section_model(field.annotation)
+            if inner is not None:
+                nested.append((f"{path}.", inner, field.description or (inner.__doc__ or "").split("\n\n")[0]))
+                continue
+            cells = (f"`{path}`", _type_name(field), _default(field), _bounds(field), field.description or "")
+            rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+        if rows:
+            title = prefix.rstrip(".") or "(top level)"
+            lines += ["", f"## `{title}`", ""] + ([" ".join(about.split()), ""] if about else [])
+            lines += ["| setting | type | default | bounds | meaning |", "|---|---|---|---|---|", *rows]
+        sections = nested + sections
+    return "\n".join(lines) + "\n"
+
+
+def _section_model(annotation) -> type[BaseModel] | None:
+    """The section (a model) a field holds, if it holds one (optional ones too); None for a plain setting."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _type_name(field) -> str:
+    def name(annotation) -> str:
+        if get_origin(annotation) is Literal:
+            return " / ".join(f"`{value}`" for value in get_args(annotation))
+        if get_origin(annotation) in (Union, types.UnionType):
+            return " or ".join(name(a) for a in get_args(annotation) if a is not type(None)) + " or null"
+        if get_origin(annotation) in (list, dict):
+            return f"{get_origin(annotation).__name__} of {', '.join(name(a) for a in get_args(annotation))}"
+        return {Path: "path", Any: "any"}.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+    declared = [m for m in field.metadata if isinstance(m, AfterValidator)]
+    if declared:  # a declared variant (common.algorithms): its names
+        kind = declared[0].func.__self__
+        return " / ".join(f"`{variant}`" for variant in kind.variants)
+    return name(field.annotation)
+
+
+def _default(field) -> str:
+    if field.is_required():
+        return "required"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if isinstance(value, BaseModel):
+        return "(the section's defaults)"
+    if isinstance(value, Path) and value.is_relative_to(Path.home()):
+        value = Path("~") / value.relative_to(Path.home())  # the reader's home, not this machine's
+    return "null" if value is None else f"`{value}`"
+
+
+def _bounds(field) -> str:
+    said = []
+    for item in field.metadata:
+        for attribute, sign in (("gt", ">"), ("ge", "≥"), ("lt", "<"), ("le", "≤"), ("min_length", "length ≥")):
+            value = getattr(item, attribute, None)
+            if value is not None:
+                said.append(f"{sign} {value}")
+        if getattr(item, "pattern", None):
+            said.append(f"matches `{item.pattern}`")
+    return ", ".join(said)

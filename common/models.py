@@ -72,11 +72,28 @@ def resolve_model(spec: str, cache_dir: Path) -> Path:
         return directory
     path = Path(spec)
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"model folder {path} not found or has no config.json (hub downloads are not used)")
+        if not path.exists() and _looks_like_a_hub_id(spec):
+            raise ModelLoadError(
+                f"model {spec!r} is a Hugging Face hub id, not a folder here: streamppo loads models from local "
+                f"folders and downloads nothing. Download it where the hub answers (huggingface-cli download {spec} "
+                f"--local-dir DIR, or from your Hugging Face cache: ~/.cache/huggingface/hub/models--"
+                f"{spec.replace('/', '--')}/snapshots/<revision>) and give that folder; see docs/your-model-and-data.md"
+            )
+        what = "has no config.json" if path.is_dir() else "not found"
+        raise ModelLoadError(
+            f"model folder {path} {what} (a transformers model folder: config.json, weights, tokenizer; "
+            "or builtin:<name>, `streamppo models list`)"
+        )
     return path
 
 
 # --------------------------------------------------------------------------------------------- loaders
+
+
+def _looks_like_a_hub_id(spec: str) -> bool:
+    """``organisation/name``: what the hub calls a model (a relative folder of two parts would exist)."""
+    parts = spec.split("/")
+    return len(parts) == 2 and all(part and not part.startswith(".") for part in parts) and "\\" not in spec
 
 
 def _load(auto_class, path: Path, role: str, dtype: str, trust_remote_code: bool, device: str = "cpu", **kwargs):

@@ -221,6 +221,18 @@ def _protos(args) -> int:
     return 0
 
 
+def _config_reference(args) -> int:
+    from common.config import reference
+
+    text = reference()
+    if args.write is None:
+        print(text, end="")
+        return 0
+    args.write.write_text(text)
+    print(f"wrote {args.write}")
+    return 0
+
+
 def _config_options(parser: argparse.ArgumentParser, broker: bool = False, required: bool = True) -> None:
     parser.add_argument("--config", required=required, type=Path, help="YAML run configuration")
     parser.add_argument(
@@ -338,6 +350,12 @@ def _add_tool_commands(sub) -> None:
     report.add_argument("run_dir", type=Path)
     report.add_argument("--tensorboard", action="store_true", help="also write TensorBoard scalars")
     report.set_defaults(handler=_report)
+
+    reference = sub.add_parser(
+        "config-reference", help="every setting of a run config: type, default, bounds, meaning (Markdown)"
+    )
+    reference.add_argument("--write", type=Path, default=None, metavar="FILE", help="e.g. docs/config-reference.md")
+    reference.set_defaults(handler=_config_reference)
 
     protos = sub.add_parser("protos", help="check (or --write) protos/ against the message definitions")
     protos.add_argument("--write", action="store_true")

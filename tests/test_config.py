@@ -401,3 +401,46 @@ def test_cli_reports_a_bad_metrics_port_range(tmp_path, spec):
         "--metrics-port", spec, "--set", f"model.actor={tmp_path}/never-loaded",
     )  # fmt: skip
     _one_line_error(result, 2, f"--metrics-port {spec!r}")
+
+
+def test_the_config_reference_is_the_code_s():
+    """docs/config-reference.md holds every setting as common/config.py declares it (`streamppo config-reference
+    --write docs/config-reference.md` after a change)."""
+    from common.config import reference
+
+    text = reference()
+    assert (REPO / "docs" / "config-reference.md").read_text() == text, "run streamppo config-reference --write"
+    for setting in ("`learner.actor_lr`", "`generation.vllm.kv_cache_gib`", "`gateway.agent.function`"):
+        assert setting in text
+    assert "| `learner.clip_low` | float | `0.2` | > 0, < 1 |" in text
+
+
+def test_a_mistyped_setting_is_answered_with_the_nearest_one(make_config):
+    with pytest.raises(ConfigError, match="learner.actor_lrr: no such setting; did you mean `learner.actor_lr`"):
+        make_config("learner.actor_lrr=1e-3")
+    with pytest.raises(ConfigError, match="generation.vllm.kv_cahce_gib: no such setting; did you mean "
+                                          "`generation.vllm.kv_cache_gib`"):  # fmt: skip
+        make_config("generation.vllm.kv_cahce_gib=1")
+    with pytest.raises(ConfigError, match="zzz: no such setting \\(the settings here: run, model"):
+        make_config("zzz.x=1")
+
+
+def test_a_hub_id_for_a_model_says_how_to_get_the_folder(tmp_path):
+    from common.models import ModelLoadError, resolve_model
+
+    with pytest.raises(ModelLoadError, match="is a Hugging Face hub id.*huggingface-cli download Qwen/Qwen2.5-0.5B"):
+        resolve_model("Qwen/Qwen2.5-0.5B", tmp_path)
+    with pytest.raises(ModelLoadError, match="not found"):
+        resolve_model(str(tmp_path / "nowhere"), tmp_path)
+
+
+def test_the_shortest_config_of_the_own_model_page_is_a_config(tmp_path):
+    """docs/your-model-and-data.md's config, as a user copies it: valid, and what it leaves out has the defaults the
+    page says (20 updates of 8 prompts × 4 answers of 32 tokens, on-policy)."""
+    page = (REPO / "docs" / "your-model-and-data.md").read_text()
+    block = page.split("## The shortest config that trains them")[1].split("```yaml\n")[1].split("```")[0]
+    (tmp_path / "run.yaml").write_text(block)
+    config = load_config(tmp_path / "run.yaml")
+    assert config.algorithm.estimator == "grpo" and config.reward.function == "my_reward.py:score"
+    assert (config.run.steps, config.data.batch_size, config.generation.n) == (20, 8, 4)
+    assert config.generation.max_new_tokens == 32 and config.pipeline.max_staleness == 0
