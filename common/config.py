@@ -275,7 +275,10 @@ class SandboxSection(_Section):
         8192, gt=0, description="Output kept, and the most any file the code writes may hold (RLIMIT_FSIZE)."
     )
     processes: int = Field(
-        16, gt=0, description="Processes of the sandbox's user (RLIMIT_NPROC; applied where it runs as nobody)."
+        16,
+        gt=0,
+        description="Processes one run may have at once (RLIMIT_NPROC of a user of the run's own: applied where the "
+        "service runs as root, which can give each run its own unprivileged user).",
     )
 
 

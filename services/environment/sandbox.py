@@ -12,13 +12,23 @@ Two isolations (``environment.sandbox.isolation``):
 
 Both apply the kernel's resource limits to every process of the sandbox: CPU seconds (``RLIMIT_CPU``), address space
 (``RLIMIT_AS``), bytes written to any file, its output included (``RLIMIT_FSIZE``: a write past
-``output_bytes`` fails), open files, and, where the service runs as root and so can run the code as the
-unprivileged ``nobody``, processes (``RLIMIT_NPROC``, which the kernel does not apply to root). A wall-clock limit
-kills what is left. Whatever happens, the caller gets a :class:`RunResult` that says it; nothing raises.
+``output_bytes`` fails), open files, and, where the service runs as root, processes: each run then runs as an
+unprivileged user of its own (one uid per run in flight, :class:`_RunUsers`), so that ``RLIMIT_NPROC``, which the
+kernel counts per user, bounds that run alone, and one run's fork bomb cannot starve the runs beside it. A wall-clock
+limit kills what is left; after each run every process of its user is killed, and what it leaves is reaped: the
+service is its processes' subreaper, as a container's init may not reap (``bwrap``'s own child outlives it as a
+zombie, one per run, which counted against the user's processes until none could start). Whatever happens, the
+caller gets a :class:`RunResult` that says it; nothing raises.
+
+What the code sees under bwrap: the interpreter and the system's libraries (``/usr`` and its links, read-only), its
+own scratch folder (its working directory and home), an empty ``/tmp``, ``/dev`` and its own ``/proc``; nothing else
+of the host: not the service's files, the run directories, other users' homes or ``/etc``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import resource
@@ -28,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -40,7 +51,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["RunResult", "Sandbox", "bwrap_available"]
 
-NOBODY = 65534
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
 Status = Literal["ok", "error", "timeout", "cpu_limit", "output_limit", "killed", "unavailable"]
 
 
@@ -103,15 +114,16 @@ _GUARD = textwrap.dedent(
 
 
 def _python(configured: str | None) -> str:
-    """The interpreter that runs the code: the configured one, else the system's (readable by ``nobody``, which a
+    """The interpreter that runs the code: the configured one, else the system's (readable by a run's user, which a
     virtual environment under /root is not), else this one."""
     if configured:
         return configured
     return "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
 
 
-def _limits(cfg: SandboxSection, drop_to_nobody: bool):
-    """The child's setup between fork and exec: its own session, the resource limits, then (as root) ``nobody``."""
+def _limits(cfg: SandboxSection, uid: int | None):
+    """The child's setup between fork and exec: its own session, the resource limits, then (as root) the run's own
+    unprivileged user, ``uid``, whose processes RLIMIT_NPROC counts."""
 
     def apply() -> None:
         os.setsid()
@@ -124,19 +136,33 @@ def _limits(cfg: SandboxSection, drop_to_nobody: bool):
             (resource.RLIMIT_CORE, (0, 0)),
         ):
             resource.setrlimit(limit, value)
-        if drop_to_nobody:
+        if uid is not None:
             resource.setrlimit(resource.RLIMIT_NPROC, (cfg.processes, cfg.processes))
             os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            os.setgid(uid)
+            os.setuid(uid)
 
     return apply
 
 
+# The system's files an interpreter needs, read-only: /usr (and where /bin, /lib... link into it, or are folders).
+_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
 def _bwrap_command(scratch: Path, python: str, script: str) -> list[str]:
+    system = []
+    for path in _SYSTEM:
+        if os.path.islink(path):
+            system += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            system += ["--ro-bind", path, path]
+    prefix = Path(os.path.realpath(python)).parent.parent  # an interpreter installed elsewhere: its whole prefix
+    if not str(prefix).startswith(tuple(p + "/" for p in _SYSTEM)) and str(prefix) not in _SYSTEM:
+        system += ["--ro-bind", str(prefix), str(prefix)]
     return [
         "bwrap",
-        "--ro-bind", "/", "/",
+        *system,
+        "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
         "--dev", "/dev",
         "--proc", "/proc",
         "--tmpfs", "/tmp",
@@ -153,9 +179,60 @@ def _bwrap_command(scratch: Path, python: str, script: str) -> list[str]:
     ]  # fmt: skip
 
 
+class _RunUsers:
+    """Unprivileged users for the runs in flight, one each (as root): a run's processes are its user's alone, so that
+    RLIMIT_NPROC bounds the run, and every process left of it can be found and killed. Each process of the machine
+    takes its own block of 64 (by its pid), so that replicas on one machine do not share users."""
+
+    BASE, BLOCK = 200_000, 64
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.free = list(range(self.BLOCK))
+        self.first = self.BASE + (os.getpid() % 1000) * self.BLOCK
+
+    def take(self) -> int | None:
+        with self.lock:
+            return self.first + self.free.pop(0) if self.free else None
+
+    def give_back(self, uid: int) -> None:
+        _end_processes_of(uid)
+        with self.lock:
+            self.free.append(uid - self.first)
+
+
+def _end_processes_of(uid: int) -> None:
+    """Kill every process of ``uid`` (what a run left), and reap those that are this process's children (orphans
+    reparented to it, its subreaper)."""
+    me = os.getpid()
+    for stat in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in stat.read_text().splitlines() if ":\t" in line)
+        except OSError:  # it ended meanwhile
+            continue
+        if int(fields.get("Uid", "-1").split()[0]) != uid:
+            continue
+        pid = int(stat.parent.name)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+        if int(fields.get("PPid", "0")) == me:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+def _become_subreaper() -> None:
+    """Orphans of this process's descendants come to it, not to the machine's init (which in a container may reap
+    nothing): it reaps what its sandbox runs leave (``_end_processes_of``)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError) as exc:  # not Linux: nothing to reap by hand there
+        log.debug("sandbox: not a subreaper: %s", exc)
+
+
 @cache
 def bwrap_available() -> str | None:
-    """None where ``bwrap`` is installed and can make its namespaces here (as this user, and as ``nobody`` when
+    """None where ``bwrap`` is installed and can make its namespaces here (as this user, and as a run's user when
     this is root); else why not."""
     if shutil.which("bwrap") is None:
         return "bwrap is not installed"
@@ -166,16 +243,20 @@ def bwrap_available() -> str | None:
         scratch.chmod(0o755)
         script.chmod(0o644)
         probe = SandboxSection(isolation="bwrap", cpu_seconds=5, wall_seconds=20)
+        uid = _RunUsers.BASE - 1 if os.geteuid() == 0 else None  # a user of its own, as runs have
         try:
             done = subprocess.run(
                 _bwrap_command(scratch, _python(None), str(script)),
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
                 timeout=probe.wall_seconds,
-                preexec_fn=_limits(probe, os.geteuid() == 0),
+                preexec_fn=_limits(probe, uid),
             )
         except (OSError, subprocess.SubprocessError) as exc:
             return f"bwrap did not start: {exc}"
+        finally:
+            if uid is not None:
+                _end_processes_of(uid)
     if done.returncode != 0 or done.stdout.strip() != b"ok":
         return f"bwrap cannot make its namespaces here: {done.stderr.decode(errors='replace').strip()[:300]}"
     return None
@@ -187,7 +268,9 @@ class Sandbox:
     def __init__(self, cfg: SandboxSection):
         self.cfg = cfg
         self.python = _python(cfg.python)
-        self.as_nobody = os.geteuid() == 0
+        self.users = _RunUsers() if os.geteuid() == 0 else None  # as root: each run a user of its own
+        if self.users is not None:
+            _become_subreaper()
         if cfg.isolation == "rlimits":
             self.isolation = "rlimits"
         else:
@@ -201,16 +284,26 @@ class Sandbox:
     def run_python(self, code: str) -> RunResult:
         """Run ``code`` as a script; its output and how it ended."""
         started = time.monotonic()
+        uid = self.users.take() if self.users is not None else None
+        if self.users is not None and uid is None:
+            return RunResult("unavailable", "every sandbox user is busy", None, 0.0)
+        try:
+            return self._run(code, uid, started)
+        finally:
+            if uid is not None:
+                self.users.give_back(uid)  # every process it left killed and reaped
+
+    def _run(self, code: str, uid: int | None, started: float) -> RunResult:
         with tempfile.TemporaryDirectory(prefix="streamppo-sandbox-") as folder:
             scratch, output = Path(folder) / "scratch", Path(folder) / "output"
-            Path(folder).chmod(0o711)  # nobody may pass through to its scratch folder, and see nothing else
+            Path(folder).chmod(0o711)  # the run's user may pass through to its scratch folder, and see nothing else
             scratch.mkdir()
             script = scratch / "main.py"
             guard = _GUARD if self.isolation == "rlimits" else ""
             script.write_text(guard + "\n" + code)
-            if self.as_nobody:
-                os.chown(scratch, NOBODY, NOBODY)
-                os.chown(script, NOBODY, NOBODY)
+            if uid is not None:
+                os.chown(scratch, uid, uid)
+                os.chown(script, uid, uid)
             if self.isolation == "bwrap":
                 command = _bwrap_command(scratch, self.python, str(script))
             else:
@@ -224,7 +317,7 @@ class Sandbox:
                         stderr=subprocess.STDOUT,
                         cwd=scratch,
                         env={"PATH": "/usr/bin:/bin", "HOME": str(scratch)},
-                        preexec_fn=_limits(self.cfg, self.as_nobody),
+                        preexec_fn=_limits(self.cfg, uid),
                     )
                 except OSError as exc:
                     return RunResult("unavailable", str(exc), None, time.monotonic() - started)
