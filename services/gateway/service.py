@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["GatewayService"]
 
-WAIT_S = 0.005  # how long one collect() waits for a request when there is nothing else to do
+WAIT_S = 0.005  # how long one collect() waits for a request: what an answer may wait to be read, at most
 CATCH_UP_S = 5.0  # the longest the loop reads the episodes log to its end for one request
 IDLE_SAY_S = 30.0  # episodes offered and not taken for this long: say so
 
@@ -219,7 +219,7 @@ class GatewayService(Service):
         timed out ended, and the groups whose episodes have all ended sent."""
         self._read_log()
         self._read_answers()
-        self._serve(WAIT_S if not self.pending else 0.0)
+        self._serve(WAIT_S)  # a short wait for requests paces the loop: with calls at the generators it spun at a core
         self._offer()
         self._expire()
         return self._settle()
