@@ -167,13 +167,27 @@ ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="a user per run needs root (
 
 
 def _zombies_of_run_users() -> list[str]:
+    """Zombies of the sandbox's run users below this process: the tests on the other xdist worker run sandboxes too,
+    whose processes are zombies for an instant between their exit and their reaping."""
     from services.environment.sandbox import _RunUsers
 
     first = _RunUsers.BASE - 1
-    ps = subprocess.run(["ps", "-eo", "uid=,stat=,comm="], capture_output=True, text=True).stdout.splitlines()
-    return [
-        line for line in ps if line.split()[0].isdigit() and int(line.split()[0]) >= first and "Z" in line.split()[1]
-    ]
+    rows = subprocess.run(["ps", "-eo", "pid=,ppid=,uid=,stat=,comm="], capture_output=True, text=True).stdout
+    parent = {}
+    processes = []
+    for line in rows.splitlines():
+        pid, ppid, uid, stat, *comm = line.split()
+        parent[int(pid)] = int(ppid)
+        processes.append((int(pid), int(uid), stat, " ".join(comm)))
+
+    def ours(pid: int) -> bool:
+        while pid > 1:
+            if pid == os.getpid():
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    return [f"{pid} {stat} {comm}" for pid, uid, stat, comm in processes if uid >= first and "Z" in stat and ours(pid)]
 
 
 @pytest.mark.slow

@@ -46,21 +46,29 @@ def edits_history(episode):
 
 
 def two_turns_counting(episode):
-    """two_turns, writing how many retries each call took (AGENT_LOG, a line per call): the tests that kill a gateway
-    or a generator under it see that calls were cut short and retried."""
+    """two_turns, writing how many retries each call took (AGENT_LOG, a line per call, as it returns) and which calls
+    are in flight (a file each in AGENT_IN_FLIGHT while it is): the tests that kill a gateway or a generator under it
+    kill while a call is in flight, and see that it was cut short and retried."""
     import json
     import os
+    from pathlib import Path
 
     client = _client(episode)
-    messages, retries = [{"role": "user", "content": episode.prompt}], []
-    for follow_up in ("and then", None):
-        raw = client.chat.completions.with_raw_response.create(model=episode.model, messages=messages, max_tokens=24)
-        retries.append(raw.retries_taken)
+    messages = [{"role": "user", "content": episode.prompt}]
+    for turn, follow_up in enumerate(("and then", None)):
+        in_flight = Path(os.environ["AGENT_IN_FLIGHT"]) / f"{episode.id.replace('/', '-')}-{turn}"
+        in_flight.touch()
+        try:
+            raw = client.chat.completions.with_raw_response.create(
+                model=episode.model, messages=messages, max_tokens=24
+            )
+        finally:
+            in_flight.unlink()
+        with open(os.environ["AGENT_LOG"], "a") as log:
+            log.write(json.dumps({"episode": episode.id, "turn": turn, "retries": raw.retries_taken}) + "\n")
         text = raw.parse().choices[0].message.content
         if follow_up:
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": follow_up}]
-    with open(os.environ["AGENT_LOG"], "a") as log:
-        log.write(json.dumps({"episode": episode.id, "retries": retries}) + "\n")
     return sum(c in "aeiou" for c in text) / max(1, len(text))
 
 
