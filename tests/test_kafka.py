@@ -362,25 +362,29 @@ def leave_mid_rebalance(bootstrap: str, topic: str, group: str) -> None:
     leader.close()  # ... and leaves in the middle of it
 
 
-def test_a_group_whose_leader_left_mid_rebalance_deals_out_its_partitions_again(request, kafka_broker):
-    """Plain clients, no streamppo code: the local broker's group bug (see ``_WedgeWatch``). Expected to fail there;
-    a broker release that fixes it shows up as XPASS, and then the workaround may go."""
-    from kafka import KafkaConsumer
-
-    if is_local_broker(kafka_broker):
-        request.applymarker(pytest.mark.xfail(reason="tansu keeps naming a departed leader", strict=False))
+def test_a_group_whose_leader_left_mid_rebalance_deals_out_its_partitions_again(kafka_broker):
+    """Plain clients leave the group mid-rebalance; a replica that joins it then holds every partition, on any broker.
+    The local broker (tansu 0.6) wedges such a group for good (it names the departed leader in every join, and no
+    member of that group gets a partition again); the replica notices (members, joins, no assignment for longer
+    than a few sessions) and moves on to the group's next generation, within seconds."""
     bootstrap = broker_address(kafka_broker)
+    local = is_local_broker(kafka_broker)
+    sessions = {"session_timeout_ms": 1000, "heartbeat_interval_ms": 250} if local else {}  # as `up` sets there
+    bus = KafkaBus(KafkaSettings(bootstrap, idempotent_producer=not local, **sessions))
     topic, group = unique("wedge"), unique("group")
-    KafkaBus(KafkaSettings(bootstrap)).create_topics([TopicSpec(topic, 4)])
+    bus.create_topics([TopicSpec(topic, 4)])
     leave_mid_rebalance(bootstrap, topic, group)
-    newcomer = KafkaConsumer(bootstrap_servers=bootstrap.split(","), group_id=group, enable_auto_commit=False)
-    newcomer.subscribe([topic])
-    deadline = time.monotonic() + 8  # Apache Kafka assigns an empty group's newcomer in about 3 s
-    while not newcomer.assignment() and time.monotonic() < deadline:
-        newcomer.poll(timeout_ms=200)
-    assigned = newcomer.assignment()
+    started = time.monotonic()
+    newcomer = bus.consumer(topic, group, "newcomer")
+    while not newcomer.consumer.assignment() and time.monotonic() - started < 60:
+        newcomer.poll(0.2, max_records=10)
+    assigned, took = newcomer.consumer.assignment(), time.monotonic() - started
+    moved = newcomer.group
     newcomer.close()
+    print(f"\nthe newcomer held every partition {took:.1f} s after it joined (group {moved})")
     assert len(assigned) == 4, "the only member of the group holds every partition"
+    assert took < 30, f"the wedge was left in {took:.1f} s"
+    assert moved == (f"{group}~1" if local else group), "a new generation of the group only where it was wedged"
 
 
 def test_a_replica_leaves_a_wedged_group_for_a_new_one_with_its_committed_offsets(kafka_broker):

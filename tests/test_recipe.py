@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,3 +247,54 @@ def test_tools_problems_are_labelled_by_their_expression_and_held_out(tmp_path):
     )
     config = load_config(TOOLS / "grpo.yaml", [f"data.prompts={tmp_path / 'train.jsonl'}"])
     assert config.environment.tools == ["calculator"] and not config.data.chat_template
+
+
+# ------------------------------------------------------------------------------------------------ recipes, --quick
+
+QUICK = {  # recipe: its training runs, and the evaluations it writes (eval/NAME.json)
+    "arithmetic": (["ppo", "distill", "grpo", "grpo-dynamic"], ["base", "ppo", "distill", "grpo", "grpo-dynamic"]),
+    "tools": (["grpo"], ["base-plain", "base-tools", "grpo-plain", "grpo-tools"]),
+    "agent": (["grpo"], ["base", "grpo"]),
+    "opinions": (["ppo"], []),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(QUICK))
+def test_each_recipe_runs_every_step_in_quick_mode_outside_the_clone(recipe, tmp_path):
+    """`run.sh --quick --run-dir DIR`: every step of the recipe (problems, evaluations before and after, each
+    training of 2 updates, the report, the comparison) in minutes, all of it in DIR and nothing in the clone."""
+    import importlib.util
+    import os
+    import shutil
+
+    if recipe == "agent" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("the agent recipe evaluates with vLLM's OpenAI server")
+    runs, evaluations = QUICK[recipe]
+    in_clone = REPO / "runs" / recipe
+    existed = in_clone.exists()
+    out = tmp_path / "recipe"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    try:
+        done = subprocess.run(
+            ["bash", str(REPO / "examples" / recipe / "run.sh"), "--quick", "--run-dir", str(out)],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200,
+        )  # fmt: skip
+        assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+        for name in runs:
+            run = out / name
+            updates = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            assert [u["step"] for u in updates] == [1, 2], f"{name}: the quick mode's 2 updates"
+            assert json.loads((run / "summary.json").read_text())["steps"] == 2
+            assert (run / "final" / "actor" / "config.json").is_file()
+            assert not (run / "checkpoints").exists(), "quick mode drops each run's checkpoint once evaluated"
+            if recipe != "arithmetic":
+                assert (run / "report" / "reward.png").is_file()
+        for name in evaluations:
+            summary = json.loads((out / "eval" / f"{name}.json").read_text())
+            assert summary["problems"] == 8 and 0.0 <= summary["accuracy"] <= 1.0, summary
+        if recipe == "arithmetic":
+            assert (out / "results" / "reward.png").is_file()
+            assert len((out / "results" / "results.md").read_text().splitlines()) >= 2 + len(runs)
+        assert existed or not in_clone.exists(), "nothing written into the clone"
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # ~1 GB a run: the final models

@@ -125,3 +125,28 @@ def test_builtin_model_built_by_several_processes_at_once(tmp_path):
     (built,) = {out.strip() for out, _ in results}
     assert [p.name for p in (tmp_path / "models").iterdir()] == [Path(built).name], "no partial folders left"
     load_actor(Path(built))
+
+
+def test_temperature_zero_samples_greedily_with_the_models_own_logprobs(tiny_model):
+    """Temperature 0 is greedy, as in vLLM (transformers' sampling refuses it): each token the argmax, its log-prob
+    the model's own; the recipes' evaluations sample so without vLLM."""
+    tokenizer = load_tokenizer(tiny_model)
+    actor = load_actor(tiny_model)
+    prompt_tokens, prompt_lengths, _, _ = ragged_batch(tokenizer)
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=0.0)
+    samples = sample_responses(
+        actor, prompt_tokens, prompt_lengths, params, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
+    assert torch.equal(samples.response_tokens[0::2], samples.response_tokens[1::2]), "greedy: both samples alike"
+    rows = samples.group_index
+    packed = pack(prompt_tokens[rows], prompt_lengths[rows], samples.response_tokens, samples.response_lengths,
+                  tokenizer.pad_token_id)  # fmt: skip
+    with torch.no_grad():
+        logits = actor(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+                       position_ids=packed.position_ids).logits  # fmt: skip
+    P = prompt_tokens.shape[1]
+    mask = lengths_to_mask(samples.response_lengths, samples.response_tokens.shape[1]).bool()
+    chosen = logits[:, P - 1 : -1].argmax(-1)
+    assert torch.equal(chosen[mask], samples.response_tokens[mask]), "each token the most likely one"
+    logp = logprobs_from_logits(logits[:, P - 1 : -1], samples.response_tokens)
+    assert torch.allclose(logp[mask], samples.behaviour_logprobs[mask], atol=1e-4)

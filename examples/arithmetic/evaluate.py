@@ -4,7 +4,7 @@
 
 ``MODEL`` is a model folder (a run's ``final/actor``) or a builtin name (``builtin:smollm2-135m-instruct``). The
 prompts go through the chat template, as in training; answers are greedy, up to ``--max-new-tokens``. Prints one
-JSON line: the accuracy and its counts. Uses vLLM when it is installed, transformers otherwise.
+JSON line: the accuracy and its counts. Uses vLLM when it is installed, transformers otherwise (``--backend``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from common.models import load_tokenizer, resolve_model  # noqa: E402
 from recipes.rewards import final_number_matches  # noqa: E402
 
 
-def greedy_answers(model_dir: Path, tokenizer, texts: list[str], max_new_tokens: int) -> list[str]:
+def greedy_answers(
+    model_dir: Path, tokenizer, texts: list[str], max_new_tokens: int, backend: str = "auto"
+) -> list[str]:
     tokens, lengths = tokenize_prompts(tokenizer, texts, max_tokens=256, chat_template=True)
     rows = [row[:length].tolist() for row, length in zip(tokens, lengths)]
-    if importlib.util.find_spec("vllm") is not None:
+    if backend == "vllm" or (backend == "auto" and importlib.util.find_spec("vllm") is not None):
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -56,11 +58,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path, help="write each problem, label, answer and verdict here (JSONL)")
     parser.add_argument("--summary", type=Path, help="write the accuracy line here too (vLLM logs to stdout)")
+    parser.add_argument(
+        "--backend", choices=["auto", "vllm", "transformers"], default="auto", help="auto: vLLM if installed"
+    )
     args = parser.parse_args()
     model_dir = resolve_model(args.model, ModelSection.model_fields["cache_dir"].default)
     tokenizer = load_tokenizer(model_dir)
     problems = load_prompts(args.problems)
-    answers = greedy_answers(model_dir, tokenizer, problems.texts, args.max_new_tokens)
+    answers = greedy_answers(model_dir, tokenizer, problems.texts, args.max_new_tokens, args.backend)
     right = final_number_matches(problems.texts, answers, problems.labels)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The opinions recipe, end to end on CPU: preference pairs -> reward model -> PPO on SmolLM2 through the real
 # pipeline (every service its own process over a local Kafka-protocol broker, vLLM generator when installed) ->
-# report. Usage: examples/opinions/run.sh [RUN_DIR] [--set key=value ...]   (needs `pip install -e ".[recipe]"`)
+# report.
+# Usage: examples/opinions/run.sh [RUN_DIR | --run-dir DIR] [--quick] [--set key=value ...]   (RUN_DIR:
+# runs/opinions; --quick: every step with small counts, minutes; needs `pip install -e ".[recipe]"`)
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-RUN="${1:-runs/opinions}"; shift || true
-BIN="$(dirname "$(command -v python)")"
-[ -x .venv/bin/streamppo ] && BIN=.venv/bin
-"$BIN/python" examples/opinions/pairs.py --out "$RUN/pairs.jsonl"
+source "$(dirname "$0")/../recipe.sh"
+recipe_args opinions "$@"
+if [ "$QUICK" = 1 ]; then PAIRS=(--per-prompt 2); RM=(--epochs 1); else PAIRS=(); RM=(); fi
+"$BIN/python" examples/opinions/pairs.py --out "$RUN/pairs.jsonl" ${PAIRS[@]+"${PAIRS[@]}"}
 "$BIN/streamppo" models prepare smollm2-135m-instruct
-"$BIN/streamppo" train-rm --pairs "$RUN/pairs.jsonl" --out "$RUN/reward-model"
-"$BIN/streamppo" up --config examples/opinions/ppo.yaml --set "run.dir=$RUN/ppo" --set "reward.model=$RUN/reward-model" "$@"
+"$BIN/streamppo" train-rm --pairs "$RUN/pairs.jsonl" --out "$RUN/reward-model" ${RM[@]+"${RM[@]}"}
+"$BIN/streamppo" up --config examples/opinions/ppo.yaml --set "run.dir=$RUN/ppo" --set "reward.model=$RUN/reward-model" \
+  ${SETS[@]+"${SETS[@]}"}
 "$BIN/streamppo" report "$RUN/ppo"
+quick_tidy "$RUN/ppo"
 echo "generations before and after: $RUN/ppo/generations.md"

@@ -39,12 +39,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write each problem, label, episode and verdict here (JSONL)")
     parser.add_argument("--summary", type=Path, help="write the accuracy line here too (vLLM logs to stdout)")
     parser.add_argument(
+        "--backend", choices=["auto", "vllm", "transformers"], default="auto", help="auto: vLLM if installed"
+    )
+    parser.add_argument(
         "--one-at-a-time", action="store_true", help="one episode in flight (a turn's latency alone), not all at once"
     )
     args = parser.parse_args()
     config = load_config(
         args.config,
-        [f"model.actor={args.model}", f"data.prompts={args.problems.resolve()}", "environment.placement=local"],
+        [
+            f"model.actor={args.model}",
+            f"data.prompts={args.problems.resolve()}",
+            "environment.placement=local",
+            f"generation.backend={args.backend}",
+        ],
     )
     path = resolve_model(config.model.actor, config.model.cache_dir)
     tokenizer = load_tokenizer(path)
