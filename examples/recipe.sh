@@ -18,7 +18,7 @@ recipe_args() {  # NAME "$@" -> RUN (absolute), QUICK (0/1), BIN, SETS (the --se
       --run-dir) RUN="$2"; shift ;;
       --run-dir=*) RUN="${1#*=}" ;;
       --set) SETS+=(--set "$2"); shift ;;
-      -h|--help) sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+      -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
       -*) echo "$0: unknown option $1 (RUN_DIR, --run-dir DIR, --quick, --set key=value)" >&2; exit 2 ;;
       *) [ -z "$RUN" ] || { echo "$0: a second run directory: $1" >&2; exit 2; }; RUN="$1" ;;
     esac
