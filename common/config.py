@@ -1125,12 +1125,10 @@ def _format_errors(error: ValidationError) -> str:
 def _nearest_setting(location: tuple) -> str:
     """``; did you mean `section.key`?`` for a mistyped key, from the settings its section has ('' if none is
     near)."""
-    model, known = RunConfig, []
+    model = RunConfig
     for part in location[:-1]:
-        field = model.model_fields.get(str(part)) if isinstance(model, type) else None
-        annotation = field.annotation if field is not None else None
-        nested = [a for a in (annotation, *getattr(annotation, "__args__", ())) if isinstance(a, type)]
-        model = next((a for a in nested if issubclass(a, BaseModel)), None)
+        field = model.model_fields.get(str(part))
+        model = _section_model(field.annotation) if field is not None else None
         if model is None:
             return ""
     known = list(model.model_fields)

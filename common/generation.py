@@ -41,13 +41,13 @@ def sample_responses(
     out = model.generate(
         input_ids=packed.input_ids.to(model.device),
         attention_mask=packed.attention_mask.to(model.device),
-        # temperature 0 is greedy (as in vLLM; transformers refuses it for sampling): the log-probs are then the
-        # model's own, as vLLM reports them
+        # top_k 0 switches the warper off (None would fall back to the generation config's 50). Temperature 0 is
+        # greedy, as in vLLM (transformers refuses it for sampling), and the log-probs are the model's own.
         **(
             {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
             if params.temperature > 0
             else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-        ),  # top_k 0 switches the warper off; None would fall back to the generation config's 50
+        ),
         max_new_tokens=params.max_new_tokens,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,

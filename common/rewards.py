@@ -81,8 +81,9 @@ class RewardFunction:
         return checked_scores(self.fn(*texts), len(responses), f"reward function {self.spec}")
 
     def _failure(self, exc: Exception) -> str:
-        said = str(exc) if isinstance(exc, RewardError) else f"reward function {self.spec} raised {type(exc).__name__}"
-        return said if isinstance(exc, RewardError) else f"{said}: {exc}"
+        if isinstance(exc, RewardError):  # checked_scores' own words (no score per response, not finite)
+            return str(exc)
+        return f"reward function {self.spec} raised {type(exc).__name__}: {exc}"
 
     def _failing_row(self, prompts, responses, labels) -> str:
         """The first row the function fails on alone, as text for the error (it may fail on the batch alone)."""

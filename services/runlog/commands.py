@@ -136,14 +136,15 @@ def _scoring_config(path: Path, overrides: list[str], base):
 
 
 def _rescore(args) -> int:
+    from services.run_bus import RUN_CONFIG
     from services.runlog.rescore import rescore
     from services.scorer.service import load_reward
 
     reader, config, run_dir = _open(args)
-    if config is None and run_dir is not None and (Path(run_dir) / "config.json").is_file():
+    if config is None and run_dir is not None and (Path(run_dir) / RUN_CONFIG).is_file():
         from common.config import load_config
 
-        config = load_config(Path(run_dir) / "config.json")  # the run's own settings (its model cache, device)
+        config = load_config(Path(run_dir) / RUN_CONFIG)  # the run's own settings (its model cache, device)
     scoring = _scoring_config(args.reward_config, args.reward_set, config)
     reward, reward_id = load_reward(scoring)
     try:
