@@ -114,6 +114,9 @@ class Sampler(Protocol):
     def in_flight(self) -> int:
         """Groups submitted and not yet returned by :meth:`step`."""
 
+    def abort(self, keys: list[str]) -> None:
+        """Stop sampling the groups of ``keys`` (submitted, not yet returned); :meth:`step` never returns them."""
+
     def join_broadcast(self, address: str, timeout_s: float, algorithm: str, name: str) -> None:
         """Receive the learner's broadcasts (``common.broadcast``) from now on, where the weights live."""
 

@@ -32,6 +32,7 @@ __all__ = [
     "EpisodeTurn",
     "ExperienceBatch",
     "LEARNER_EPOCH",
+    "LEARNER_SETTLED",
     "MESSAGE_TYPES",
     "Message",
     "PromptBatch",
@@ -71,6 +72,9 @@ ADAPTER_BASE = "actor.base"
 # Lineage key of a weight announcement: the groups the learner has used up (trained, or dropped: stale or without
 # signal). Generators admit prompt batches by it (bounded staleness counted in groups).
 LEARNER_GROUPS_DONE = "learner.groups_done"
+# Lineage key of a weight announcement: the prompt batches before it are settled (each group trained, waiting in the
+# learner's checkpoint, or dropped). A feeder on a new log (the broker lost its data) publishes again from it.
+LEARNER_SETTLED = "learner.settled"
 
 
 def group_key(step: int, index: int) -> str:

@@ -3,9 +3,10 @@
 Starts a local Kafka-protocol broker (unless ``--bootstrap`` names one), then the replicas of every role in
 ``ROLES`` as child processes (``streamppo <role>``), each with its output prefixed by its name, and waits until
 every replica of the roles that end the run has finished. A child that exits with an error is restarted after a
-back-off (``--restart on-failure``, the default, as Kubernetes would) or stops the run (``--restart never``); one
-that found the run's log gone (exit 4: the broker lost its data) makes ``up`` start every child again in resume
-mode. Ctrl-C stops the run: every child gets SIGTERM (a second Ctrl-C kills them), and the broker stops last.
+back-off (``--restart on-failure``, the default, as Kubernetes would) or stops the run (``--restart never``). When
+the broker loses the run's log, each service goes on on the new one in its process; one that cannot (exit 4) is
+started again in resume mode. Ctrl-C stops the run: every child gets SIGTERM (a second Ctrl-C kills them), and the
+broker stops last.
 
 It reports as ``streamppo run`` does: a line per update (from the run directory's ``metrics.jsonl``), a line when
 none came for a minute, and once the run is done its ``done:`` line and ``summary.json``. It writes the run's
@@ -264,22 +265,20 @@ def _found_the_log_replaced(child: _Child) -> bool:
 
 
 def _resume_on_the_new_log(children: dict[str, _Child], found_by: list[str]) -> None:
-    """The broker lost the run's log: stop every service and start each again in resume mode (the learner from its
-    checkpoint, the feeder from the step after it), as an operator would with ``up --resume``. The services make the
-    topics of the new log themselves, as every service does at its start."""
+    """The broker lost the run's log and the services of ``found_by`` could not go on on the new one in their process
+    (the others do, :meth:`~services.service.Service.take_up_new_log`): start each again in resume mode, as an
+    operator would with ``<role> --resume``. It makes the topics of the new log itself if it is the first there."""
     print(
-        f"{', '.join(found_by)} found the run's log gone (the broker lost its data); resuming every service from the "
-        "learner's checkpoint on the new log",
+        f"{', '.join(found_by)} found the run's log gone (the broker lost its data); starting "
+        f"{'it' if len(found_by) == 1 else 'them'} again in resume mode on the new log",
         flush=True,
     )
-    # A few seconds for the learner to checkpoint what it holds (a SIGTERM's work); nothing else of theirs is kept.
-    stop_all([child.process for child in children.values() if child.process is not None], timeout_s=3.0)
-    for child in children.values():
+    for name in found_by:
+        child = children[name]
         if RESUME[1] not in child.args:
             child.args += RESUME
         child.restarts = Restarts()
         _spawn(child)
-    print("every service started again in resume mode", flush=True)
 
 
 def _supervise(child: _Child, restart: str) -> int | None:

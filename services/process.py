@@ -4,8 +4,10 @@ SIGTERM (or Ctrl-C) lets the batch in hand finish, be produced and committed, th
 started stays uncommitted and is re-delivered to another replica. A replica that is only waiting (for input, for
 weights, for a broker that is away) stops at once. What the broker must do at the end (the last status report,
 the commit, leaving the group) gets ``STOP_BROKER_S``: a broker that does not answer by then is left, and the
-uncommitted input is delivered again. A replica whose service is done (the feeder once it has published, the learner
-after ``run.steps`` updates) finishes and exits 0.
+uncommitted input is delivered again. A replica whose service is done (the feeder once the learner settled every
+prompt batch, the learner after ``run.steps`` updates) finishes and exits 0. When the broker loses the run's log, the
+replica goes on on the new one in this process (:meth:`~services.service.Service.take_up_new_log`), or, for a service
+that cannot, exits ``exit_codes.LOG_REPLACED`` (4) to be started again in resume mode.
 """
 
 from __future__ import annotations
@@ -151,24 +153,29 @@ def serve_service(
     service.observe(metrics.observe)
     runner, code = None, exit_codes.OK
     try:
-        runner = ServiceRunner(service, bus or kafka_bus(config, bootstrap), metrics=metrics)
-        log.info("%s: serving %s -> %s", replica_id, service.input_topic or "(nothing)", service.output_topic)
-        _loop(runner, stop)
-        if service.done():
+        while True:
+            runner = ServiceRunner(service, bus or kafka_bus(config, bootstrap), metrics=metrics)
+            log.info("%s: serving %s -> %s", replica_id, service.input_topic or "(nothing)", service.output_topic)
+            try:
+                _loop(runner, stop)
+                break
+            except LogReplaced as exc:
+                runner.leave_lost_log()  # a learner checkpoints first: the run goes on from what it applied
+                runner = None
+                if stop.set or not service.take_up_new_log():
+                    log.error("%s; stopping (exit %d): the run resumes on the new log", exc, exit_codes.LOG_REPLACED)
+                    code = exit_codes.LOG_REPLACED
+                    break
+                log.warning("%s; going on on the new log (models kept, the work in flight on the old one dropped)", exc)
+                bus = None  # the new log's: the first service to reach the broker makes its topics
+        if code == exit_codes.OK and service.done():
             service.finish()
-    except LogReplaced as exc:
-        # Nothing more is read, sent or committed: the run resumes from the learner's checkpoint on the new log.
-        log.error("%s; stopping (exit %d): the run resumes from the learner's checkpoint", exc, exit_codes.LOG_REPLACED)
-        code = exit_codes.LOG_REPLACED
     except BaseException:
         code = exit_codes.ERROR  # what the process exits with if the broker's part of closing runs out of time
         raise
     finally:
         if runner is None:
             service.close()
-        elif code == exit_codes.LOG_REPLACED:
-            with _broker_deadline(replica_id, code, seconds=1.0):  # clients of a lost broker may block as they close
-                runner.abandon()
         else:
             runner.settle()  # the learner's checkpoint, however long the disk takes
             with _broker_deadline(replica_id, code):

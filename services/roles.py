@@ -68,7 +68,7 @@ ROLES: dict[str, Role] = {
         Role(
             "feeder",
             "services.feeder:FeederService",
-            "publish the run's prompt batches, then exit",
+            "publish the run's prompt batches (again on a new log) until the learner has settled them",
             input_topic=None,
             output_topic="prompts",
             max_replicas=1,

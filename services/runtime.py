@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -186,7 +187,8 @@ class ServiceRunner:
         restored = service.restored()
         self.recent = RecentIds(config.pipeline.dedupe_window, restored.handled if restored else ())
         self.processing = False  # True while an input is processed: a stop request waits for it (see _process)
-        self.unsent: tuple[Record, list[Message], bool] | None = None  # outputs whose sending failed (see _process)
+        # Outputs whose sending failed, and the input they came from (None: a tick's), see _process.
+        self.unsent: tuple[Record | None, list[Message], bool] | None = None
         self.settled: bool | None = None  # see settle()
         self.channels = {name: _BusChannel(self, *topics) for name, topics in service.channels().items()}
         if self.channels:
@@ -213,7 +215,7 @@ class ServiceRunner:
         idle = self.work is None or (bool(self.held) and not self.service.under_way())
         did = self.weights is not None and self.weights.apply(timeout_s if idle else 0.0)
         if self.work is None:
-            return did
+            return self._tick() or did  # what it takes up may follow from the weights just offered (a feeder's)
         if not self.service.streams:
             return self._take_input(timeout_s, self._process) or did or self._tick()
         did = self._collect() or self.service.under_way() or did
@@ -405,8 +407,12 @@ class ServiceRunner:
             return False
         with self._timed("checkpoint"), self._uninterrupted():
             durable = self._durable()
-        with self._timed("produce"):
-            self._produce(outputs)
+        try:
+            with self._timed("produce"):
+                self._produce(outputs)
+        except BaseException:
+            self.unsent = (None, outputs, durable)  # as for an input's outputs (_process), of no input
+            raise
         self.counters["produced"] += len(outputs)
         if durable:
             with self._timed("commit"):
@@ -420,7 +426,8 @@ class ServiceRunner:
             self._produce(outputs)
         self.unsent = None
         self.counters["produced"] += len(outputs)
-        log.info("%s: outputs of %s[%d]@%d sent again", self.replica_id, record.topic, record.partition, record.offset)
+        of = f"{record.topic}[{record.partition}]@{record.offset}" if record is not None else "a tick"
+        log.info("%s: outputs of %s sent again", self.replica_id, of)
         if durable:
             with self._timed("commit"):
                 self._commit_deferred()
@@ -603,16 +610,29 @@ class ServiceRunner:
             if below == pending.offset + 1:
                 del self.uncommitted[partition]
 
-    def abandon(self) -> None:
-        """Release what the runner holds without committing or sending anything: its log is gone
-        (:class:`LogReplaced`), and whatever it would write now would land on a log it did not make."""
-        self.service.close()
-        for client in (self.producer, self.work, self.weights):
-            if client is not None:
+    def leave_lost_log(self, close_within_s: float = 1.0) -> None:
+        """After :class:`LogReplaced`: the service's state made durable (a learner checkpoints what it applied, as on
+        a stop: the run goes on from it on the new log), and the clients released without sending or committing
+        anything, since whatever they would write now could land on the log that took the lost one's place. The
+        service is not closed: its models serve a runner on the new log (:meth:`Service.take_up_new_log`)."""
+        if self.settled is None:
+            if self.unsent is not None and self.unsent[0] is not None:
+                self.uncommitted.pop(self.unsent[0].partition, None)
+            self.settled = self._durable(force=True)
+        clients = [self.work, self.weights, *self.channels.values()]
+        closes = [self.producer.discard, *(client.close for client in clients if client is not None), self.bus.close]
+
+        def release() -> None:
+            for close in closes:
                 try:
-                    client.close()
+                    close()
                 except Exception as exc:  # a client of a lost broker may fail to close; nothing of it is needed
                     log.debug("%s: closing a client of the lost log: %s", self.replica_id, exc)
+
+        # Clients of a lost broker may block as they close (leaving a group, say): they are left to it.
+        releasing = threading.Thread(target=release, name=f"{self.replica_id}-leave", daemon=True)
+        releasing.start()
+        releasing.join(timeout=close_within_s)
 
     def close(self) -> None:
         """:meth:`settle`, then :meth:`disconnect`."""
@@ -623,7 +643,7 @@ class ServiceRunner:
         """The part of closing that needs no broker: the service's state made durable (a learner's checkpoint),
         its engines and files released."""
         if self.settled is None:
-            if self.unsent is not None:  # its outputs are not out: its input must come again
+            if self.unsent is not None and self.unsent[0] is not None:  # not all out: its input must come again
                 self.uncommitted.pop(self.unsent[0].partition, None)
             self.settled = self._durable(force=True)
             self.service.close()

@@ -142,6 +142,9 @@ class Service(ABC):
     4. :meth:`finish` once, only if :meth:`done` became True (the run is complete): final exports.
     5. :meth:`close` always, last (also after a signal or an error): release engines and files.
 
+    When the run's log is lost (the broker lost its data), :meth:`take_up_new_log` drops the work in flight and the
+    lifecycle starts again at 2 on the new log, with the models kept.
+
     A service that :attr:`streams` works on several inputs at once, and its outputs go on as they are ready: instead
     of :meth:`process`, the runner calls :meth:`admit` for each input while the service has :meth:`room`, and
     :meth:`collect` for what is ready (:meth:`under_way` says whether more is coming without input); an input is
@@ -270,6 +273,14 @@ class Service(ABC):
 
     def close(self) -> None:
         """Release what the service holds outside this process (e.g. an inference engine)."""
+
+    def take_up_new_log(self) -> bool:
+        """The run's log is gone (the broker lost its data, :class:`~services.transport.LogReplaced`) and a runner on
+        the new log follows: drop the work in flight on the old one, keep what is loaded (models, weights), and go
+        on as a replica started in resume mode would (:meth:`start` is called again). The state :meth:`make_durable`
+        covers was made durable first. False: this service cannot; its process exits (``exit_codes.LOG_REPLACED``)
+        to be started again in resume mode."""
+        return False
 
     # ------------------------------------------------------------------ replicas of several processes
 

@@ -93,6 +93,52 @@ def test_a_restarted_learner_continues_exactly_where_it_stopped(config, experien
     assert all(torch.equal(expected[k], actual[k]) for k in expected), "same weights as a run that never stopped"
 
 
+def test_on_a_new_log_the_learner_checkpoints_first_and_the_feeder_publishes_again_what_it_did_not_settle(
+    config, experience
+):
+    """The broker lost the log after the learner applied two batches, checkpointing every third update only. The
+    learner goes on on the new log with what it applied (checkpointed first, announced there with what it settled),
+    the feeder publishes again from there once it hears the learner on the new log, and the batches applied are
+    recognised if the old log's records come again."""
+    config = config.model_copy(
+        update={
+            "learner": config.learner.model_copy(update={"checkpoint_every": 3}),
+            "run": config.run.model_copy(update={"steps": 4}),  # one prompt batch an update: four in all
+        }
+    )
+    old, new = MemoryBus(), MemoryBus()
+    for log in (old, new):
+        log.create_topics(pipeline_topics(partitions=1))
+    feeder = ServiceRunner(FeederService(config), old)
+    assert [m.step for m in read_messages(old, "prompts")] == [0, 1, 2, 3]
+    send(old, experience[:2])
+    learner = served(config, old)
+    while learner.poll_once():
+        pass
+    assert learner.service.updates == 2 and not (config.checkpoint_dir / "LATEST").exists(), "not yet checkpointed"
+
+    for runner in (learner, feeder):
+        runner.leave_lost_log()
+        assert runner.service.take_up_new_log()
+    meta = json.loads(
+        (config.checkpoint_dir / (config.checkpoint_dir / "LATEST").read_text() / "learner.json").read_text()
+    )
+    assert meta["updates"] == 2 and meta["ledger"]["below"] == 2, "what it applied was checkpointed first"
+    feeder = ServiceRunner(feeder.service, new)
+    assert feeder.poll_once() is False and read_messages(new, "prompts") == [], "the feeder waits for the learner"
+    learner = ServiceRunner(learner.service, new)
+    announced = read_messages(new, "weights")
+    assert {a.policy_version for a in announced} == {2} and {a.lineage["learner.settled"] for a in announced} == {2}
+    assert feeder.poll_once() and [m.step for m in read_messages(new, "prompts")] == [2, 3]
+    assert not feeder.service.done(), "the learner has not settled them yet"
+    send(new, experience)  # the applied batches too, as a generator of the old log might send them
+    while learner.poll_once():
+        pass
+    assert learner.service.updates == 4 and learner.counters["duplicates"] == 2
+    feeder.poll_once()
+    assert feeder.service.done(), "every prompt batch settled: the feeder is done"
+
+
 def test_the_checkpoint_keeps_a_bounded_memory_of_batch_ids(config, experience):
     config = config.model_copy(update={"pipeline": config.pipeline.model_copy(update={"dedupe_window": 2})})
     bus = MemoryBus()

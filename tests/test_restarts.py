@@ -31,3 +31,20 @@ def test_up_and_the_learner_ranks_share_the_policy(make_config):
     assert ranks.policy.delays_s == child.restarts.policy.delays_s
     assert ranks.policy.quick_failure_s == child.restarts.policy.quick_failure_s
     assert ranks.policy.give_up_after == 3, "learner.parallel.max_restarts"
+
+
+def test_up_starts_again_in_resume_mode_only_the_services_that_could_not_go_on_on_a_new_log(monkeypatch, capsys):
+    """The others go on on the new log in their processes (Service.take_up_new_log); stopping them would cost their
+    models' loading again."""
+    from services import cluster
+
+    spawned = []
+    monkeypatch.setattr(cluster, "_spawn", lambda child: spawned.append((child.name, list(child.args))))
+    children = {
+        name: cluster._Child(name, [name.split("-")[0], "--config", "run.yaml"]) for name in ("gateway-0", "scorer-0")
+    }
+    cluster._resume_on_the_new_log(children, ["gateway-0"])
+    assert spawned == [("gateway-0", ["gateway", "--config", "run.yaml", *cluster.RESUME])]
+    assert "gateway-0 found the run's log gone" in capsys.readouterr().out
+    cluster._resume_on_the_new_log(children, ["gateway-0"])
+    assert spawned[-1][1].count(cluster.RESUME[1]) == 1, "resume mode is asked for once"

@@ -41,6 +41,31 @@ def rollouts(bus) -> list[RolloutBatch]:
     return [m for m in read_messages(bus, "rollouts") if isinstance(m, RolloutBatch)]
 
 
+def test_a_generator_that_lost_its_log_drops_its_groups_in_flight_and_samples_them_again_on_the_new_one(config):
+    """The broker lost the log mid-batch: the group sent on the old log is gone with it, the one in flight is dropped
+    (never sent anywhere), and the prompt batch published again on the new log is sampled whole, once, by the same
+    service (its model kept)."""
+    from services.roles import pipeline_topics
+
+    old, new = MemoryBus(), MemoryBus()
+    for log in (old, new):
+        log.create_topics(pipeline_topics(partitions=1))
+    generator, feeder = GeneratorService(config, "generator"), FeederService(config)
+    runner = ServiceRunner(generator, old)
+    publish(old, "prompts", encode(feeder.batch(0)))
+    assert runner.poll_once() and runner.poll_once()  # admits batch 0, sends group 0
+    assert [r.groups() for r in rollouts(old)] == [[0]] and generator.under_way(), "group 1 is in flight"
+    runner.leave_lost_log()
+    assert generator.take_up_new_log()
+    assert not generator.under_way() and generator.sampler.in_flight() == 0, "nothing of the old log is in flight"
+    runner = ServiceRunner(generator, new)
+    publish(new, "prompts", encode(feeder.batch(0)))
+    while runner.poll_once():
+        pass
+    assert [r.groups() for r in rollouts(new)] == [[0], [1]], "the batch sampled whole, each group once"
+    assert [r.groups() for r in rollouts(old)] == [[0]], "nothing more went to the lost log"
+
+
 def test_each_group_goes_on_as_it_is_sampled_by_the_weights_loaded_then(bus, config):
     runner = ServiceRunner(GeneratorService(config, "generator"), bus)
     feeder = FeederService(config)

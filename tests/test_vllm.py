@@ -112,6 +112,28 @@ def test_an_update_in_place_matches_transformers_with_the_same_weights(engine, t
     assert mismatch(engine, initial, prompts) > 1e-2, "the update changed what the engine samples from"
 
 
+@shares_the_engine
+def test_groups_aborted_in_flight_are_never_returned_and_their_keys_can_be_submitted_again(engine, prompts):
+    """What a generator does when the log it worked on is lost: the groups in flight are dropped, and the same groups
+    (same keys) come again from the new log."""
+    prompt_tokens, prompt_lengths = prompts
+    params = SamplingParams(n=2, max_new_tokens=16, seed=5)
+    tokens = [prompt_tokens[i, :length].tolist() for i, length in enumerate(prompt_lengths.tolist())]
+    for i, prompt in enumerate(tokens):
+        engine.submit(f"0/{i}", prompt, params)
+    finished = dict(engine.step(0.0))
+    aborted = [f"0/{i}" for i in range(len(tokens)) if f"0/{i}" not in finished]
+    assert aborted, "a group is still in flight after one step"
+    engine.abort(aborted)
+    assert engine.in_flight() == 0
+    engine.submit(aborted[0], tokens[int(aborted[0][2:])], params)  # the same key again
+    again = {}
+    while engine.in_flight():
+        again.update(engine.step(1.0))
+    assert list(again) == [aborted[0]], "only the group submitted again came back"
+    assert again[aborted[0]].response_tokens.shape[0] == 2
+
+
 def stream(engine, prompts, params, update) -> dict:
     """One group per prompt submitted to the engine, ``update`` (chain, version) loaded once it has sampled a step,
     then run until every group finished; the groups by key."""

@@ -57,6 +57,9 @@ class AdvantageService(Service):
         self.kl_coef = float(announcement.lineage.get("kl_coef", self.kl_coef))
         return True
 
+    def take_up_new_log(self) -> bool:
+        return True  # a record at a time; the learner announces its critic again on the new log
+
     @torch.no_grad()
     def process(self, message: ScoredBatch) -> list[ExperienceBatch]:
         tokens = torch.from_numpy(message.response_tokens)

@@ -1,8 +1,11 @@
-"""feeder: dataset → prompts. Publishes the run's tokenized prompt batches (``RunConfig.prompt_batches``), then is done.
+"""feeder: dataset → prompts. Publishes the run's tokenized prompt batches (``RunConfig.prompt_batches``), then follows
+the learner's progress (its announcements) until it has settled them or finished the run, and is done.
 
-It consumes nothing: its whole output is what :meth:`FeederService.start` returns. With ``run.resume``
-(``--resume``) it starts at the first prompt batch the learner's last checkpoint has not settled (every group
-trained, waiting in the checkpoint or dropped), as after the loss of a broker's data.
+It consumes nothing: its output is what :meth:`FeederService.start` returns, and on a new log what :meth:`tick`
+returns. With ``run.resume`` (``--resume``) it starts at the first prompt batch the learner's last checkpoint has not
+settled (every group trained, waiting in the checkpoint or dropped), as after the loss of a broker's data. A feeder
+that saw the log lost (:meth:`take_up_new_log`) waits for the learner's first announcement on the new log, which the
+learner makes after checkpointing, and publishes again from the first prompt batch it says is not settled.
 Batch ids are a function of the run id and the step, so re-publishing after a restart produces duplicates that
 every consumer recognises.
 """
@@ -15,7 +18,7 @@ from common.checkpoint import load_latest_checkpoint
 from common.config import RunConfig
 from common.data import PromptSchedule, load_prompts, tokenize_prompts
 from common.models import load_tokenizer, resolve_model
-from common.schema import RUN_ID, PromptBatch, new_header
+from common.schema import LEARNER_SETTLED, RUN_ID, PromptBatch, WeightAnnouncement, new_header
 from services.service import Service
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,9 @@ class FeederService(Service):
         self.tokenizer = load_tokenizer(path, config.model.trust_remote_code)
         self.schedule = PromptSchedule(len(self.prompts), config.data.batch_size, config.data.shuffle, config.run.seed)
         self.published = False
+        self.learner_done = False  # its announcements say it needs no more prompt batches
+        self.new_log = False  # on a log that replaced a lost one, before publishing on it
+        self.republish_from: int | None = None  # there: the first prompt batch the learner has not settled
 
     def batch(self, step: int) -> PromptBatch:
         index = self.schedule.indices(step)
@@ -53,12 +59,39 @@ class FeederService(Service):
             prompt_lengths=lengths,
         )
 
+    @property
+    def weight_models(self) -> tuple[str, ...]:
+        return ("actor",)  # for the learner's progress in the announcements; no weights are loaded
+
     def start(self) -> list[PromptBatch]:
-        first, last = self.first_step(), self.config.prompt_batches - 1
+        return [] if self.new_log else self._publish(self.first_step())
+
+    def _publish(self, first: int) -> list[PromptBatch]:
+        last = self.config.prompt_batches - 1
         batches = [self.batch(step) for step in range(first, last + 1)]
         self.published = True
         log.info("%s: publishing prompt batches %d..%d", self.replica_id, first, last)
         return batches
+
+    def on_weights(self, announcement: WeightAnnouncement) -> bool:
+        settled = int(announcement.lineage.get(LEARNER_SETTLED, 0))
+        self.learner_done = (
+            announcement.policy_version >= self.config.run.steps or settled >= self.config.prompt_batches
+        )
+        if self.new_log:
+            self.republish_from = settled
+        return True
+
+    def tick(self) -> list[PromptBatch]:
+        if not self.new_log or self.republish_from is None:
+            return []
+        self.new_log = False
+        return self._publish(self.republish_from)
+
+    def take_up_new_log(self) -> bool:
+        # The learner announces on the new log once it has checkpointed: what it settled then is what stays settled.
+        self.new_log, self.republish_from, self.published = True, None, False
+        return True
 
     def first_step(self) -> int:
         """0, or with ``run.resume`` the first prompt batch the learner's last checkpoint has not settled. Groups of
@@ -84,4 +117,4 @@ class FeederService(Service):
         raise TypeError("the feeder consumes nothing")
 
     def done(self) -> bool:
-        return self.published
+        return self.published and self.learner_done

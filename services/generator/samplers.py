@@ -37,6 +37,11 @@ class GroupByGroup:
     def in_flight(self) -> int:
         return len(self.submitted)
 
+    def abort(self, keys: list[str]) -> None:
+        """Forget the groups of ``keys`` submitted and not yet sampled."""
+        for key in keys:
+            self.submitted.pop(key, None)
+
 
 class TransformersSampler(GroupByGroup):
     """The actor as a transformers model, sampled with ``generate``: slow, but needs nothing beyond the trainer."""

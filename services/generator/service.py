@@ -403,6 +403,20 @@ class GeneratorService(Service):
             dead_lettered_groups=np.zeros(0, np.int64),
         )
 
+    def take_up_new_log(self) -> bool:
+        """The groups and calls in flight are dropped (the feeder publishes their prompt batches again; an agent calls
+        again); the weights loaded stay, and with them the learner's progress they were announced with: the learner
+        goes on from its state then, never from before it."""
+        if self.episodes is not None:
+            return False  # episodes talk to environments over a channel of the old log: started again
+        self.sampler.abort([*self.sampling, *self.calls])
+        self.queue.clear()
+        self.sampling.clear()
+        self.batches.clear()
+        self.calls.clear()
+        self.answered.clear()
+        return True
+
     def close(self) -> None:
         if self.episodes is not None:
             self.episodes.close()

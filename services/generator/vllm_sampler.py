@@ -310,6 +310,12 @@ class VllmSampler:
     def in_flight(self) -> int:
         return len(self.requests)
 
+    def abort(self, keys: list[str]) -> None:
+        """Stop sampling the requests of ``keys``; what they sampled is dropped."""
+        keys = [key for key in keys if self.requests.pop(key, None) is not None]
+        if keys:
+            self.llm.llm_engine.abort_request(keys)
+
     def _to_samples(self, outputs, n: int) -> Samples:
         from vllm.outputs import WeightVersionSpan
 

@@ -50,6 +50,7 @@ from common.schema import (
     ADAPTER_BASE,
     LEARNER_EPOCH,
     LEARNER_GROUPS_DONE,
+    LEARNER_SETTLED,
     RUN_ID,
     ExperienceBatch,
     WeightAnnouncement,
@@ -119,6 +120,7 @@ class LearnerService(Service):
         self.started = time.time()
         self.epoch = 0  # taken in start(): 0 only for a learner that announces without having started (tests)
         self.sender: WeightSender | None = None  # the broadcast path, opened in start() when configured
+        self.on_new_log = False  # goes on on a log that replaced a lost one (take_up_new_log)
         self.trackers = Trackers()  # run.trackers: rank 0's alone
         if self.ranks.leads:  # the other ranks load the checkpoint when rank 0 leads them to
             restored = self._resume()
@@ -182,17 +184,23 @@ class LearnerService(Service):
         self.epoch = next_epoch(self.config.checkpoint_dir)
         log.info("%s: learner epoch %d", self.replica_id, self.epoch)
         broadcast = self.config.weights.broadcast
-        if broadcast.address is not None:
+        if broadcast.address is not None and self.sender is None:
             self.sender = WeightSender(
                 broadcast.address, broadcast.receivers, broadcast.timeout_s, self.config.weights.digest
             )
-        if self.trainer.version == 0:
-            if self.config.data.eval_prompts:
-                before = self.trainer.answer(answer_eval_prompts, self.tokenizer, self.config, 0)
-                self.before_path.write_text("".join(json.dumps(row) + "\n" for row in before))
+        if self.trainer.version == 0 and self.config.data.eval_prompts and not self.on_new_log:
+            before = self.trainer.answer(answer_eval_prompts, self.tokenizer, self.config, 0)
+            self.before_path.write_text("".join(json.dumps(row) + "\n" for row in before))
+        if self.trainer.version == 0 and not (self.on_new_log or self.config.run.resume):
             return []
-        # After a restart, announce the resumed version: the announcement of the last update may never have left.
+        # After a restart, or on a new log, announce the version it goes on from: the announcement of the last update
+        # may never have left, and a feeder on a new log publishes again from the prompt batches it settled.
         return self.announce()
+
+    def take_up_new_log(self) -> bool:
+        # What it applied was checkpointed (ServiceRunner.leave_lost_log); its state is the checkpoint's.
+        self.on_new_log = True
+        return True
 
     def done(self) -> bool:
         # Updates applied: a dropped group (forged, replayed, too stale) never counts toward the run's steps.
@@ -456,6 +464,7 @@ class LearnerService(Service):
                 "learner": self.replica_id,
                 LEARNER_EPOCH: self.epoch,
                 LEARNER_GROUPS_DONE: self.groups_done,
+                LEARNER_SETTLED: self.ledger.below,
             }
             if name == "actor" and self.config.model.lora is not None:  # the snapshot is adapters for this base
                 lineage |= {ADAPTER: "lora", ADAPTER_BASE: self.config.model.actor}

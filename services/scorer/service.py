@@ -67,6 +67,9 @@ class ScorerService(Service):
         if isinstance(self.reward, JudgeScorer):
             self.reward.close()
 
+    def take_up_new_log(self) -> bool:
+        return True  # a record at a time, nothing kept between them
+
     @torch.no_grad()
     def process(self, message: RolloutBatch) -> list[ScoredBatch]:
         check_token_ids(message, self.reference, "reference model")

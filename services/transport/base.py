@@ -67,6 +67,10 @@ class Producer(ABC):
     def close(self) -> None:
         self.flush()
 
+    def discard(self) -> None:
+        """Close without sending what is queued: the log it was meant for is gone (:class:`LogReplaced`), and a
+        record sent now could land on the log that took its place."""
+
 
 class Consumer(ABC):
     # The longest the broker holds a fetch that finds nothing: a poll that waits longer than twice this has read

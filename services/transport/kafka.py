@@ -434,6 +434,16 @@ class _KafkaProducer(Producer):
         self.flush()
         self.producer.close()
 
+    def discard(self) -> None:
+        self.futures = []
+        sender = self.producer._sender  # kafka-python 2.3: close() flushes first, sending what is queued
+        if sender is not None:
+            sender.force_close()  # what is queued is failed, not sent
+        try:
+            self.producer.close(timeout=0)
+        except KafkaError as exc:  # batches the sender has not failed yet
+            log.debug("discarding a producer: %s", exc)
+
 
 class _KafkaConsumer(Consumer):
     def __init__(

@@ -59,6 +59,9 @@ class _Producer(Producer):
     def close(self) -> None:
         self.producer.close()
 
+    def discard(self) -> None:
+        self.producer.discard()
+
 
 class _Consumer(Consumer):
     def __init__(self, consumer: Consumer, bus: NamespacedBus):
