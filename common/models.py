@@ -126,18 +126,24 @@ def load_actor(
     return _load(AutoModelForCausalLM, path, role, dtype, trust_remote_code, device)
 
 
-def add_lora(model, lora):
+def add_lora(model, lora, adapter: str = "default"):
     """``model`` with LoRA adapters (``lora``: :class:`common.config.LoraOptions`) on its target modules, peft's
-    way: only the adapters train, and at start (B = 0) the model computes what the base does."""
-    from peft import LoraConfig, get_peft_model
+    way, named ``adapter``: only the adapters train, and at start (B = 0) the model computes what the base does."""
+    from peft import get_peft_model
 
-    config = LoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
-    )
     try:
-        return get_peft_model(model, config)
+        return get_peft_model(model, lora_config(lora), adapter_name=adapter)
     except ValueError as exc:  # e.g. target modules the model does not have
         raise ModelLoadError(f"model.lora: {exc}") from None
+
+
+def lora_config(lora):
+    """peft's ``LoraConfig`` of ``lora`` (:class:`common.config.LoraOptions`)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
+    )
 
 
 def actor_skeleton(path: Path, trust_remote_code: bool = False):

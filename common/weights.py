@@ -155,10 +155,10 @@ def published_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     A LoRA-adapted model (peft) publishes its adapters alone, named as peft saves them (``adapter_model.safetensors``,
     which vLLM's LoRA loader reads too); any other module its whole state, each tied tensor once.
     """
-    if is_adapted(module):
+    if is_adapted(module):  # the active adapter's (one model may carry several: services/generator/samplers.py)
         from peft import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(module)
+        return get_peft_model_state_dict(module, adapter_name=module.active_adapter)
     keep = first_names(module)
     return {name: t for name, t in module.state_dict().items() if name in keep}
 

@@ -47,6 +47,20 @@ def _serve(args) -> int:
     )
 
 
+def _fleet(args) -> int:
+    from common.config import ConfigError
+    from services.fleet import RunsFolder, parse_shares
+    from services.process import serve_fleet
+
+    if not args.runs.is_dir():
+        raise ConfigError(f"--runs {args.runs}: not a folder")
+    try:
+        shares = parse_shares(args.share)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return serve_fleet(args.role, RunsFolder(args.runs, args.set), shares, args.bootstrap, args.replica_id)
+
+
 def _topics(args) -> int:
     from common.config import load_config
     from services.run_bus import kafka_bus
@@ -274,6 +288,17 @@ def _add_pipeline_commands(sub) -> None:
         )
         serve.add_argument("--resume", action="store_true", help="continue from the learner's last checkpoint")
         serve.set_defaults(handler=_serve, role=role.name)
+
+    fleet = sub.add_parser(
+        "fleet", help="one replica of a role serving several runs, one config file each in a folder (over Kafka)"
+    )
+    fleet.add_argument("role", choices=[r.name for r in ROLES.values() if r.input_topic and not r.ends_run])
+    fleet.add_argument("--runs", type=Path, required=True, metavar="DIR", help="a config file (*.yaml) per run")
+    fleet.add_argument("--share", action="append", default=[], metavar="RUN_ID=WEIGHT", help="a run's share (1)")
+    fleet.add_argument("--bootstrap", default=None, help="the broker (default: each run's kafka.bootstrap)")
+    fleet.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting for every run")
+    fleet.add_argument("--replica-id", default=None, help="default: role-host-pid, or role-<container id>")
+    fleet.set_defaults(handler=_fleet)
 
     topics = sub.add_parser("topics", help="create the pipeline's topics (and their .dlq) on the broker, then exit")
     _config_options(topics, broker=True)

@@ -27,6 +27,7 @@ from kafka.errors import KafkaError
 
 from common.config import ConfigError, RunConfig
 from services import exit_codes
+from services.fleet import Fleet, RunsFolder
 from services.metrics import ScrapeTarget, ServiceMetrics, parse_ports
 from services.roles import ROLES
 from services.run_bus import bootstrap_of, kafka_bus
@@ -36,11 +37,12 @@ from services.transport import Bus, LogReplaced
 
 log = logging.getLogger(__name__)
 
-__all__ = ["default_replica_id", "serve", "serve_service"]
+__all__ = ["default_replica_id", "serve", "serve_fleet", "serve_service"]
 
 STATUS_EVERY_S = 30.0
 STALL_WARNING_S = 120.0
 STOP_BROKER_S = 5.0  # what a stopping replica waits for the broker, at most
+RESCAN_S = 5.0  # how often a fleet looks for runs added to or removed from its folder
 
 
 def default_replica_id(role: str) -> str:
@@ -209,18 +211,20 @@ def _broker_deadline(replica_id: str, code: int, seconds: float = STOP_BROKER_S)
         timer.cancel()
 
 
-def _report_status(runner: ServiceRunner, state: str | None = None) -> None:
-    """The status line, the status topic, and, while input is held, a warning that says what it waits for."""
+def _report_status(runner: ServiceRunner, state: str | None = None, name: str | None = None) -> None:
+    """The status line, the status topic, and, while input is held, a warning that says what it waits for; ``name``:
+    who the lines are of (the replica's id by default)."""
+    name = name or runner.replica_id
     try:
         status = runner.publish_status(state)
     except KafkaError as exc:  # a report is not worth failing over; the next one comes in STATUS_EVERY_S
-        log.warning("%s: status not published (%s)", runner.replica_id, exc)
+        log.warning("%s: status not published (%s)", name, exc)
         return
-    log.info("%s: status %s", runner.replica_id, runner.status())
+    log.info("%s: status %s", name, runner.status())
     if status.held:
         # Holding input for a while is normal (the generator waits for each update); minutes of it are worth a look.
         level = logging.WARNING if status.held_seconds >= STALL_WARNING_S else logging.INFO
-        log.log(level, "%s: waiting %.0f s: %s", runner.replica_id, status.held_seconds, status.waiting_for)
+        log.log(level, "%s: waiting %.0f s: %s", name, status.held_seconds, status.waiting_for)
 
 
 def _loop(runner: ServiceRunner, stop: _StopFlag) -> None:
@@ -248,3 +252,49 @@ def _loop(runner: ServiceRunner, stop: _StopFlag) -> None:
         pass
     finally:
         stop.runner = None
+
+
+def serve_fleet(
+    role: str,
+    runs: RunsFolder,
+    shares: dict[str, float],
+    bootstrap: str | None,
+    replica_id: str | None = None,
+    rescan_s: float = RESCAN_S,
+) -> int:
+    """Run one replica of ``role`` for every run whose config is in ``runs`` (:class:`~services.fleet.Fleet`), until
+    a signal stops it: runs are taken up and let go as their files come and go. A config that does not load is
+    reported once (until its file changes) and its run is not served; the others are."""
+    replica_id = replica_id or default_replica_id(role)
+    stop = _StopFlag(replica_id)  # never handed a runner: every turn is short, and the loop checks it after each
+    fleet = Fleet(role, lambda config: kafka_bus(config, bootstrap_of(config, bootstrap)), replica_id)
+    next_scan = next_status = time.monotonic()
+    try:
+        while not stop.set:
+            now = time.monotonic()
+            if now >= next_scan:
+                next_scan = now + rescan_s
+                _take_runs(fleet, runs, shares)
+            if now >= next_status:
+                next_status = now + STATUS_EVERY_S
+                for run_id, run in fleet.runs.items():
+                    _report_status(run.runner, name=f"{replica_id} (run {run_id})")
+                log.info("%s: shares %s", replica_id, json.dumps(fleet.shares()))
+            fleet.poll_once(timeout_s=0.1)
+    finally:
+        fleet.close()
+    return exit_codes.OK
+
+
+def _take_runs(fleet: Fleet, runs: RunsFolder, shares: dict[str, float]) -> None:
+    added, removed = runs.changes()
+    for run_id in removed:
+        if run_id in fleet.runs:
+            fleet.remove(run_id)
+    for config in added:
+        try:
+            fleet.add(config, shares.get(config.run.run_id, 1.0))
+        except (ConfigError, ValueError) as exc:
+            log.error("%s: run %s not served: %s", fleet.replica_id, config.run.run_id, exc)
+    for path, error in runs.errors():
+        log.error("%s: %s not served: %s", fleet.replica_id, path, error)

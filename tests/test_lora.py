@@ -126,3 +126,46 @@ def test_the_generator_takes_adapters_for_its_own_base_only(make_config, tiny_mo
     assert generator.policy_version == 1
     loaded = published_tensors(generator.sampler.model)
     assert all(torch.equal(loaded[k], t) for k, t in published_tensors(learner).items())
+
+
+def test_runs_of_one_process_share_the_base_model_and_each_samples_with_its_own_adapters(make_config, tmp_path):
+    """A fleet's generator replica serves several LoRA runs: one base model in memory, an adapter per run, each run's
+    snapshots loaded into its own adapter and its groups sampled with it; a run that leaves takes its adapter along."""
+    from common.sampling import SamplingParams
+    from services.generator.service import GeneratorService
+
+    def run(run_id):
+        config = make_config(f"run.run_id={run_id}", "model.lora={rank: 4, target_modules: [q_proj, v_proj]}")
+        return GeneratorService(config, f"generator-{run_id}")
+
+    a, b = run("a"), run("b")
+    assert a.sampler.host is b.sampler.host, "one base model"
+    base = {k: v.clone() for k, v in a.sampler.host.base.state_dict().items() if "lora_" not in k}
+    learners = {}
+    for name, generator, seed in (("a", a, 0), ("b", b, 1)):
+        learners[name] = add_lora(load_actor(generator.model_id), generator.config.model.lora).eval()
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for tensor in published_tensors(learners[name]).values():
+                tensor.normal_(0.0, 0.3)
+        generator.sampler.load_snapshot(WeightStore(tmp_path / name).save("actor", 1, learners[name]).chain)
+
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=3)
+
+    def mismatch(generator, model) -> float:
+        samples = generator.sampler.sample(prompt, torch.tensor([4]), params)
+        packed = pack(prompt.expand(2, -1), torch.tensor([4, 4]), samples.response_tokens, samples.response_lengths, 0)
+        with torch.no_grad():
+            logp, _ = response_logprobs(model, packed, samples.response_tokens)
+        real = torch.arange(samples.response_tokens.shape[1]) < samples.response_lengths[:, None]
+        return float((logp - samples.behaviour_logprobs)[real].abs().max())
+
+    for _ in range(2):  # taking turns, as a fleet's runs do
+        assert mismatch(a, learners["a"]) < 1e-4 and mismatch(b, learners["b"]) < 1e-4
+    assert mismatch(a, learners["b"]) > 1e-3, "the two runs' policies differ"
+    after = {k: v for k, v in a.sampler.host.base.state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(after[k], v) for k, v in base.items()), "the base weights never change"
+    a.close()
+    assert a.sampler.adapter not in b.sampler.host.model.peft_config and mismatch(b, learners["b"]) < 1e-4
+    b.close()

@@ -6,16 +6,17 @@ from __future__ import annotations
 import importlib.util
 import logging
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 from common.broadcast import WeightReceiver
 from common.generation import sample_responses
-from common.models import add_lora, load_actor
+from common.models import add_lora, load_actor, lora_config
 from common.sampling import Sampler, Samples, SamplingParams
 from common.weights import load_snapshot_into, load_state_into
 
-__all__ = ["GroupByGroup", "TransformersSampler", "make_sampler", "vllm_installed"]
+__all__ = ["AdapterHost", "GroupByGroup", "TransformersSampler", "make_sampler", "vllm_installed"]
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,56 @@ class GroupByGroup:
             self.submitted.pop(key, None)
 
 
+class AdapterHost:
+    """One base model in this process with LoRA adapters for several runs (the runs a fleet's generator replica
+    serves): the base is loaded once, and a run's adapter is made active before its groups are sampled or its
+    snapshots loaded (one thread samples: a fleet's runs take turns). Adapters are named after their runs."""
+
+    _hosts: ClassVar[dict[tuple, AdapterHost]] = {}
+
+    @classmethod
+    def join(cls, model_dir: Path, dtype: str, trust_remote_code: bool, device: str, adapter: str, lora) -> AdapterHost:
+        """The host of this base model in this process (loaded now if there is none), with a new adapter
+        ``adapter`` (B = 0: the base's policy, version 0)."""
+        key = (str(model_dir), dtype, trust_remote_code, device)
+        host = cls._hosts.get(key)
+        if host is None:
+            host = cls._hosts[key] = cls(key, load_actor(model_dir, dtype, trust_remote_code, device=device))
+        if adapter in host.adapters:
+            raise ValueError(f"run {adapter} has an adapter on {model_dir} in this process already")
+        if host.model is None:
+            host.model = add_lora(host.base, lora, adapter).eval()
+        else:
+            host.model.add_adapter(adapter, lora_config(lora))
+        host.adapters.add(adapter)
+        log.info("LoRA adapter %s on %s: %d adapter(s) share its base weights", adapter, model_dir, len(host.adapters))
+        return host
+
+    def __init__(self, key: tuple, base: torch.nn.Module):
+        self.key, self.base = key, base
+        self.model = None  # the peft model, once the first adapter is added
+        self.adapters: set[str] = set()
+
+    def use(self, adapter: str) -> torch.nn.Module:
+        """The model, with ``adapter`` active."""
+        if self.model.active_adapter != adapter:
+            self.model.set_adapter(adapter)
+        return self.model
+
+    def leave(self, adapter: str) -> None:
+        """Drop ``adapter``; the base goes with the last one."""
+        self.adapters.discard(adapter)
+        if not self.adapters:
+            self._hosts.pop(self.key, None)
+            return
+        self.use(next(iter(self.adapters)))  # peft deletes no active adapter
+        self.model.delete_adapter(adapter)
+
+
 class TransformersSampler(GroupByGroup):
-    """The actor as a transformers model, sampled with ``generate``: slow, but needs nothing beyond the trainer."""
+    """The actor as a transformers model, sampled with ``generate``: slow, but needs nothing beyond the trainer. With
+    LoRA the base model is shared by every run this process samples for (:class:`AdapterHost`), each run with its
+    adapter (``adapter``: the run's id)."""
 
     backend = "transformers"
 
@@ -58,15 +107,24 @@ class TransformersSampler(GroupByGroup):
         device: str = "cpu",
         lora=None,
         tokenizer=None,
+        adapter: str = "default",
     ):
-        self.model = load_actor(model_dir, dtype, trust_remote_code, device=device)
         self.tokenizer = tokenizer  # for stop strings
+        self.host, self.adapter = None, adapter
         if lora is not None:  # adapters to swap in; the base weights stay as loaded
-            self.model = add_lora(self.model, lora).eval()
-        self.skeleton = self.model
+            self.host = AdapterHost.join(model_dir, dtype, trust_remote_code, device, adapter, lora)
+            self._model = self.host.model
+        else:
+            self._model = load_actor(model_dir, dtype, trust_remote_code, device=device)
+        self.skeleton = self._model
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.receiver: WeightReceiver | None = None
         self.submitted: dict[str, tuple[list[int], SamplingParams]] = {}  # streaming: the groups not yet sampled
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The actor, with this run's adapter active."""
+        return self.host.use(self.adapter) if self.host is not None else self._model
 
     def sample(self, prompt_tokens, prompt_lengths, params):
         return sample_responses(
@@ -87,6 +145,9 @@ class TransformersSampler(GroupByGroup):
     def close(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
+        if self.host is not None:
+            self.host.leave(self.adapter)
+            self.host = None
 
 
 def vllm_installed() -> bool:
@@ -131,4 +192,5 @@ def make_sampler(config, model_dir: Path, tokenizer) -> Sampler:
         config.model.device,
         config.model.lora,
         tokenizer,
+        adapter=f"run-{config.run.run_id}".replace(".", "-dot-"),  # peft: no "." in a name, none within "lora_"
     )
