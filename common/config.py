@@ -170,6 +170,13 @@ class VllmOptions(_Section):
         "kv_cache_gib when set. GPU only.",
     )
     dtype: DType | None = Field(None, description="The engine's dtype; default: the actor's (`model.dtypes.actor`).")
+    max_loras: int = Field(
+        1,
+        gt=0,
+        description="With LoRA: adapters one engine step may use. The LoRA runs a fleet's generator replica serves "
+        "share one engine; requests of an adapter without a slot wait for one, and an adapter evicted from the "
+        "engine's memory is loaded again from its folder when a request needs it.",
+    )
 
 
 class GenerationSection(_Section):

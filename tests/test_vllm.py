@@ -455,3 +455,54 @@ def test_a_streaming_run_on_vllm_trains_every_group_once_with_weights_loaded_in_
         for versions, real in zip(torch.from_numpy(record.token_versions), mask):
             crossed += len(set(versions[real].tolist())) > 1
     assert crossed > 0, "some responses were sampled across an update"
+
+
+def test_lora_runs_of_one_process_share_one_engine_and_adapters_without_a_slot_are_loaded_again(
+    tiny_model, tokenizer, prompts, tmp_path
+):
+    """A fleet's generator replica serves three LoRA runs on one engine with one adapter slot: each run's groups are
+    sampled with its own adapters (the learner's log-probs), taking turns, so each run's adapters are evicted and
+    loaded again from their folder when its requests come; nothing is refused, and the base is loaded once."""
+    from common.config import LoraOptions
+    from common.models import add_lora
+    from common.weights import published_tensors
+
+    lora = LoraOptions(rank=8, alpha=16.0, target_modules=["q_proj", "v_proj"])
+    samplers, learners = {}, {}
+    try:
+        for seed, name in enumerate(("run-a", "run-b", "run-c")):
+            samplers[name] = VllmSampler(
+                tiny_model,
+                "float32",
+                False,
+                tokenizer.eos_token_id,
+                tokenizer.pad_token_id,
+                VllmOptions(kv_cache_gib=0.25, max_loras=1),
+                seed=seed,  # runs' seeds differ; they share the engine all the same
+                lora=lora,
+                name=name,
+            )
+            learners[name] = add_lora(load_actor(tiny_model), lora).eval()
+            generator = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for tensor in published_tensors(learners[name]).values():
+                    tensor.copy_(0.3 * torch.randn(tensor.shape, generator=generator))
+            samplers[name].load_snapshot(WeightStore(tmp_path / name).save("actor", 1, learners[name]).chain, 1)
+        assert len({id(sampler.engine) for sampler in samplers.values()}) == 1, "one engine for the three runs"
+        for _ in range(2):
+            for name, sampler in samplers.items():
+                assert mismatch(sampler, learners[name], prompts) < 1e-4, f"{name} samples with its own adapters"
+        assert mismatch(samplers["run-a"], learners["run-b"], prompts) > 1e-2, "the runs' policies differ"
+        # Groups of the three runs in flight at once: each comes back to its own run, labelled with its version.
+        prompt = prompts[0][0, : int(prompts[1][0])].tolist()
+        for sampler in samplers.values():
+            sampler.submit("0/0", prompt, PARAMS)
+        for sampler in samplers.values():
+            done = {}
+            while sampler.in_flight():
+                done.update(sampler.step(1.0))
+            assert list(done) == ["0/0"] and int(done["0/0"].token_versions.max()) == 1
+        assert samplers["run-a"].engine_starts == 1
+    finally:
+        for sampler in samplers.values():
+            sampler.close()

@@ -182,6 +182,7 @@ def make_sampler(config, model_dir: Path, tokenizer) -> Sampler:
             seed=config.run.seed,
             lora=config.model.lora,
             in_flight_updates=config.generation.in_flight_updates,
+            name=_adapter_name(config),
         )
     return TransformersSampler(
         model_dir,
@@ -192,5 +193,11 @@ def make_sampler(config, model_dir: Path, tokenizer) -> Sampler:
         config.model.device,
         config.model.lora,
         tokenizer,
-        adapter=f"run-{config.run.run_id}".replace(".", "-dot-"),  # peft: no "." in a name, none within "lora_"
+        adapter=_adapter_name(config),
     )
+
+
+def _adapter_name(config) -> str:
+    """The name of a run's adapter (and its requests) on a base model or engine that other runs of this process may
+    share: peft takes no "." in a name, nor one within "lora_"."""
+    return f"run-{config.run.run_id}".replace(".", "-dot-")

@@ -9,7 +9,10 @@ the engine's RPC channel but the file's path.
 
 With LoRA (``model.lora``) the engine keeps its base weights for good and serves adapters (vLLM's LoRA support,
 on CPU too): each verified adapter snapshot is written as an adapter folder and used as the next requests' LoRA
-request; vLLM loads it on first use and evicts the one before. Nothing of the base is reloaded.
+request; vLLM loads it on first use and evicts the one before. Nothing of the base is reloaded. The LoRA runs of one
+process on the same base (a fleet's generator replica) share one engine (:class:`_Engine`): each run's requests carry
+its adapters, up to ``generation.vllm.max_loras`` adapters per step, and an adapter vLLM evicted is loaded again from
+its folder when a request needs it.
 
 An update that fails half-way (the engine died, or the reload raised) leaves an engine whose weights nobody
 knows, so it is shut down and a new one is started from the model folder plus the last snapshot that loaded;
@@ -19,6 +22,7 @@ touched (digest, wrong tensors) just raises :class:`WeightIntegrityError`: the e
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -27,6 +31,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -57,13 +62,15 @@ class VllmSampler:
         seed: int = 0,
         lora=None,
         in_flight_updates: str = "recompute",
+        name: str = "actor",
     ):
-        self.model_dir = Path(model_dir)
+        self.model_dir, self.name = Path(model_dir), name
         self.in_flight_updates = in_flight_updates  # keep | recompute | finish
         # LoRA adapters are per request: the responses in flight keep theirs, so new adapters wait for them.
         self.updates_in_flight = in_flight_updates != "finish" and lora is None
         self.version = 0  # what the weights loaded are: the engine labels each token it samples with it
-        self.requests: dict[str, tuple[list[int], SamplingParams]] = {}  # streaming: the groups in the engine
+        # Streaming: the groups in the engine, each with the version of the adapters it was submitted with (LoRA).
+        self.requests: dict[str, tuple[list[int], SamplingParams, int]] = {}
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.skeleton = actor_skeleton(self.model_dir, trust_remote_code)
         self.lora = lora
@@ -88,12 +95,23 @@ class VllmSampler:
             # The log-probs of the distribution each token was drawn from (temperature, top-k/p applied).
             logprobs_mode="processed_logprobs",
             weight_transfer_config={"backend": BACKEND},
-            **({"enable_lora": True, "max_lora_rank": lora.rank, "max_loras": 1} if lora is not None else {}),
+            **(
+                {"enable_lora": True, "max_lora_rank": lora.rank, "max_loras": options.max_loras}
+                if lora is not None
+                else {}
+            ),
         )
         self.good_snapshot: list[str] | None = None  # the chain of the last update that loaded; None: the folder's
-        self.engine_starts = 0
         self.broadcast: tuple | None = None  # join_broadcast's arguments, for each engine started
-        self.llm = self._start_engine()
+        self.engine = _Engine.join(self)
+
+    @property
+    def llm(self):
+        return self.engine.llm
+
+    @property
+    def engine_starts(self) -> int:
+        return self.engine.starts
 
     # ------------------------------------------------------------------------------------------------ engine
 
@@ -110,7 +128,6 @@ class VllmSampler:
         if self.broadcast is not None:  # a new engine's workers join the learner's next group
             _join_broadcast(llm, self.broadcast)
         llm.llm_engine.set_weight_version(str(self.version))
-        self.engine_starts += 1
         log.info(
             "vLLM engine started in %.1f s (%s)",
             time.perf_counter() - started,
@@ -119,25 +136,21 @@ class VllmSampler:
         return llm
 
     def _restart_engine(self, reason: str) -> None:
-        """A new engine with the last good weights; the groups that were in flight start again in it."""
-        log.error("vLLM engine failed (%s); restarting it with the last good weights", reason)
-        self.close()
-        self.llm = self._start_engine()
-        for key, (prompt, params) in self.requests.items():
+        """A new engine with the last good weights; the groups that were in flight (every run's, on a shared engine)
+        start again in it."""
+        self.engine.restart(reason)
+
+    def _submit_again(self) -> None:
+        for key, (prompt, params, _) in self.requests.items():
             self._add(key, prompt, params)
 
     def close(self) -> None:
         if getattr(self, "lora", None) is not None:
             shutil.rmtree(self.adapters, ignore_errors=True)
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is None:
-            return
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception as exc:  # an engine that already died may fail to shut down; it is gone either way
-            log.debug("vLLM engine shutdown: %s", exc)
-        del llm
-        gc.collect()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.leave(self)
+            self.engine = None
 
     # ------------------------------------------------------------------------------------------------ weights
 
@@ -145,8 +158,7 @@ class VllmSampler:
         if self.lora is not None:  # nothing in flight (updates_in_flight): the next requests take the adapters
             self._load_adapters(chain)
             if version is not None:
-                self.version = version
-                self.llm.llm_engine.set_weight_version(str(version))
+                self.version = version  # labels the requests submitted from now on (an engine may serve other runs)
             return
         uri = split_link(chain[-1])[1] if chain else "(none)"
         full = split_link(chain[0])[1] if chain else ""
@@ -232,7 +244,8 @@ class VllmSampler:
             base_model_name_or_path=str(self.model_dir),
         )
         (folder / "adapter_config.json").write_text(json.dumps(config.to_dict(), default=list))
-        previous, self.lora_request = self.lora_request, LoRARequest(folder.name, self.adapter_loads, str(folder))
+        lora_id = self.engine.next_lora_id()  # unique in the engine, which may hold other runs' adapters
+        previous, self.lora_request = self.lora_request, LoRARequest(f"{self.name}-{lora_id}", lora_id, str(folder))
         if previous is not None:  # vLLM has the previous adapters in memory; its folder is not read again
             shutil.rmtree(previous.lora_path, ignore_errors=True)
         self.good_snapshot = list(chain)
@@ -240,21 +253,16 @@ class VllmSampler:
     # ------------------------------------------------------------------------------------------------ sampling
 
     def sample(self, prompt_tokens: torch.Tensor, prompt_lengths: torch.Tensor, params: SamplingParams) -> Samples:
-        from vllm.inputs import TokensPrompt
-
-        prompts = [
-            TokensPrompt(prompt_token_ids=row[:length].tolist())
-            for row, length in zip(prompt_tokens, prompt_lengths.tolist())
-        ]
-        # One seed per prompt: the n samples of a prompt differ, and a batch is reproducible from params.seed.
-        per_prompt = [self._vllm_params(params, params.seed * 7919 + i) for i in range(len(prompts))]
-        lora = {"lora_request": self.lora_request} if self.lora is not None else {}
-        try:
-            outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False, **lora)
-        except Exception as exc:
-            self._restart_engine(f"generate failed: {exc!r}")
-            outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False, **lora)
-        return self._to_samples(outputs, params.n)
+        # Through the engine's requests, as streaming does (LLM.generate would take the outputs of the other runs'
+        # requests on a shared engine). One seed per prompt: the n samples of a prompt differ, and a batch is
+        # reproducible from params.seed.
+        keys = [f"batch/{i}" for i in range(len(prompt_lengths))]
+        for i, (row, length) in enumerate(zip(prompt_tokens, prompt_lengths.tolist())):
+            self.submit(keys[i], row[:length].tolist(), dataclasses.replace(params, seed=params.seed * 7919 + i))
+        done: dict[str, Samples] = {}
+        while len(done) < len(keys):
+            done.update(self.step(1.0))
+        return Samples.concat([done[key] for key in keys])
 
     def _vllm_params(self, params: SamplingParams, seed: int, final_only: bool = False):
         from vllm import SamplingParams as VllmParams
@@ -279,8 +287,17 @@ class VllmSampler:
     # ------------------------------------------------------------------------------------------------ streaming
 
     def submit(self, key: str, prompt: list[int], params: SamplingParams) -> None:
-        self.requests[key] = (prompt, params)
-        self._add(key, prompt, params)
+        self.requests[key] = (prompt, params, self.version)
+        try:
+            self._add(key, prompt, params)
+        except ValueError:  # a prompt (and max_tokens) past the model's length: refused, for the caller to answer
+            del self.requests[key]
+            raise
+        except Exception as exc:
+            self._restart_engine(f"a request could not be added: {exc!r}")  # and it is, with the others
+
+    def _request_id(self, key: str) -> str:
+        return f"{self.name}/{key}"  # an engine may serve other runs, whose keys are the same
 
     def _add(self, key: str, prompt: list[int], params: SamplingParams) -> None:
         from vllm.inputs import TokensPrompt
@@ -288,21 +305,23 @@ class VllmSampler:
         lora = {"lora_request": self.lora_request} if self.lora is not None else {}
         # The group's own prefix-cache salt: its n responses share their prompt's cache, and no other request does
         # (one computed by other weights, say).
-        prompt = TokensPrompt(prompt_token_ids=list(prompt), cache_salt=key)
-        self.llm.llm_engine.add_request(key, prompt, self._vllm_params(params, params.seed, final_only=True), **lora)
+        prompt = TokensPrompt(prompt_token_ids=list(prompt), cache_salt=self._request_id(key))
+        params = self._vllm_params(params, params.seed, final_only=True)
+        self.llm.llm_engine.add_request(self._request_id(key), prompt, params, **lora)
 
     def step(self, seconds: float) -> list[tuple[str, Samples]]:
         deadline, finished = time.monotonic() + seconds, []
         while self.requests:
-            try:
-                outputs = self.llm.llm_engine.step()
-            except Exception as exc:
-                self._restart_engine(f"a step failed: {exc!r}")  # the groups in flight start again
-                return finished
-            for output in outputs:
-                if output.finished and output.request_id in self.requests:
-                    _, params = self.requests.pop(output.request_id)
-                    finished.append((output.request_id, self._to_samples([output], params.n)))
+            if not any(self._request_id(key) in self.engine.finished for key in self.requests):
+                try:
+                    self.engine.step()
+                except Exception as exc:
+                    self._restart_engine(f"a step failed: {exc!r}")  # the groups in flight start again
+                    return finished
+            for key in [key for key in self.requests if self._request_id(key) in self.engine.finished]:
+                output = self.engine.finished.pop(self._request_id(key))
+                _, params, version = self.requests.pop(key)
+                finished.append((key, self._to_samples([output], params.n, version)))
             if finished or time.monotonic() >= deadline:
                 break
         return finished
@@ -312,11 +331,15 @@ class VllmSampler:
 
     def abort(self, keys: list[str]) -> None:
         """Stop sampling the requests of ``keys``; what they sampled is dropped."""
-        keys = [key for key in keys if self.requests.pop(key, None) is not None]
-        if keys:
-            self.llm.llm_engine.abort_request(keys)
+        ids = [self._request_id(key) for key in keys if self.requests.pop(key, None) is not None]
+        if ids:
+            self.llm.llm_engine.abort_request(ids)
+            for request_id in ids:
+                self.engine.finished.pop(request_id, None)
 
-    def _to_samples(self, outputs, n: int) -> Samples:
+    def _to_samples(self, outputs, n: int, version: int) -> Samples:
+        """``outputs`` as samples; ``version``: what sampled them when the engine does not say (LoRA adapters,
+        which stay as they were when the request began)."""
         from vllm.outputs import WeightVersionSpan
 
         completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
@@ -336,10 +359,86 @@ class VllmSampler:
             lengths[row] = length
             finished[row] = length > 0 and ids[-1] == self.eos_token_id
             # The engine's record of which weights sampled which tokens (labels set in _updating).
-            for span in completion.weight_versions or [WeightVersionSpan(str(self.version), 0, length)]:
+            spans = completion.weight_versions if self.lora is None else None
+            for span in spans or [WeightVersionSpan(str(version), 0, length)]:
                 versions[row, span.start : span.end] = int(span.version)
         group_index = torch.arange(len(outputs)).repeat_interleave(n)
         return Samples(group_index, tokens, lengths, finished, logprobs, versions)
+
+
+class _Engine:
+    """A vLLM engine and the samplers that use it: a sampler's own, or with LoRA one engine for every run of this
+    process that serves the same base model (a fleet's generator replica), each run's requests carrying its
+    adapters. Whichever sampler steps the engine, each finished output waits here for the sampler of its request."""
+
+    _shared: ClassVar[dict[str, _Engine]] = {}
+
+    @classmethod
+    def join(cls, sampler: VllmSampler) -> _Engine:
+        if sampler.lora is None:  # whole weights are the sampler's own
+            return cls(None, sampler)
+        # The engine-wide seed only seeds requests without one (each group has its own): not a reason to part.
+        key = json.dumps({k: v for k, v in sampler.engine_args.items() if k != "seed"}, sort_keys=True, default=str)
+        engine = cls._shared.get(key)
+        if engine is None:
+            engine = cls._shared[key] = cls(key, sampler)
+        else:
+            engine.samplers.append(sampler)
+            log.info(
+                "%s: sampling on the vLLM engine of %s (%d runs)",
+                sampler.name,
+                engine.samplers[0].name,
+                len(engine.samplers),
+            )
+        return engine
+
+    def __init__(self, key: str | None, sampler: VllmSampler):
+        self.key, self.samplers = key, [sampler]
+        self.starts, self.lora_ids = 0, 0
+        self.finished: dict = {}  # request id -> its finished output, until its sampler takes it
+        self.llm = None
+        self._start()
+
+    def _start(self) -> None:
+        self.llm = self.samplers[0]._start_engine()
+        self.starts += 1
+
+    def step(self) -> None:
+        for output in self.llm.llm_engine.step():
+            if output.finished:
+                self.finished[output.request_id] = output
+
+    def next_lora_id(self) -> int:
+        self.lora_ids += 1
+        return self.lora_ids
+
+    def restart(self, reason: str) -> None:
+        """A new engine (the first sampler's last good weights); every sampler's requests start again in it."""
+        log.error("vLLM engine failed (%s); restarting it with the last good weights", reason)
+        self._shutdown()
+        self.finished.clear()
+        self._start()
+        for sampler in self.samplers:
+            sampler._submit_again()
+
+    def leave(self, sampler: VllmSampler) -> None:
+        self.samplers.remove(sampler)
+        if self.samplers:
+            return
+        if self.key is not None:
+            self._shared.pop(self.key, None)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as exc:  # an engine that already died may fail to shut down; it is gone either way
+            log.debug("vLLM engine shutdown: %s", exc)
+        del llm
+        gc.collect()
 
 
 def _join_broadcast(llm, receiver_args: tuple) -> None:
