@@ -195,9 +195,9 @@ def throughput(runs: list[int], groups: int) -> None:
             for i in range(n)
         ]
         for process in processes:
-            assert process.stdout.readline().strip() == "ready"
+            _line_of(process, lambda line: line == "ready")
         go.touch()
-        results = [json.loads(process.stdout.readline()) for process in processes]
+        results = [json.loads(_line_of(process, lambda line: line.startswith('{"started"'))) for process in processes]
         for process in processes:
             process.wait()
         separate_s = max(r["ended"] for r in results) - min(r["started"] for r in results)
@@ -216,6 +216,14 @@ def throughput(runs: list[int], groups: int) -> None:
             ),
             flush=True,
         )
+
+
+def _line_of(process: subprocess.Popen, wanted) -> str:
+    """The next line of ``process``'s output that is ``wanted`` (vLLM logs on the same stream)."""
+    for line in process.stdout:
+        if wanted(line.strip()):
+            return line.strip()
+    raise RuntimeError(f"a run's process ended (exit {process.wait()}) before it said what was wanted")
 
 
 def main() -> None:
