@@ -66,9 +66,10 @@ class Fleet:
         if not share > 0:
             raise ValueError(f"run {run_id}: a share must be above 0, not {share}")
         service = ROLES[self.role].create(config, self.replica_id)
-        service.observe(ServiceMetrics(self.role).observe)
+        metrics = ServiceMetrics(self.role)  # the run's own
+        service.observe(metrics.observe)
         try:
-            runner = ServiceRunner(service, self.bus_of(config))
+            runner = ServiceRunner(service, self.bus_of(config), metrics=metrics)
         except BaseException:
             service.close()
             raise
@@ -128,7 +129,7 @@ class Fleet:
             log.error("%s; run %s is no longer served by this fleet replica", exc, run_id)
             return
         log.warning("%s; run %s goes on on the new log", exc, run_id)
-        run.runner = ServiceRunner(run.runner.service, self.bus_of(run.config))
+        run.runner = ServiceRunner(run.runner.service, self.bus_of(run.config), metrics=run.runner.metrics)
 
     def shares(self) -> dict[str, dict]:
         """Per run: its share, the fraction of the shares, the compute seconds it used and their fraction."""
@@ -151,8 +152,8 @@ class Fleet:
 
 class RunsFolder:
     """The runs a fleet serves: one config file (``*.yaml``) per run in a folder, each with ``overrides`` applied. A
-    file added is a run to serve; a file removed, a run to stop serving. A file that does not load is tried again
-    once it changes."""
+    file added is a run to serve; a file removed, a run to stop serving. A file that does not load, or whose run
+    cannot be served, is tried again once it changes."""
 
     def __init__(self, folder: Path, overrides: list[str] | None = None):
         self.folder, self.overrides = Path(folder), list(overrides or [])
@@ -179,6 +180,14 @@ class RunsFolder:
             added.append(config)
         removed = [self.files.pop(path) for path in sorted(set(self.files) - present)]
         return added, removed
+
+    def not_served(self, run_id: str, error: str) -> None:
+        """The run of ``run_id`` loaded but could not be served: its file is tried again once it changes."""
+        for path, served in list(self.files.items()):
+            if served == run_id:
+                del self.files[path]
+                self.failed[path] = path.stat().st_mtime if path.exists() else 0.0
+                self.unreported.append((path, error))
 
     def errors(self) -> list[tuple[Path, str]]:
         """The files that failed to load since the last call, and why."""

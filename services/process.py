@@ -263,8 +263,9 @@ def serve_fleet(
     rescan_s: float = RESCAN_S,
 ) -> int:
     """Run one replica of ``role`` for every run whose config is in ``runs`` (:class:`~services.fleet.Fleet`), until
-    a signal stops it: runs are taken up and let go as their files come and go. A config that does not load is
-    reported once (until its file changes) and its run is not served; the others are."""
+    a signal stops it (after the turn in hand): runs are taken up and let go as their files come and go. A run that
+    cannot be served (its config, its model, its broker) is reported once, until its file changes; the others are
+    served."""
     replica_id = replica_id or default_replica_id(role)
     stop = _StopFlag(replica_id)  # never handed a runner: every turn is short, and the loop checks it after each
     fleet = Fleet(role, lambda config: kafka_bus(config, bootstrap_of(config, bootstrap)), replica_id)
@@ -282,7 +283,8 @@ def serve_fleet(
                 log.info("%s: shares %s", replica_id, json.dumps(fleet.shares()))
             fleet.poll_once(timeout_s=0.1)
     finally:
-        fleet.close()
+        with _broker_deadline(replica_id, exit_codes.OK, seconds=STOP_BROKER_S * max(1, len(fleet.runs))):
+            fleet.close()
     return exit_codes.OK
 
 
@@ -294,7 +296,7 @@ def _take_runs(fleet: Fleet, runs: RunsFolder, shares: dict[str, float]) -> None
     for config in added:
         try:
             fleet.add(config, shares.get(config.run.run_id, 1.0))
-        except (ConfigError, ValueError) as exc:
-            log.error("%s: run %s not served: %s", fleet.replica_id, config.run.run_id, exc)
+        except Exception as exc:  # a run that cannot be served (its model, its reward, its broker) stops no other
+            runs.not_served(config.run.run_id, f"{type(exc).__name__}: {exc}")
     for path, error in runs.errors():
-        log.error("%s: %s not served: %s", fleet.replica_id, path, error)
+        log.error("%s: %s not served (until the file changes): %s", fleet.replica_id, path, error)

@@ -1,6 +1,8 @@
 """A fleet replica serving several runs: each run's records handled by its own runner, turns fair by share, runs
 added and removed while the others go on."""
 
+import os
+
 import pytest
 import yaml
 from conftest import EXAMPLE
@@ -118,6 +120,13 @@ def test_the_runs_folder_says_which_runs_came_and_went(tmp_path):
     assert [config.run.run_id for config in added] == ["a", "b"] and removed == []
     (folder / "a.yaml").unlink()
     assert runs.changes() == ([], ["a"])
+    runs.not_served("b", "ModelLoadError: no such model")  # its run could not be served
+    assert runs.errors() == [(folder / "b.yaml", "ModelLoadError: no such model")] and runs.errors() == []
+    assert runs.changes() == ([], []), "not tried again while the file is as it was"
+    os.utime(folder / "b.yaml", (1, 1))
+    assert [config.run.run_id for config in runs.changes()[0]] == ["b"], "tried again once it changed"
+    (folder / "c.yaml").write_text("run: [")
+    assert runs.changes() == ([], []) and "c.yaml" in str(runs.errors())
     assert parse_shares(["a=3", "b=0.5"]) == {"a": 3.0, "b": 0.5}
     with pytest.raises(ValueError, match="RUN_ID=WEIGHT"):
         parse_shares(["a=0"])
