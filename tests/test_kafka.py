@@ -1002,7 +1002,17 @@ def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_bro
             if subprocess.run(["pkill", "-9", "-f", pattern]).returncode == 0:
                 killed.append(victim)
         assert len(killed) == kills, f"only {killed} killed before the run ended; make it longer"
-        assert up.wait(timeout=900) == 0, output.read_text()[-3000:]
+        try:
+            assert up.wait(timeout=900) == 0, output.read_text()[-3000:]
+        except subprocess.TimeoutExpired:  # a stall: what each replica holds and waits for says where
+            status = subprocess.run(
+                [sys.executable, "-m", "services.cli", "status", "--run-dir", str(tmp_path / "run")],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            pytest.fail(f"the run stalled after {killed}; streamppo status:\n{status.stdout}{status.stderr}")
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
