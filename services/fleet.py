@@ -121,14 +121,12 @@ class Fleet:
     def _take_up_new_log(self, run: _Run, exc: LogReplaced) -> None:
         """As a replica of one run does (services/process.py): go on on the new log with the service kept, or stop
         serving the run if the service cannot."""
-        run.runner.leave_lost_log()
         run_id = run.config.run.run_id
-        if not run.runner.service.take_up_new_log():
+        if not run.runner.leave_for_new_log(exc):
             run.runner.service.close()
             del self.runs[run_id]
-            log.error("%s; run %s is no longer served by this fleet replica", exc, run_id)
+            log.error("%s: run %s is no longer served by this fleet replica", self.replica_id, run_id)
             return
-        log.warning("%s; run %s goes on on the new log", exc, run_id)
         run.runner = ServiceRunner(run.runner.service, self.bus_of(run.config), metrics=run.runner.metrics)
 
     def shares(self) -> dict[str, dict]:

@@ -162,13 +162,11 @@ def serve_service(
                 _loop(runner, stop)
                 break
             except LogReplaced as exc:
-                runner.leave_lost_log()  # a learner checkpoints first: the run goes on from what it applied
+                going_on = runner.leave_for_new_log(exc, go_on=not stop.set)  # a learner checkpoints first
                 runner = None
-                if stop.set or not service.take_up_new_log():
-                    log.error("%s; stopping (exit %d): the run resumes on the new log", exc, exit_codes.LOG_REPLACED)
+                if not going_on:
                     code = exit_codes.LOG_REPLACED
                     break
-                log.warning("%s; going on on the new log (models kept, the work in flight on the old one dropped)", exc)
                 bus = None  # the new log's: the first service to reach the broker makes its topics
         if code == exit_codes.OK and service.done():
             service.finish()

@@ -634,6 +634,16 @@ class ServiceRunner:
         releasing.start()
         releasing.join(timeout=close_within_s)
 
+    def leave_for_new_log(self, exc: LogReplaced, go_on: bool = True) -> bool:
+        """:meth:`leave_lost_log`, then whether the service goes on on the new log in this process
+        (:meth:`Service.take_up_new_log`; never when not ``go_on``: a stop was asked for). Says which, in one line."""
+        self.leave_lost_log()
+        if go_on and self.service.take_up_new_log():
+            log.warning("%s; going on on the new log (models kept, the work in flight on the old one dropped)", exc)
+            return True
+        log.error("%s; %s stops here, to be started again on the new log", exc, self.replica_id)
+        return False
+
     def close(self) -> None:
         """:meth:`settle`, then :meth:`disconnect`."""
         self.settle()
