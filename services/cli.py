@@ -49,16 +49,26 @@ def _serve(args) -> int:
 
 def _fleet(args) -> int:
     from common.config import ConfigError
-    from services.fleet import RunsFolder, parse_shares
+    from services.fleet import RunsFolder, parse_quotas, parse_shares
     from services.process import serve_fleet
 
     if not args.runs.is_dir():
         raise ConfigError(f"--runs {args.runs}: not a folder")
     try:
-        shares = parse_shares(args.share)
+        shares, quotas = parse_shares(args.share), parse_quotas(args.quota)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return serve_fleet(args.role, RunsFolder(args.runs, args.set), shares, args.bootstrap, args.replica_id)
+    return serve_fleet(
+        args.role,
+        RunsFolder(args.runs, args.set),
+        shares,
+        args.bootstrap,
+        args.replica_id,
+        quotas,
+        args.metrics_port,
+        args.metrics_address,
+        args.metrics_targets,
+    )
 
 
 def _topics(args) -> int:
@@ -261,6 +271,23 @@ def _config_options(parser: argparse.ArgumentParser, broker: bool = False, requi
         parser.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: kafka.bootstrap)")
 
 
+def _metrics_options(parser) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        default=None,
+        metavar="PORT|FIRST-LAST",
+        help="serve Prometheus /metrics on this port, or on the first free one of a range (replicas on one host)",
+    )
+    parser.add_argument("--metrics-address", default="0.0.0.0", help="the address /metrics listens on")
+    parser.add_argument(
+        "--metrics-targets",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="register /metrics in DIR for Prometheus' file-based discovery (file_sd_configs)",
+    )
+
+
 def _add_pipeline_commands(sub) -> None:
     """``run``, one command per role of ROLES, ``topics`` and ``up``."""
     run = sub.add_parser("run", help="run the whole pipeline in one process over the in-memory bus")
@@ -272,20 +299,7 @@ def _add_pipeline_commands(sub) -> None:
         serve = sub.add_parser(role.name, aliases=list(role.aliases), help=f"{role.summary} (over Kafka)")
         _config_options(serve, broker=True)
         serve.add_argument("--replica-id", default=None, help="default: role-host-pid, or role-<container id>")
-        serve.add_argument(
-            "--metrics-port",
-            default=None,
-            metavar="PORT|FIRST-LAST",
-            help="serve Prometheus /metrics on this port, or on the first free one of a range (replicas on one host)",
-        )
-        serve.add_argument("--metrics-address", default="0.0.0.0", help="the address /metrics listens on")
-        serve.add_argument(
-            "--metrics-targets",
-            type=Path,
-            default=None,
-            metavar="DIR",
-            help="register /metrics in DIR for Prometheus' file-based discovery (file_sd_configs)",
-        )
+        _metrics_options(serve)
         serve.add_argument("--resume", action="store_true", help="continue from the learner's last checkpoint")
         serve.set_defaults(handler=_serve, role=role.name)
 
@@ -297,7 +311,11 @@ def _add_pipeline_commands(sub) -> None:
     fleet.add_argument("--share", action="append", default=[], metavar="RUN_ID=WEIGHT", help="a run's share (1)")
     fleet.add_argument("--bootstrap", default=None, help="the broker (default: each run's kafka.bootstrap)")
     fleet.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting for every run")
+    fleet.add_argument(
+        "--quota", action="append", default=[], metavar="RUN_ID=TOKENS_PER_S", help="a run's most tokens/s (none)"
+    )
     fleet.add_argument("--replica-id", default=None, help="default: role-host-pid, or role-<container id>")
+    _metrics_options(fleet)
     fleet.set_defaults(handler=_fleet)
 
     topics = sub.add_parser("topics", help="create the pipeline's topics (and their .dlq) on the broker, then exit")

@@ -2,23 +2,47 @@
 
 Every replica exports throughput, per-stage latency, consumer lag, dead letters and the policy version it works
 with; the learner adds its training statistics. Names start with ``streamppo_``; every series carries the
-``role`` label, so one dashboard query covers all replicas of a role.
+``role`` label, so one dashboard query covers all replicas of a role. A fleet's replica (``streamppo fleet``) serves
+the same series once per run, with a ``run`` label, and each run's share of the replica (``streamppo_fleet_*``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from common.statistics import LEARNER_STATISTICS, gauges
 
-__all__ = ["ScrapeTarget", "ServiceMetrics", "parse_ports"]
+__all__ = ["FleetMetrics", "ScrapeTarget", "ServiceMetrics", "parse_ports"]
 
 
-class ServiceMetrics:
+class _Served:
+    """What serves a registry on ``/metrics``."""
+
+    registry: CollectorRegistry
+
+    def serve(self, port: int, address: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=address, registry=self.registry)
+
+    def serve_on_first_free(self, ports: range, address: str = "0.0.0.0") -> int:
+        """Serve on the first port of ``ports`` that is free; returns it. Replicas on one host network (compose's
+        ``network_mode: host``, ``--scale scorer=3``) share one command, so each takes the next port of a range."""
+        error = None
+        for port in ports:
+            try:
+                self.serve(port, address)
+                return port
+            except OSError as exc:
+                error = exc
+        raise error
+
+
+class ServiceMetrics(_Served):
     def __init__(self, role: str, registry: CollectorRegistry | None = None):
         self.role = role
         self.registry = registry or CollectorRegistry()
@@ -86,20 +110,59 @@ class ServiceMetrics:
         self.staleness.labels(self.role).set(record.get("staleness", 0.0))
         self.policy_version.labels(self.role).set(record.get("policy_version", 0.0))
 
-    def serve(self, port: int, address: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=address, registry=self.registry)
 
-    def serve_on_first_free(self, ports: range, address: str = "0.0.0.0") -> int:
-        """Serve on the first port of ``ports`` that is free; returns it. Replicas on one host network (compose's
-        ``network_mode: host``, ``--scale scorer=3``) share one command, so each takes the next port of a range."""
-        error = None
-        for port in ports:
-            try:
-                self.serve(port, address)
-                return port
-            except OSError as exc:
-                error = exc
-        raise error
+class FleetMetrics(_Served):
+    """The ``/metrics`` of a fleet's replica, read at each scrape: every run's :class:`ServiceMetrics` series with a
+    ``run`` label, and per run its share of the replica. ``runs()``: each run's metrics; ``shares()``: each run's
+    share (:meth:`services.fleet.Fleet.shares`)."""
+
+    def __init__(self, role: str, runs: Callable[[], dict[str, ServiceMetrics]], shares: Callable[[], dict[str, dict]]):
+        self.role, self.runs, self.shares = role, runs, shares
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        for run_id, metrics in self.runs().items():
+            for family in metrics.registry.collect():
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                into.samples += [sample._replace(labels={**sample.labels, "run": run_id}) for sample in family.samples]
+        yield from merged.values()
+        labels = ["role", "run"]
+        share = GaugeMetricFamily(
+            "streamppo_fleet_share", "A run's configured share (weight) of the replica.", labels=labels
+        )
+        fraction = GaugeMetricFamily(
+            "streamppo_fleet_share_fraction",
+            "A run's share over the shares of every run the replica serves.",
+            labels=labels,
+        )
+        used = GaugeMetricFamily(
+            "streamppo_fleet_compute_fraction",
+            "The fraction of the replica's compute seconds a run used.",
+            labels=labels,
+        )
+        seconds = CounterMetricFamily(
+            "streamppo_fleet_compute_seconds", "Compute seconds of a run's turns.", labels=labels
+        )
+        tokens = CounterMetricFamily("streamppo_fleet_tokens", "Response tokens of a run's turns.", labels=labels)
+        quota = GaugeMetricFamily(
+            "streamppo_fleet_quota_tokens_per_second", "A run's quota (runs with one).", labels=labels
+        )
+        runs = GaugeMetricFamily("streamppo_fleet_runs", "Runs the replica serves.", labels=["role"])
+        served = self.shares()
+        for run_id, s in served.items():
+            share.add_metric([self.role, run_id], s["share"])
+            fraction.add_metric([self.role, run_id], s["share_fraction"])
+            used.add_metric([self.role, run_id], s["seconds_fraction"])
+            seconds.add_metric([self.role, run_id], s["seconds"])
+            tokens.add_metric([self.role, run_id], s["tokens"])
+            if s["quota_tokens_per_s"] is not None:
+                quota.add_metric([self.role, run_id], s["quota_tokens_per_s"])
+        runs.add_metric([self.role], len(served))
+        yield from (share, fraction, used, seconds, tokens, quota, runs)
 
 
 def parse_ports(spec: str) -> range:

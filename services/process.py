@@ -28,7 +28,7 @@ from kafka.errors import KafkaError
 from common.config import ConfigError, RunConfig
 from services import exit_codes
 from services.fleet import Fleet, RunsFolder
-from services.metrics import ScrapeTarget, ServiceMetrics, parse_ports
+from services.metrics import FleetMetrics, ScrapeTarget, ServiceMetrics, parse_ports
 from services.roles import ROLES
 from services.run_bus import bootstrap_of, kafka_bus
 from services.runtime import ServiceRunner
@@ -106,18 +106,11 @@ def serve(
     leader = group is None or group.leads()
     # A follower has no batch of its own to finish: a signal ends it at once (rank 0 decides what is kept).
     stop = _StopFlag(replica_id) if leader else None
-    metrics, target = ServiceMetrics(role), None
-    if metrics_port and leader:  # before the models load: a port in use is a mistake to report at once
-        try:
-            port = metrics.serve_on_first_free(parse_ports(metrics_port), metrics_address)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        except OSError as exc:
-            raise ConfigError(f"--metrics-port {metrics_port}: cannot serve metrics there: {exc.strerror}") from None
-        log.info("%s: metrics on %s:%d/metrics", replica_id, metrics_address, port)
-        if metrics_targets is not None:
-            shown = socket.gethostname() if metrics_address in ("0.0.0.0", "::") else metrics_address
-            target = ScrapeTarget(metrics_targets, replica_id, role, shown, port)
+    metrics = ServiceMetrics(role)
+    # Before the models load: a port in use is a mistake to report at once.
+    target = _serve_metrics(
+        metrics, replica_id, role, metrics_port if leader else None, metrics_address, metrics_targets
+    )
     try:
         return serve_service(ROLES[role].create(config, replica_id), config, bootstrap, metrics, stop, group=group)
     except Exception as exc:
@@ -129,6 +122,31 @@ def serve(
     finally:
         if target is not None:
             target.remove()
+
+
+def _serve_metrics(
+    metrics: ServiceMetrics | FleetMetrics,
+    replica_id: str,
+    role: str,
+    port_spec: str | None,
+    address: str,
+    targets: Path | None,
+) -> ScrapeTarget | None:
+    """Serve ``/metrics`` on the first free port of ``port_spec`` (none: not served), registered in ``targets`` for
+    Prometheus' file-based discovery if given; returns that registration."""
+    if not port_spec:
+        return None
+    try:
+        port = metrics.serve_on_first_free(parse_ports(port_spec), address)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port {port_spec}: cannot serve metrics there: {exc.strerror}") from None
+    log.info("%s: metrics on %s:%d/metrics", replica_id, address, port)
+    if targets is None:
+        return None
+    shown = socket.gethostname() if address in ("0.0.0.0", "::") else address
+    return ScrapeTarget(targets, replica_id, role, shown, port)
 
 
 def serve_service(
@@ -209,12 +227,20 @@ def _broker_deadline(replica_id: str, code: int, seconds: float = STOP_BROKER_S)
         timer.cancel()
 
 
-def _report_status(runner: ServiceRunner, state: str | None = None, name: str | None = None) -> None:
+def _report_fleet_status(fleet: Fleet, run_id: str, state: str | None = None) -> None:
+    """A fleet replica's report on one run's status topic, with the run's share of the replica."""
+    name = f"{fleet.replica_id} (run {run_id})"
+    _report_status(fleet.runs[run_id].runner, state, name=name, counters=fleet.status_counters(run_id))
+
+
+def _report_status(
+    runner: ServiceRunner, state: str | None = None, name: str | None = None, counters: dict | None = None
+) -> None:
     """The status line, the status topic, and, while input is held, a warning that says what it waits for; ``name``:
-    who the lines are of (the replica's id by default)."""
+    who the lines are of (the replica's id by default); ``counters``: more to report."""
     name = name or runner.replica_id
     try:
-        status = runner.publish_status(state)
+        status = runner.publish_status(state, counters)
     except KafkaError as exc:  # a report is not worth failing over; the next one comes in STATUS_EVERY_S
         log.warning("%s: status not published (%s)", name, exc)
         return
@@ -258,42 +284,56 @@ def serve_fleet(
     shares: dict[str, float],
     bootstrap: str | None,
     replica_id: str | None = None,
+    quotas: dict[str, float] | None = None,
+    metrics_port: str | None = None,
+    metrics_address: str = "0.0.0.0",
+    metrics_targets: Path | None = None,
     rescan_s: float = RESCAN_S,
 ) -> int:
     """Run one replica of ``role`` for every run whose config is in ``runs`` (:class:`~services.fleet.Fleet`), until
-    a signal stops it (after the turn in hand): runs are taken up and let go as their files come and go. A run that
-    cannot be served (its config, its model, its broker) is reported once, until its file changes; the others are
-    served."""
+    a signal stops it (after the turn in hand): runs are taken up and let go as their files come and go, each with
+    its share (1 unless in ``shares``) and quota (none unless in ``quotas``). A run that cannot be served (its
+    config, its model, its broker) is reported once, until its file changes; the others are served. Metrics, as
+    :func:`serve`'s, carry a ``run`` label (:class:`~services.metrics.FleetMetrics`)."""
     replica_id = replica_id or default_replica_id(role)
     stop = _StopFlag(replica_id)  # never handed a runner: every turn is short, and the loop checks it after each
     fleet = Fleet(role, lambda config: kafka_bus(config, bootstrap_of(config, bootstrap)), replica_id)
+    metrics = FleetMetrics(
+        role, lambda: {run_id: run.runner.metrics for run_id, run in fleet.runs.items()}, fleet.shares
+    )
+    target = _serve_metrics(metrics, replica_id, role, metrics_port, metrics_address, metrics_targets)
     next_scan = next_status = time.monotonic()
     try:
         while not stop.set:
             now = time.monotonic()
             if now >= next_scan:
                 next_scan = now + rescan_s
-                _take_runs(fleet, runs, shares)
+                _take_runs(fleet, runs, shares, quotas or {})
             if now >= next_status:
                 next_status = now + STATUS_EVERY_S
-                for run_id, run in fleet.runs.items():
-                    _report_status(run.runner, name=f"{replica_id} (run {run_id})")
+                for run_id in list(fleet.runs):
+                    _report_fleet_status(fleet, run_id)
                 log.info("%s: shares %s", replica_id, json.dumps(fleet.shares()))
             fleet.poll_once(timeout_s=0.1)
     finally:
         with _broker_deadline(replica_id, exit_codes.OK, seconds=STOP_BROKER_S * max(1, len(fleet.runs))):
+            for run_id in list(fleet.runs):
+                _report_fleet_status(fleet, run_id, "stopped")
             fleet.close()
+        if target is not None:
+            target.remove()
     return exit_codes.OK
 
 
-def _take_runs(fleet: Fleet, runs: RunsFolder, shares: dict[str, float]) -> None:
+def _take_runs(fleet: Fleet, runs: RunsFolder, shares: dict[str, float], quotas: dict[str, float]) -> None:
     added, removed = runs.changes()
     for run_id in removed:
         if run_id in fleet.runs:
+            _report_fleet_status(fleet, run_id, "stopped")
             fleet.remove(run_id)
     for config in added:
         try:
-            fleet.add(config, shares.get(config.run.run_id, 1.0))
+            fleet.add(config, shares.get(config.run.run_id, 1.0), quotas.get(config.run.run_id))
         except Exception as exc:  # a run that cannot be served (its model, its reward, its broker) stops no other
             runs.not_served(config.run.run_id, f"{type(exc).__name__}: {exc}")
     for path, error in runs.errors():

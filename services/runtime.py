@@ -493,6 +493,8 @@ class ServiceRunner:
 
     def _count(self, outcome: str, sequences: int = 0, seconds: float | None = None, tokens: int = 0) -> None:
         self.counters[self._COUNTER_KEYS[outcome]] += 1
+        if tokens:
+            self.counters["tokens"] += tokens
         self.metrics.count(outcome, sequences, seconds, tokens)
 
     def _produce(self, messages: list[Message], topic: str | None = None) -> None:
@@ -544,10 +546,11 @@ class ServiceRunner:
         """How long the oldest held record has waited (0 if none)."""
         return max((time.monotonic() - held.since for held in self.held), default=0.0)
 
-    def publish_status(self, state: str | None = None) -> ReplicaStatus:
+    def publish_status(self, state: str | None = None, counters: dict | None = None) -> ReplicaStatus:
         """Say what this replica is doing on the status topic (and in the held-input gauges); returns the report.
 
-        ``state`` defaults to ``waiting`` while input is held, else ``serving``.
+        ``state`` defaults to ``waiting`` while input is held, else ``serving``; ``counters``: more to report (a
+        fleet's share of the replica for this run).
         """
         held_seconds = self.held_seconds()
         counted = self.service.counters()
@@ -566,7 +569,7 @@ class ServiceRunner:
             held=len(self.held),
             held_seconds=round(held_seconds, 1),
             lag=self.work.lag() if self.work is not None else 0,
-            counters={**self.counters, **counted, **versions},
+            counters={**self.counters, **counted, **versions, **(counters or {})},
             created_at=time.time(),
         )
         self.producer.send(STATUS_TOPIC, encode(status), key=self.replica_id.encode())

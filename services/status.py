@@ -91,6 +91,8 @@ def format_status(status: PipelineStatus) -> str:
             f"{counters.get('dropped', 0):>9}{counters.get('dead_letters', 0):>5}  {versions or '-'}"
             f"  ({age:.0f} s ago)"
         )
+        if "fleet.runs" in counters:
+            lines.append("    " + _fleet_share(counters))
         if r.waiting_for:
             lines.append(f"    waiting on {r.waiting_for}")
     per_role = {}
@@ -100,6 +102,17 @@ def format_status(status: PipelineStatus) -> str:
     lines.append("newest weights: " + (", ".join(f"{m} v{v}" for m, v in sorted(status.weights.items())) or "none"))
     lines.append("dead letters: " + ", ".join(f"{t} {n}" for t, n in status.dead_letters.items()))
     return "\n".join(lines)
+
+
+def _fleet_share(counters: dict) -> str:
+    """A fleet replica's line for this run: its share of the replica, and what it used."""
+    quota = counters.get("fleet.quota_tokens_per_s")
+    return (
+        f"fleet replica of {counters['fleet.runs']} run(s): this run's share {counters['fleet.share']:g} "
+        f"({counters['fleet.share_fraction']:.0%} of the shares), used {counters['fleet.compute_fraction']:.0%} of "
+        f"its compute, {counters['fleet.tokens_per_s']:g} tokens/s"
+        + (f" (quota {quota:g})" if quota is not None else "")
+    )
 
 
 def _finished(status: PipelineStatus, ending: set[str]) -> bool:

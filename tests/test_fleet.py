@@ -8,7 +8,7 @@ import yaml
 from conftest import EXAMPLE
 from helpers import publish, read_messages
 
-from common.schema import ScoredBatch, encode
+from common.schema import ScoredBatch, decode, encode
 from services.feeder import FeederService
 from services.fleet import Fleet, RunsFolder, parse_shares
 from services.generator import GeneratorService
@@ -82,6 +82,80 @@ def test_a_flooding_run_gets_its_share_of_a_scorer_fleet_and_the_other_run_is_no
         fleet.close()
 
 
+def test_a_run_over_its_quota_waits_for_it_while_the_other_run_goes_on(make_config, tmp_path):
+    """Run a may score at most 16 response tokens/s (about one of its batches a second, a second's worth at once):
+    with the clock stopped it does what its bucket holds and then waits while b is served; each second the clock
+    moves, it does about a second's worth more. Both have more work than they can do meanwhile."""
+    a, b = (run_config(make_config, tmp_path, run_id) for run_id in ("a", "b"))
+    flood = rollouts(a, 12)
+    tokens_per_batch = sum(decode(record).response_tokens_total for record in flood) / len(flood)
+    clock = [100.0]
+    broker = MemoryBus()
+    fleet = Fleet("scorer", bus_of(broker), now=lambda: clock[0])
+    quota = 16.0
+    fleet.add(a, quota=quota)
+    fleet.add(b)
+    publish(NamespacedBus(broker, "a"), "rollouts", *flood)
+    publish(NamespacedBus(broker, "b"), "rollouts", *rollouts(b, 12))
+    for _ in range(8):
+        assert fleet.poll_once()
+    first = len(scored(broker, a))
+    assert 1 <= first <= quota / tokens_per_batch + 1, f"a's first second: {first} batches"
+    assert len(scored(broker, b)) == 8 - first, "the turns a may not take are b's"
+    for second in range(1, 4):
+        clock[0] += 1.0
+        for _ in range(4):
+            fleet.poll_once()
+        done = len(scored(broker, a))
+        assert done <= (second + 1) * quota / tokens_per_batch + 1, f"after {second} s a did {done} batches"
+        assert done > first, "the clock moved: a's quota lets it go on"
+        first = done
+    shares = fleet.shares()
+    assert shares["a"]["quota_tokens_per_s"] == quota and shares["b"]["quota_tokens_per_s"] is None
+    assert shares["a"]["tokens"] == sum(m.response_tokens_total for m in scored(broker, a))
+    assert fleet.status_counters("a")["fleet.quota_tokens_per_s"] == quota
+    with pytest.raises(ValueError, match="quota must be above 0"):
+        fleet.add(run_config(make_config, tmp_path, "c"), quota=0.0)
+    fleet.close()
+
+
+def test_a_fleets_metrics_and_status_say_each_runs_share(make_config, tmp_path):
+    """/metrics of a fleet's replica: each run's series with its run label, and each run's share; each run's status
+    report says what share of the replica it has and used, and ``streamppo status`` prints it."""
+    from prometheus_client import generate_latest
+
+    from common.schema import ReplicaStatus
+    from services.metrics import FleetMetrics
+    from services.status import PipelineStatus, format_status
+
+    a, b = (run_config(make_config, tmp_path, run_id) for run_id in ("a", "b"))
+    broker = MemoryBus()
+    fleet = Fleet("scorer", bus_of(broker), replica_id="scorer-fleet-0")
+    fleet.add(a, 3.0)
+    fleet.add(b)
+    publish(NamespacedBus(broker, "a"), "rollouts", *rollouts(a, 3))
+    publish(NamespacedBus(broker, "b"), "rollouts", *rollouts(b, 1))
+    while fleet.poll_once():
+        pass
+    metrics = FleetMetrics("scorer", lambda: {r: run.runner.metrics for r, run in fleet.runs.items()}, fleet.shares)
+    text = generate_latest(metrics.registry).decode()
+    assert 'streamppo_batches_total{outcome="processed",role="scorer",run="a"} 3.0' in text
+    assert 'streamppo_batches_total{outcome="processed",role="scorer",run="b"} 1.0' in text
+    assert 'streamppo_fleet_share{role="scorer",run="a"} 3.0' in text
+    assert 'streamppo_fleet_share_fraction{role="scorer",run="b"} 0.25' in text
+    assert 'streamppo_fleet_runs{role="scorer"} 2.0' in text
+    assert "streamppo_fleet_quota_tokens_per_second{" not in text, "no run has a quota"
+    used = fleet.shares()["a"]["seconds_fraction"]
+    assert 0 < used < 1
+    report = fleet.runs["a"].runner.publish_status(counters=fleet.status_counters("a"))
+    assert report.counters["fleet.share_fraction"] == 0.75 and report.counters["fleet.runs"] == 2
+    published = read_messages(NamespacedBus(broker, "a"), "status")
+    assert isinstance(published[-1], ReplicaStatus) and published[-1].counters["fleet.share"] == 3.0
+    table = format_status(PipelineStatus("a", replicas={report.replica: report}))
+    assert f"fleet replica of 2 run(s): this run's share 3 (75% of the shares), used {used:.0%}" in table
+    fleet.close()
+
+
 def test_runs_come_and_go_without_touching_the_others_and_never_take_each_others_records(broker, make_config, tmp_path):
     a, b, c = (run_config(make_config, tmp_path, run_id) for run_id in ("a", "b", "c"))
     fleet = Fleet("scorer", bus_of(broker), replica_id="scorer-fleet-0")
@@ -151,6 +225,7 @@ def test_three_runs_on_shared_fleets_survive_kill_9_of_a_fleet_replica_and_of_on
     import subprocess
     import sys
     import time
+    import urllib.request
     import uuid
 
     from conftest import REPO
@@ -158,6 +233,7 @@ def test_three_runs_on_shared_fleets_survive_kill_9_of_a_fleet_replica_and_of_on
 
     from common.config import load_config
     from services.cluster import stop_all
+    from services.transport.local_broker import free_port
 
     steps, runs = 6, tmp_path / "runs"
     runs.mkdir()
@@ -184,8 +260,11 @@ def test_three_runs_on_shared_fleets_survive_kill_9_of_a_fleet_replica_and_of_on
         metrics = tmp_path / run_id / "run" / "metrics.jsonl"
         return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
+    port = free_port()
+
     def fleet(role):
-        start(f"{role}-fleet", "fleet", role, "--runs", str(runs), "--replica-id", f"{role}-fleet")
+        metrics = ["--metrics-port", str(port)] if role == "generator" else []
+        start(f"{role}-fleet", "fleet", role, "--runs", str(runs), "--replica-id", f"{role}-fleet", *metrics)
 
     def learner(run_id):
         start(f"learner-{run_id}", "learner", "--config", str(runs / f"{run_id}.yaml"))
@@ -201,6 +280,11 @@ def test_three_runs_on_shared_fleets_survive_kill_9_of_a_fleet_replica_and_of_on
         while updates(run_ids["b"]) < 2:
             assert time.monotonic() < deadline, logs[f"learner-{run_ids['b']}"].read_text()[-3000:]
             time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            scraped = response.read().decode()
+        for run_id in run_ids.values():  # every run's series and share, from the one replica
+            assert f'streamppo_fleet_share_fraction{{role="generator",run="{run_id}"}} 0.3333' in scraped, scraped
+            assert f'streamppo_batches_total{{outcome="processed",role="generator",run="{run_id}"}}' in scraped
         processes["generator-fleet"].send_signal(signal.SIGKILL)
         processes["generator-fleet"].wait()
         fleet("generator")
@@ -219,4 +303,12 @@ def test_three_runs_on_shared_fleets_survive_kill_9_of_a_fleet_replica_and_of_on
         for role in ("generator", "scorer"):
             assert f"serving run {run_id}" in logs[f"{role}-fleet"].read_text()
     assert "resumed from checkpoint" in logs[f"learner-{run_ids['b']}"].read_text()
+    status = subprocess.run(
+        [sys.executable, "-m", "services.cli", "status", "--config", str(runs / f"{run_ids['a']}.yaml")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "fleet replica of 3 run(s): this run's share 1 (33% of the shares)" in status.stdout, status.stdout
     assert "3 adapter(s) share its base weights" in logs["generator-fleet"].read_text(), "one base, an adapter a run"
