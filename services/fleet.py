@@ -17,6 +17,7 @@ share. Runs come and go with their config files in the runs folder; the others g
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -67,7 +68,7 @@ class _Run:
 class Fleet:
     """The runners of one role's replica, one per run. ``bus_of(config)``: the bus of a run (its namespace on the
     broker); ``replica_id``: this replica's name in every run it serves; ``create(config, replica_id)``: a run's
-    service (the role's); ``now``: the clock quotas and broker back-off are measured on."""
+    service (the role's); ``now``: the clock turns, quotas and broker back-off are measured on."""
 
     def __init__(
         self,
@@ -124,10 +125,10 @@ class Fleet:
         for run in sorted(self.runs.values(), key=lambda run: run.virtual):
             if now < run.resume_at or not run.may_spend(now):
                 continue
-            started, tokens = time.perf_counter(), run.runner.counters["tokens"]
+            started, tokens = self.now(), run.runner.counters["tokens"]
             did = self._step(run)
             if did:
-                spent = time.perf_counter() - started
+                spent = self.now() - started
                 self.clock = max(self.clock, run.virtual)
                 run.virtual += spent / run.share
                 run.seconds += spent
@@ -209,41 +210,49 @@ class Fleet:
 
 class RunsFolder:
     """The runs a fleet serves: one config file (``*.yaml``) per run in a folder, each with ``overrides`` applied. A
-    file added is a run to serve; a file removed, a run to stop serving. A file that does not load, or whose run
-    cannot be served, is tried again once it changes."""
+    file added is a run to serve; a file removed, a run to stop serving; a file whose content changed, a run to stop
+    serving and serve again as it now says (content, not modification times: Kubernetes rewrites every file of a
+    ConfigMap volume when one changes). A file that does not load, or whose run cannot be served, is tried again
+    once its content changes."""
 
     def __init__(self, folder: Path, overrides: list[str] | None = None):
         self.folder, self.overrides = Path(folder), list(overrides or [])
-        self.files: dict[Path, str] = {}  # file -> its run id
-        self.failed: dict[Path, float] = {}  # file -> its modification time when it failed to load
+        self.files: dict[Path, tuple[str, str]] = {}  # file -> (its run id, its content's digest)
+        self.failed: dict[Path, str] = {}  # file -> its content's digest when it failed
         self.unreported: list[tuple[Path, str]] = []
 
     def changes(self) -> tuple[list[RunConfig], list[str]]:
-        """The runs added since the last call, and the ids of the runs removed."""
-        present = set(self.folder.glob("*.yaml"))
+        """The runs added since the last call, and the ids of the runs removed (a run whose file changed is in
+        both: removed first)."""
+        present = {}
+        for path in sorted(self.folder.glob("*.yaml")):
+            try:
+                present[path] = hashlib.sha256(path.read_bytes()).hexdigest()
+            except OSError:  # removed between the listing and the read: gone
+                continue
+        gone = [path for path, (_, digest) in self.files.items() if present.get(path) != digest]
+        removed = [self.files.pop(path)[0] for path in sorted(gone)]
         added = []
-        for path in sorted(present - set(self.files)):
-            changed = path.stat().st_mtime
-            if self.failed.get(path) == changed:
+        for path, digest in present.items():
+            if path in self.files or self.failed.get(path) == digest:
                 continue
             try:
                 config = load_config(path, self.overrides)
             except ConfigError as exc:
-                self.failed[path] = changed
+                self.failed[path] = digest
                 self.unreported.append((path, str(exc)))
                 continue
             self.failed.pop(path, None)
-            self.files[path] = config.run.run_id
+            self.files[path] = (config.run.run_id, digest)
             added.append(config)
-        removed = [self.files.pop(path) for path in sorted(set(self.files) - present)]
         return added, removed
 
     def not_served(self, run_id: str, error: str) -> None:
         """The run of ``run_id`` loaded but could not be served: its file is tried again once it changes."""
-        for path, served in list(self.files.items()):
+        for path, (served, digest) in list(self.files.items()):
             if served == run_id:
                 del self.files[path]
-                self.failed[path] = path.stat().st_mtime if path.exists() else 0.0
+                self.failed[path] = digest
                 self.unreported.append((path, error))
 
     def errors(self) -> list[tuple[Path, str]]:

@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -289,15 +290,17 @@ def serve_fleet(
     metrics_address: str = "0.0.0.0",
     metrics_targets: Path | None = None,
     rescan_s: float = RESCAN_S,
+    create: Callable[[RunConfig, str], Service] | None = None,
 ) -> int:
     """Run one replica of ``role`` for every run whose config is in ``runs`` (:class:`~services.fleet.Fleet`), until
     a signal stops it (after the turn in hand): runs are taken up and let go as their files come and go, each with
     its share (1 unless in ``shares``) and quota (none unless in ``quotas``). A run that cannot be served (its
     config, its model, its broker) is reported once, until its file changes; the others are served. Metrics, as
-    :func:`serve`'s, carry a ``run`` label (:class:`~services.metrics.FleetMetrics`)."""
+    :func:`serve`'s, carry a ``run`` label (:class:`~services.metrics.FleetMetrics`). ``create(config,
+    replica_id)``: a run's service (the role's, by default)."""
     replica_id = replica_id or default_replica_id(role)
     stop = _StopFlag(replica_id)  # never handed a runner: every turn is short, and the loop checks it after each
-    fleet = Fleet(role, lambda config: kafka_bus(config, bootstrap_of(config, bootstrap)), replica_id)
+    fleet = Fleet(role, lambda config: kafka_bus(config, bootstrap_of(config, bootstrap)), replica_id, create)
     metrics = FleetMetrics(
         role, lambda: {run_id: run.runner.metrics for run_id, run in fleet.runs.items()}, fleet.shares
     )

@@ -154,3 +154,85 @@ def _answers(port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+FLEET_FILES = [*FILES, "docker-compose.fleet.yml"]
+FLEET_RUNS = {"run-a": "fleet-run-a", "run-b": "fleet-run-b"}  # deploy/compose/runs/: file -> run id
+
+
+def test_compose_fleet_serves_two_runs_through_a_kill_of_its_generator(monkeypatch, tmp_path):
+    """deploy/compose's fleet: one project with the broker and a generator, scorer and advantage replica serving every
+    run in deploy/compose/runs/ (two LoRA runs on one base), and a project per run with its learner and feeder.
+    Mid-run the generator fleet's container is killed and started again. Each run's `wait` ends with its summary;
+    each run applied every version and trained every group exactly once; the generator fleet's /metrics gave each
+    run's share, and held one base for the two adapters."""
+    steps, prometheus_port = 8, free_port()
+    project = f"streamppo-fleet-{uuid.uuid4().hex[:6]}"
+    for name, value in {
+        "KAFKA_PORT": str(free_port()),
+        "PROMETHEUS_PORT": str(prometheus_port),
+        "FLEET_VOLUME": f"{project}-shared",
+        "STREAMPPO_SET": f"run.steps={steps} learner.checkpoint_every=2",
+    }.items():
+        monkeypatch.setenv(name, value)
+    compose = ["docker", "compose", *[a for f in FLEET_FILES for a in ("-f", str(COMPOSE / f))]]
+
+    def in_project(name, *args, run=None, timeout=300):
+        env = {**os.environ, **({"RUN": run} if run else {})}
+        return subprocess.run(
+            [*compose, "-p", name, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=COMPOSE
+        )
+
+    def container(name, service):
+        found = in_project(name, "ps", "-q", service).stdout.split()
+        assert found, f"no {service} container in {name}"
+        return found[0]
+
+    try:
+        started = in_project(project, "up", "-d")
+        assert started.returncode == 0, started.stderr[-3000:]
+        for run in FLEET_RUNS:
+            started = in_project(f"{project}-{run}", "up", "-d", "--no-deps", "learner", "feed", run=run)
+            assert started.returncode == 0, started.stderr[-3000:]
+
+        def fleet_metrics() -> str:
+            try:
+                return _get("http://127.0.0.1:9100/metrics")
+            except OSError:
+                return ""
+
+        def both_served(text):
+            return all(
+                f'streamppo_fleet_share_fraction{{role="generator",run="{r}"}} 0.5' in text for r in FLEET_RUNS.values()
+            )
+
+        def versions(text, at_least):
+            found = re.findall(r'^streamppo_policy_version\{role="generator",run="([^"]+)"\} ([0-9.]+)$', text, re.M)
+            return len([run for run, v in found if float(v) >= at_least]) == len(FLEET_RUNS)
+
+        _until(lambda: both_served(fleet_metrics()), "the generator fleet serving both runs", timeout_s=600)
+        _until(lambda: versions(fleet_metrics(), 2), "both runs' adapters at version 2 in the generator", timeout_s=600)
+        generator = container(project, "generator")
+        subprocess.run(["docker", "kill", generator], check=True, capture_output=True)
+        subprocess.run(["docker", "start", generator], check=True, capture_output=True)
+
+        summaries = {}
+        for run in FLEET_RUNS:
+            waited = in_project(f"{project}-{run}", "run", "--rm", "--no-deps", "wait", run=run, timeout=900)
+            assert waited.returncode == 0, waited.stdout[-3000:] + waited.stderr[-3000:]
+            summaries[run] = waited.stdout
+            out = tmp_path / f"{run}.jsonl"
+            learner = container(f"{project}-{run}", "learner")
+            subprocess.run(["docker", "cp", f"{learner}:/shared/{run}/run/metrics.jsonl", str(out)], check=True)
+        logs = subprocess.run(["docker", "logs", generator], capture_output=True, text=True)
+        generator_log = logs.stdout + logs.stderr
+    finally:
+        for run in FLEET_RUNS:
+            in_project(f"{project}-{run}", "down", "--timeout", "20", run=run)
+        in_project(project, "down", "-v", "--timeout", "20")  # the volume the runs' projects shared, last
+    for run, run_id in FLEET_RUNS.items():
+        assert f"done: {steps} steps" in summaries[run] and "dead letters 0" in summaries[run], summaries[run][-2000:]
+        records = [json.loads(line) for line in (tmp_path / f"{run}.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(1, steps + 1)), f"{run}: every version applied exactly once"
+        assert_each_group_once(records, run_id, steps)
+    assert "2 adapter(s) share its base weights" in generator_log, generator_log[-3000:]

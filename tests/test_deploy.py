@@ -89,6 +89,80 @@ def test_every_rendered_manifest_validates_against_the_kubernetes_schemas(values
         assert kinds == sorted(expected + ["ConfigMap", "Secret", "ScaledObject", "ServiceMonitor"])
 
 
+FLEET = {
+    "fleet": {
+        "runs": {
+            "sweep-a": {"algorithm": {"kl_coef": 0.05}, "model": {"lora": {"rank": 8}}},
+            "sweep-b": {"algorithm": {"kl_coef": 0.2}, "model": {"lora": {"rank": 8}}},
+        },
+        "shares": {"sweep-a": 3},
+        "quotas": {"sweep-b": 500},
+    }
+}
+
+
+def test_a_fleet_release_serves_its_runs_with_one_generator_scorer_and_advantage(tmp_path, monkeypatch):
+    """fleet.runs: the generator, scorer and advantage run `fleet ROLE --runs /runs` (shares and quotas passed on)
+    with every run's config mounted there; each run has its learner and feeder reading its own config as
+    /config/run.yaml; the configs are runs the services accept, each with its own id, run folder and weight store."""
+    report = helm.lint(CHART, FLEET, strict=True, kube_version=f"v{KUBERNETES_VERSION}")
+    assert report["errors"] == [] and not [m for m in report["messages"] if m["severity"] >= 2], report
+    docs = manifests(FLEET)
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    contract = yaml.safe_load((DEPLOY / "contract.yaml").read_text())
+    workloads = {
+        d["metadata"]["labels"]["app.kubernetes.io/component"]: d
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet", "Job")
+    }
+    assert sorted(workloads) == sorted(
+        ["generator", "scorer", "advantage", "learner-sweep-a", "learner-sweep-b", "feed-sweep-a", "feed-sweep-b"]
+    ), "a fleet has no environment or gateway role"
+    (runs_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-runs")]
+    for role in ("generator", "scorer", "advantage"):
+        pod = workloads[role]["spec"]["template"]["spec"]
+        args = pod["containers"][0]["args"]
+        assert args[:4] == [c.replace("ROLE", role) for c in contract["fleet_command"]]
+        assert args[4:8] == ["--share", "sweep-a=3", "--quota", "sweep-b=500"]
+        runs_volume = next(v for v in pod["volumes"] if v["name"] == "runs")
+        assert runs_volume["configMap"]["name"] == runs_map["metadata"]["name"]
+        assert {"name": "runs", "mountPath": contract["runs"], "readOnly": True} in pod["containers"][0]["volumeMounts"]
+    configs = {}
+    for run in ("sweep-a", "sweep-b"):
+        for kind in ("learner", "feed"):
+            pod = workloads[f"{kind}-{run}"]["spec"]["template"]["spec"]
+            assert pod["containers"][0]["args"][:3] == [kind, "--config", contract["config"]]
+            config = next(v for v in pod["volumes"] if v["name"] == "config")["configMap"]
+            assert config["items"] == [{"key": f"{run}.yaml", "path": "run.yaml"}]
+        path = tmp_path / f"{run}.yaml"
+        path.write_text(runs_map["data"][f"{run}.yaml"])
+        monkeypatch.chdir(tmp_path)
+        configs[run] = load_config(path)
+    assert configs["sweep-a"].algorithm.kl_coef == 0.05 and configs["sweep-b"].algorithm.kl_coef == 0.2
+    assert [c.run.run_id for c in configs.values()] == ["sweep-a", "sweep-b"]
+    assert len({c.run.dir for c in configs.values()} | {c.pipeline.weight_store for c in configs.values()}) == 4
+    assert all(c.kafka.bootstrap == "kafka:9092" and c.model.lora.rank == 8 for c in configs.values())
+    services = {d["metadata"]["name"].removeprefix("rl-streamppo-") for d in by_kind(docs, "Service")}
+    assert services == {"generator", "scorer", "advantage", "learner-sweep-a", "learner-sweep-b"}
+
+    def pods(values):
+        return {
+            d["metadata"]["name"]: d["spec"]["template"]
+            for d in manifests(values)
+            if d["kind"] in ("Deployment", "StatefulSet")
+        }
+
+    more = {"fleet": {**FLEET["fleet"], "runs": {**FLEET["fleet"]["runs"], "sweep-c": {}}}}
+    before, after = pods(FLEET), pods(more)
+    assert "rl-streamppo-learner-sweep-c" in after
+    for name, template in before.items():  # a run added: a pod template changed would restart that pod
+        assert after[name] == template, f"{name} would restart when a run is added"
+    for bad in ({"runs": {"Sweep_A": {}}}, {"shares": {"a": 0}}, {"quotas": {"a": -1}}):
+        with pytest.raises(helm.HelmError):
+            manifests({"fleet": bad})
+
+
 def test_scaled_values_reach_the_manifests():
     docs = manifests(SCALED)
     deployments = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in by_kind(docs, "Deployment")}
@@ -160,9 +234,16 @@ def test_the_values_schema_rejects_bad_values():
 
 
 def compose(*files, env=None) -> dict:
+    """``docker compose config`` of ``files``; an item ``--profile`` and the one after it are passed as they are."""
+    options, names = [], list(files)
+    while "--profile" in names:
+        at = names.index("--profile")
+        options += names[at : at + 2]
+        del names[at : at + 2]
     args = [
         str(BIN / "docker-compose"),
-        *[a for f in files for a in ("-f", str(COMPOSE / f))],
+        *options,
+        *[a for f in names for a in ("-f", str(COMPOSE / f))],
         "config",
         "--format",
         "json",
@@ -209,6 +290,42 @@ def test_the_local_override_swaps_in_the_images_built_here():
     assert "grafana" not in services
     for name in ("generator", "scorer", "advantage", "learner", "feed"):
         assert "kafka.idempotent_producer=false" in services[name]["environment"]["STREAMPPO_SET"].split()
+
+
+def test_the_fleet_override_serves_every_run_in_its_folder_and_each_run_brings_its_learner():
+    """docker-compose.fleet.yml: the generator, scorer and advantage replicas run `fleet ROLE --runs /runs` with the
+    runs folder mounted; a run's learner and feeder (profile `run`, started in the run's project) read the run's
+    file as /config/run.yaml; every project shares one named volume. The runs in the folder are runs a fleet can
+    serve together: distinct ids, run folders and weight stores, LoRA adapters on one base."""
+    contract = yaml.safe_load((DEPLOY / "contract.yaml").read_text())
+    files = ("docker-compose.yml", "docker-compose.local.yml", "docker-compose.fleet.yml")
+    project = compose(*files, env={"RUN": "run-b", "FLEET_VOLUME": "fleet-x"})
+    services = project["services"]
+    for role in ("generator", "scorer", "advantage"):
+        command = services[role]["command"]
+        assert command[:4] == [c.replace("ROLE", role) for c in contract["fleet_command"]], command
+        mounts = {v["target"]: v for v in services[role]["volumes"]}
+        assert mounts[contract["runs"]]["read_only"] and contract["shared"] in mounts
+        assert "kafka.idempotent_producer=false" in services[role]["environment"]["STREAMPPO_SET"], "local override"
+    assert "learner" not in services and "feed" not in services, "a run's own services: not the fleet's `up`"
+    run_project = compose(*files, "--profile", "run", env={"RUN": "run-b", "FLEET_VOLUME": "fleet-x"})["services"]
+    for name in ("learner", "feed"):
+        mounts = {v["target"]: v for v in run_project[name]["volumes"]}
+        assert mounts[contract["config"]]["source"] == str(COMPOSE / "runs" / "run-b.yaml"), name
+        assert run_project[name]["command"][:3] == [name, "--config", contract["config"]]
+    learner_ports = run_project["learner"]["command"][run_project["learner"]["command"].index("--metrics-port") + 1]
+    first, _, last = learner_ports.partition("-")
+    assert int(last) - int(first) >= 1, "room for several runs' learners on one host network"
+    for role in ("generator", "scorer", "advantage", "environment", "gateway"):
+        spec = services[role]["command"][services[role]["command"].index("--metrics-port") + 1]
+        start, _, end = spec.partition("-")
+        assert int(end or start) < int(first) or int(start) > int(last), f"{role}'s ports and the learners' overlap"
+    assert project["volumes"]["shared"]["name"] == "fleet-x"
+    runs = [load_config(path) for path in sorted((COMPOSE / "runs").glob("*.yaml"))]
+    assert len(runs) >= 2
+    for field in (lambda c: c.run.run_id, lambda c: c.run.dir, lambda c: c.pipeline.weight_store):
+        assert len({field(c) for c in runs}) == len(runs), "each run its own id, folder and weight store"
+    assert len({(c.model.actor, c.model.lora is not None) for c in runs}) == 1 and runs[0].model.lora is not None
 
 
 def _mounted(path: str, mounts: set[str]) -> bool:
@@ -367,7 +484,7 @@ def test_the_chart_runs_every_role_of_the_role_table_once(values):
     for role in ROLES:
         assert role in chart_values and role in schema["properties"], role
     shared = {"image", "imagePullSecrets", "config", "kafka", "metrics", "sharedStorage", "podSecurityContext"}
-    shared |= {"securityContext", "terminationGracePeriodSeconds", "grafanaDashboard"}
+    shared |= {"securityContext", "terminationGracePeriodSeconds", "grafanaDashboard", "fleet"}
     assert set(chart_values) - shared == set(ROLES), "a values entry for a role the table no longer has"
 
 

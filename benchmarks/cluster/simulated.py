@@ -11,6 +11,13 @@ Run one replica as its own process (what ``benchmarks/cluster/bench.py`` does)::
     python -m benchmarks.cluster.simulated ROLE --profile 0.5b-balanced --scale 0.05 \\
         --config examples/vowels/config.yaml --bootstrap HOST:PORT [--set key=value ...]
 
+or a fleet's replica serving every run whose config is in a folder (``benchmarks/cluster/fleets.py``)::
+
+    python -m benchmarks.cluster.simulated ROLE --runs DIR --profile ... --scale ... --bootstrap HOST:PORT
+
+A learner given ``--device-lock FILE`` trains only while it holds that file's lock: the learners of several runs
+sharing one trainer accelerator, taking turns at it.
+
 Nothing here is reachable from a run config: ``services/roles.py`` names the real classes only, and
 ``tests/test_structure.py`` checks that no product module imports ``benchmarks``.
 """
@@ -18,11 +25,14 @@ Nothing here is reachable from a run config: ``services/roles.py`` names the rea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import logging
 import time
 import zlib
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -226,19 +236,33 @@ class SimulatedAdvantage(AdvantageService, Simulated):
 
 class SimulatedTrainer:
     """The learner's trainer: a real update of the tiny model on a slice of the batch, so versions, optimizer state,
-    checkpoints and snapshots are real, taking the cost model's seconds for the whole batch."""
+    checkpoints and snapshots are real, taking the cost model's seconds for the whole batch; with ``device_lock``, only
+    while it holds that file's lock (one accelerator that several runs' learners take turns at)."""
 
-    def __init__(self, real, cost: CostModel):
-        self.real, self.cost = real, cost
+    def __init__(self, real, cost: CostModel, device_lock: Path | None = None):
+        self.real, self.cost, self.device_lock = real, cost, device_lock
 
     def __getattr__(self, name):
         return getattr(self.real, name)
 
     def train(self, exp: Experience) -> dict[str, float]:
-        started = time.perf_counter()
-        stats = self.real.train(_slice(exp))
-        wait_until(started + self.cost.train_s(exp.response_lengths.numpy()))
+        with self._device():
+            started = time.perf_counter()
+            stats = self.real.train(_slice(exp))
+            wait_until(started + self.cost.train_s(exp.response_lengths.numpy()))
         return stats
+
+    @contextlib.contextmanager
+    def _device(self):
+        if self.device_lock is None:
+            yield
+            return
+        with open(self.device_lock, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _slice(exp: Experience) -> Experience:
@@ -255,9 +279,11 @@ def _slice(exp: Experience) -> Experience:
 
 
 class SimulatedLearner(LearnerService, Simulated):
+    device_lock: Path | None = None
+
     def simulate(self, cost: CostModel) -> None:
         super().simulate(cost)
-        self.trainer = SimulatedTrainer(self.trainer, cost)
+        self.trainer = SimulatedTrainer(self.trainer, cost, self.device_lock)
 
     def announce(self):
         started = time.perf_counter()
@@ -277,10 +303,12 @@ def main(argv=None) -> int:
     parser.add_argument("role", choices=sorted(SIMULATED))
     parser.add_argument("--profile", choices=sorted(PROFILES), required=True)
     parser.add_argument("--scale", type=float, required=True, help="× every simulated second")
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config", help="the run's config (not with --runs)")
+    parser.add_argument("--runs", type=Path, help="a fleet's replica: a config file per run in this folder")
     parser.add_argument("--bootstrap", required=True)
     parser.add_argument("--replica-id", required=True)
     parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("--device-lock", type=Path, help="learner: train only while holding this file's lock")
     parser.add_argument(
         "--assignment",
         choices=("roundrobin", "range"),
@@ -289,9 +317,22 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cost = CostModel(PROFILES[args.profile], args.scale, seed=zlib.crc32(args.replica_id.encode()))
+    SimulatedLearner.device_lock = args.device_lock
+
+    def create(config, replica_id):
+        service = SIMULATED[args.role](config, replica_id)
+        service.simulate(cost)
+        return service
+
+    if args.runs is not None:  # the fleet's runs share the replica, and so its accelerator: one cost model
+        from services.fleet import RunsFolder
+        from services.process import serve_fleet
+
+        runs = RunsFolder(args.runs, args.overrides)
+        return serve_fleet(args.role, runs, {}, args.bootstrap, args.replica_id, create=create, rescan_s=0.5)
     config = load_config(args.config, args.overrides)
-    service = SIMULATED[args.role](config, args.replica_id)
-    service.simulate(CostModel(PROFILES[args.profile], args.scale, seed=zlib.crc32(args.replica_id.encode())))
+    service = create(config, args.replica_id)
     bus = kafka_bus(config, args.bootstrap)
     if args.assignment == "range":
         bus.settings = dataclasses.replace(bus.settings, partition_assignment=(RangePartitionAssignor,))

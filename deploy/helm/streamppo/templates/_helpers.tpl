@@ -33,13 +33,35 @@ app.kubernetes.io/component: {{ .role }}
 {{- .Values.sharedStorage.existingClaim | default (printf "%s-shared" (include "streamppo.fullname" .)) -}}
 {{- end -}}
 
-{{/* The container of one role: (dict "root" $ "role" "scorer" "args" list "spec" .Values.scorer) */}}
+{{/* The runs a release trains: the names in fleet.runs, or one run ("") from `config`. */}}
+{{- define "streamppo.runs" -}}
+{{- if .Values.fleet.runs }}{{ keys .Values.fleet.runs | sortAlpha | toJson }}{{ else }}[""]{{ end -}}
+{{- end -}}
+
+{{/* A fleet's arguments for one role: (dict "root" $ "role" "scorer") -> fleet scorer --runs /runs --share ... */}}
+{{- define "streamppo.fleetArgs" -}}
+{{- $args := list "fleet" .role "--runs" "/runs" }}
+{{- range $name, $weight := .root.Values.fleet.shares }}
+{{- $args = concat $args (list "--share" (printf "%s=%v" $name $weight)) }}
+{{- end }}
+{{- range $name, $tokens := .root.Values.fleet.quotas }}
+{{- $args = concat $args (list "--quota" (printf "%s=%v" $name $tokens)) }}
+{{- end }}
+{{- toJson $args }}
+{{- end -}}
+
+{{/* The container of one role: (dict "root" $ "role" "scorer" "args" list "spec" .Values.scorer), and "fleet" true for
+     a replica serving every run of fleet.runs. */}}
 {{- define "streamppo.container" -}}
+{{- $head := list .role "--config" "/config/run.yaml" }}
+{{- if .fleet }}
+{{- $head = include "streamppo.fleetArgs" . | fromJsonArray }}
+{{- end }}
 - name: {{ .role }}
   image: "{{ .root.Values.image.repository }}:{{ .root.Values.image.tag }}"
   imagePullPolicy: {{ .root.Values.image.pullPolicy }}
   args:
-    {{- toYaml (concat (list .role "--config" "/config/run.yaml") .args .spec.extraArgs) | nindent 4 }}
+    {{- toYaml (concat $head .args .spec.extraArgs) | nindent 4 }}
   {{- if include "streamppo.usesSasl" .root }}
   env:
     - name: STREAMPPO_KAFKA_PASSWORD
@@ -74,13 +96,19 @@ app.kubernetes.io/component: {{ .role }}
       mountPath: /shared
     - name: shm   # vLLM's engine needs more /dev/shm than a container's 64 MiB (as compose's shm_size: 1gb)
       mountPath: /dev/shm
+    {{- if .fleet }}
+    - name: runs
+      mountPath: /runs
+      readOnly: true
+    {{- end }}
     {{- if eq .role "learner" }}
     - name: checkpoints
       mountPath: /checkpoints
     {{- end }}
 {{- end -}}
 
-{{/* Pod-level settings shared by every role: (dict "root" $ "spec" .Values.scorer) */}}
+{{/* Pod-level settings shared by every role: (dict "root" $ "spec" .Values.scorer); "run": the fleet run whose
+     config is /config/run.yaml; "fleet" true: every run's config under /runs. */}}
 {{- define "streamppo.podSpec" -}}
 securityContext:
   {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
@@ -100,7 +128,19 @@ tolerations:
 volumes:
   - name: config
     configMap:
+      {{- if .run }}
+      name: {{ include "streamppo.fullname" .root }}-runs
+      items:
+        - key: {{ .run }}.yaml
+          path: run.yaml
+      {{- else }}
       name: {{ include "streamppo.fullname" .root }}-config
+      {{- end }}
+  {{- if .fleet }}
+  - name: runs
+    configMap:
+      name: {{ include "streamppo.fullname" .root }}-runs
+  {{- end }}
   - name: shared
     persistentVolumeClaim:
       claimName: {{ include "streamppo.sharedClaim" .root }}
