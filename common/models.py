@@ -11,7 +11,9 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from transformers import (
@@ -25,6 +27,7 @@ from transformers import (
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "FrozenModels",
     "ModelLoadError",
     "actor_skeleton",
     "add_lora",
@@ -180,6 +183,34 @@ def load_reward_model(path: Path, dtype: str = "float32", trust_remote_code: boo
     )
     model.requires_grad_(False)
     return model
+
+
+class FrozenModels:
+    """Frozen models (a reference model, a reward model) loaded once per process and shared by every service in it
+    that asks for the same one: a fleet's replica serving several runs on one base holds one copy. Nothing writes a
+    frozen model's weights, so sharing changes no result. Each :meth:`acquire` is matched by a :meth:`release`; the
+    model goes with its last user."""
+
+    _models: ClassVar[dict[tuple, list]] = {}  # key -> [model, users]
+
+    @classmethod
+    def acquire(cls, key: tuple, load: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        """The model of ``key`` (``load()`` it unless this process has it)."""
+        held = cls._models.get(key)
+        if held is None:
+            held = cls._models[key] = [load(), 0]
+        held[1] += 1
+        if held[1] > 1:
+            log.info("%s: one copy in this process, shared by %d services", key[1], held[1])
+        return held[0]
+
+    @classmethod
+    def release(cls, key: tuple) -> None:
+        held = cls._models.get(key)
+        if held is not None:
+            held[1] -= 1
+            if held[1] <= 0:
+                del cls._models[key]
 
 
 def _config(path: Path, trust_remote_code: bool):

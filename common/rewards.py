@@ -115,9 +115,23 @@ class RewardModelScorer:
     (prompt, response) pair.
     """
 
-    def __init__(self, model, tokenizer, batch_size: int = 16, max_length: int = 512, name: str = "reward model"):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        batch_size: int = 16,
+        max_length: int = 512,
+        name: str = "reward model",
+        release: Callable[[], None] | None = None,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.max_length, self.name = batch_size, max_length, name
+        self.release = release  # called once on close: the model is shared (common.models.FrozenModels)
+
+    def close(self) -> None:
+        release, self.release = self.release, None
+        if release is not None:
+            release()
 
     @torch.no_grad()
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[str] = ()) -> torch.Tensor:

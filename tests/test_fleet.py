@@ -9,6 +9,7 @@ import yaml
 from conftest import EXAMPLE
 from helpers import publish, read_messages
 
+from common.models import FrozenModels
 from common.schema import ScoredBatch, decode, encode
 from services.feeder import FeederService
 from services.fleet import Fleet, RunsFolder, parse_shares
@@ -170,6 +171,9 @@ def test_runs_come_and_go_without_touching_the_others_and_never_take_each_others
         pass
     assert [m.step for m in scored(broker, a)] == [0, 1] and [m.step for m in scored(broker, b)] == [1]
     assert fleet.runs["a"].runner.counters["other_runs"] == 1, "b's record in a's topic is skipped, not scored as a's"
+    reference, key = fleet.runs["a"].runner.service.reference, fleet.runs["a"].runner.service.reference_key
+    assert fleet.runs["b"].runner.service.reference is reference, "the runs' frozen reference: one copy"
+    users = FrozenModels._models[key][1]  # a and b (and any other test's scorer in this process)
     fleet.remove("a")
     fleet.add(c)
     publish(NamespacedBus(broker, "a"), "rollouts", *rollouts(a, 3)[2:])  # a is no longer served here
@@ -178,7 +182,9 @@ def test_runs_come_and_go_without_touching_the_others_and_never_take_each_others
         pass
     assert [m.step for m in scored(broker, a)] == [0, 1] and [m.step for m in scored(broker, c)] == [0]
     assert all(m.producer == "scorer-fleet-0" for m in scored(broker, c))
+    assert fleet.runs["c"].runner.service.reference is reference, "kept while a run uses it"
     fleet.close()
+    assert FrozenModels._models.get(key, [None, 0])[1] == users - 2, "each run lets its use go"
 
 
 def test_the_runs_folder_says_which_runs_came_and_went(tmp_path):

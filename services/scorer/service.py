@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from common.config import RunConfig
-from common.models import load_actor, load_reward_model, load_tokenizer, resolve_model
+from common.models import FrozenModels, load_actor, load_reward_model, load_tokenizer, resolve_model
 from common.rewards import RewardError, RewardFunction, RewardModelScorer
 from common.schema import RolloutBatch, ScoredBatch, derive
 from common.sequences import batched_response_logprobs, pack
@@ -39,11 +39,13 @@ def load_reward(config: RunConfig) -> tuple[Callable, dict]:
         )
         return scorer, {"reward.judge": judge_id(judge_path, judge.template, judge.pattern)}
     rm_path = resolve_model(config.reward.model, m.cache_dir)
-    scorer = RewardModelScorer(
-        load_reward_model(rm_path, m.dtype_of("reward"), m.trust_remote_code, m.device),
-        load_tokenizer(rm_path, m.trust_remote_code),
-        batch_size=config.reward.batch_size,
+    key = ("reward model", str(rm_path), m.dtype_of("reward"), m.trust_remote_code, m.device)
+    model = FrozenModels.acquire(
+        key, lambda: load_reward_model(rm_path, m.dtype_of("reward"), m.trust_remote_code, m.device)
     )
+    tokenizer = load_tokenizer(rm_path, m.trust_remote_code)
+    release = lambda: FrozenModels.release(key)  # noqa: E731
+    scorer = RewardModelScorer(model, tokenizer, batch_size=config.reward.batch_size, release=release)
     return scorer, {"reward.model": str(rm_path)}
 
 
@@ -54,9 +56,14 @@ class ScorerService(Service):
         super().__init__(config, replica_id)
         m = config.model
         path = resolve_model(m.reference or m.actor, m.cache_dir)
-        self.reference = load_actor(
-            path, m.dtype_of("reference"), m.trust_remote_code, role="reference model", device=m.device
-        ).requires_grad_(False)
+        # Frozen: the runs a fleet's replica serves on one base share one copy (as do their reward models).
+        self.reference_key = ("reference model", str(path), m.dtype_of("reference"), m.trust_remote_code, m.device)
+        self.reference = FrozenModels.acquire(
+            self.reference_key,
+            lambda: load_actor(
+                path, m.dtype_of("reference"), m.trust_remote_code, role="reference model", device=m.device
+            ).requires_grad_(False),
+        )
         self.pad_token_id = load_tokenizer(path, m.trust_remote_code).pad_token_id
         self.reward, reward_lineage = load_reward(config)
         self.lineage = {"reference.model": str(path), "scorer.replica": self.replica_id, **reward_lineage}
@@ -64,8 +71,11 @@ class ScorerService(Service):
             self.lineage["reward.environment_weight"] = config.reward.environment_weight
 
     def close(self) -> None:
-        if isinstance(self.reward, JudgeScorer):
+        if isinstance(self.reward, JudgeScorer | RewardModelScorer):
             self.reward.close()
+        if self.reference_key is not None:
+            FrozenModels.release(self.reference_key)
+            self.reference_key = None
 
     def take_up_new_log(self) -> bool:
         return True  # a record at a time, nothing kept between them
