@@ -74,14 +74,15 @@ class _StopFlag:
 
     def __init__(self, replica_id: str):
         self.replica_id, self.set = replica_id, False
-        self.runner: ServiceRunner | None = None  # while it polls: see _request
+        # Whether the loop only waits now (for input, for a broker), so that a signal may cut it short; None: never.
+        self.waiting: Callable[[], bool] | None = None
         signal.signal(signal.SIGTERM, self._request)
         signal.signal(signal.SIGINT, self._request)
 
     def _request(self, signum, frame) -> None:
         log.info("%s: signal %d, stopping after the batch in hand", self.replica_id, signum)
         self.set = True
-        if self.runner is not None and not self.runner.processing:
+        if self.waiting is not None and self.waiting():
             raise _Stop  # e.g. out of a metadata request to a broker that is away, which can block for minutes
 
 
@@ -256,7 +257,7 @@ def _loop(runner: ServiceRunner, stop: _StopFlag) -> None:
     """Poll until the service is done or a signal asks to stop; broker errors are retried with back-off."""
     backoff = 0.5
     next_status = time.monotonic()
-    stop.runner = runner  # from here a signal cuts a wait short
+    stop.waiting = lambda: not runner.processing  # from here a signal cuts a wait short
     try:
         while not stop.set and not runner.service.done():
             if time.monotonic() >= next_status:
@@ -276,7 +277,7 @@ def _loop(runner: ServiceRunner, stop: _StopFlag) -> None:
     except _Stop:
         pass
     finally:
-        stop.runner = None
+        stop.waiting = None
 
 
 def serve_fleet(
@@ -299,7 +300,7 @@ def serve_fleet(
     :func:`serve`'s, carry a ``run`` label (:class:`~services.metrics.FleetMetrics`). ``create(config,
     replica_id)``: a run's service (the role's, by default)."""
     replica_id = replica_id or default_replica_id(role)
-    stop = _StopFlag(replica_id)  # never handed a runner: every turn is short, and the loop checks it after each
+    stop = _StopFlag(replica_id)
     fleet = Fleet(role, lambda config: kafka_bus(config, bootstrap_of(config, bootstrap)), replica_id, create)
     metrics = FleetMetrics(
         role, lambda: {run_id: run.runner.metrics for run_id, run in fleet.runs.items()}, fleet.shares
@@ -317,7 +318,15 @@ def serve_fleet(
                 for run_id in list(fleet.runs):
                     _report_fleet_status(fleet, run_id)
                 log.info("%s: shares %s", replica_id, json.dumps(fleet.shares()))
-            fleet.poll_once(timeout_s=0.1)
+            # A signal cuts the turns short while no run processes a record (a broker that is away can block a
+            # run's turn for minutes); runs are never taken up or let go half-way.
+            stop.waiting = lambda: not any(run.runner.processing for run in list(fleet.runs.values()))
+            try:
+                fleet.poll_once(timeout_s=0.1)
+            finally:
+                stop.waiting = None
+    except _Stop:
+        pass
     finally:
         with _broker_deadline(replica_id, exit_codes.OK, seconds=STOP_BROKER_S * max(1, len(fleet.runs))):
             for run_id in list(fleet.runs):

@@ -66,7 +66,7 @@ def test_a_flooding_run_gets_its_share_of_a_scorer_fleet_and_the_other_run_is_no
     for share_a, fewest, most in ((1.0, 3, 5), (3.0, 9, 12)):
         broker = MemoryBus()
         ticks = itertools.count()
-        fleet = Fleet("scorer", bus_of(broker), now=lambda: next(ticks) / 2)  # read twice a turn
+        fleet = Fleet("scorer", bus_of(broker), now=lambda ticks=ticks: next(ticks) / 2)  # read twice a turn
         fleet.add(a, share_a)
         fleet.add(b)
         publish(NamespacedBus(broker, "a"), "rollouts", *flood)
@@ -326,3 +326,47 @@ def test_three_runs_on_shared_fleets_survive_kill_9_of_a_fleet_replica_and_of_on
     )
     assert "fleet replica of 3 run(s): this run's share 1 (33% of the shares)" in status.stdout, status.stdout
     assert "3 adapter(s) share its base weights" in logs["generator-fleet"].read_text(), "one base, an adapter a run"
+
+
+def test_a_fleet_replica_stopped_while_its_broker_is_away_exits_in_seconds(make_config, tmp_path):
+    """A scorer fleet serving a run whose broker went away: on SIGTERM it exits 0 once its stop has waited the bounded
+    time for the broker (its run's record not committed comes again), not the clients' timeouts."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    from services.process import STOP_BROKER_S
+    from services.transport.local_broker import LocalBroker, free_port
+
+    port = free_port()
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    config = run_config(make_config, tmp_path, "away")
+    settings = {"kafka": {"bootstrap": f"127.0.0.1:{port}", "idempotent_producer": False}}
+    (runs / "away.yaml").write_text(
+        yaml.safe_dump(yaml.safe_load(config.model_dump_json(exclude_unset=True)) | settings)
+    )
+    broker = LocalBroker(port, log_path=tmp_path / "broker.log").start()
+    log = tmp_path / "fleet.log"
+    command = [sys.executable, "-m", "services.cli", "-v", "fleet", "scorer", "--runs", str(runs)]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "serving run away" not in log.read_text():
+            assert time.monotonic() < deadline and process.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        broker.stop()
+        time.sleep(8)  # its turns now wait on a broker that does not answer
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert process.wait(timeout=60) == 0, log.read_text()[-3000:]
+        print(f"exited {time.monotonic() - signalled:.1f} s after SIGTERM")
+        assert f"the broker did not answer within {STOP_BROKER_S:.0f} s of stopping" in log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+        broker.stop()
