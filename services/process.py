@@ -303,7 +303,7 @@ def serve_fleet(
     stop = _StopFlag(replica_id)
     fleet = Fleet(role, lambda config: kafka_bus(config, bootstrap_of(config, bootstrap)), replica_id, create)
     metrics = FleetMetrics(
-        role, lambda: {run_id: run.runner.metrics for run_id, run in fleet.runs.items()}, fleet.shares
+        role, lambda: {run_id: run.runner.metrics for run_id, run in list(fleet.runs.items())}, fleet.shares
     )
     target = _serve_metrics(metrics, replica_id, role, metrics_port, metrics_address, metrics_targets)
     next_scan = next_status = time.monotonic()
