@@ -157,12 +157,12 @@ def _answers(port: int) -> bool:
 
 
 FLEET_FILES = [*FILES, "docker-compose.fleet.yml"]
-FLEET_RUNS = {"run-a": "fleet-run-a", "run-b": "fleet-run-b"}  # deploy/compose/runs/: file -> run id
+FLEET_RUNS = {"run-a": "fleet-run-a", "run-b": "fleet-run-b"}  # deploy/compose/fleet-runs/: file -> run id
 
 
 def test_compose_fleet_serves_two_runs_through_a_kill_of_its_generator(monkeypatch, tmp_path):
     """deploy/compose's fleet: one project with the broker and a generator, scorer and advantage replica serving every
-    run in deploy/compose/runs/ (two LoRA runs on one base), and a project per run with its learner and feeder.
+    run in deploy/compose/fleet-runs/ (two LoRA runs on one base), and a project per run with its learner and feeder.
     Mid-run the generator fleet's container is killed and started again. Each run's `wait` ends with its summary;
     each run applied every version and trained every group exactly once; the generator fleet's /metrics gave each
     run's share, and its one vLLM engine served both runs' adapters."""

@@ -311,7 +311,7 @@ def test_the_fleet_override_serves_every_run_in_its_folder_and_each_run_brings_i
     run_project = compose(*files, "--profile", "run", env={"RUN": "run-b", "FLEET_VOLUME": "fleet-x"})["services"]
     for name in ("learner", "feed"):
         mounts = {v["target"]: v for v in run_project[name]["volumes"]}
-        assert mounts[contract["config"]]["source"] == str(COMPOSE / "runs" / "run-b.yaml"), name
+        assert mounts[contract["config"]]["source"] == str(COMPOSE / "fleet-runs" / "run-b.yaml"), name
         assert run_project[name]["command"][:3] == [name, "--config", contract["config"]]
     learner_ports = run_project["learner"]["command"][run_project["learner"]["command"].index("--metrics-port") + 1]
     first, _, last = learner_ports.partition("-")
@@ -321,7 +321,7 @@ def test_the_fleet_override_serves_every_run_in_its_folder_and_each_run_brings_i
         start, _, end = spec.partition("-")
         assert int(end or start) < int(first) or int(start) > int(last), f"{role}'s ports and the learners' overlap"
     assert project["volumes"]["shared"]["name"] == "fleet-x"
-    runs = [load_config(path) for path in sorted((COMPOSE / "runs").glob("*.yaml"))]
+    runs = [load_config(path) for path in sorted((COMPOSE / "fleet-runs").glob("*.yaml"))]
     assert len(runs) >= 2
     for field in (lambda c: c.run.run_id, lambda c: c.run.dir, lambda c: c.pipeline.weight_store):
         assert len({field(c) for c in runs}) == len(runs), "each run its own id, folder and weight store"
