@@ -896,8 +896,8 @@ class ReplicaStatus(_Record):
     lag: int = scalar("int", "Records in its partitions not yet consumed.")
     counters: dict = _wire(
         Lineage(
-            "Batches by outcome (processed, dropped, duplicates, dead_letters, ...), "
-            "and the weight versions loaded (weights.<model>)."
+            "Batches by outcome (processed, dropped, duplicates, dead_letters, ...), response tokens (tokens), "
+            "the weight versions loaded (weights.<model>), and from a fleet's replica the run's share of it (fleet.*)."
         )
     )
     created_at: float = scalar("float", "Unix time of this report.")
