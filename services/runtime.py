@@ -58,6 +58,7 @@ __all__ = ["LOG_CHECK_S", "ServiceRunner", "consumer_group"]
 LOG_CHECK_S = 2.0  # how often a replica checks that its log is still the one it started on
 STREAM_POLL_S = 0.01  # how long a streaming service's runner waits, with work in hand, before collecting again
 ADMIT_PER_POLL = 64  # the most inputs a streaming service is given in one poll
+WEIGHTS_CATCH_UP_S = 1.0  # how long one poll reads the weights topic towards its end before a replica's first input
 
 
 class _BusChannel(Channel):
@@ -85,11 +86,9 @@ class _BusChannel(Channel):
         return received
 
     def caught_up(self) -> bool:
-        # A read longer than the broker holds an empty fetch (kafka.fetch_max_wait_ms) includes a fetch that began
-        # after this call: finding nothing, everything written before it has been read.
-        records = self.reader.poll(2 * self.reader.fetch_wait_s + 0.05 if self.reader.fetch_wait_s else 0.0, 64)
+        records, at_end = self.reader.read_to_end(64)
         self.read.extend(records)
-        return not records and self.reader.lag() == 0
+        return at_end
 
     def dead_letter(self, message: Message, error: str) -> None:
         letter = DeadLetter(
@@ -210,6 +209,8 @@ class ServiceRunner:
         if self.unsent is not None:
             self._send_unsent()
             return True
+        if self.weights is not None and not self.weights.catch_up(WEIGHTS_CATCH_UP_S):
+            return True  # nothing is taken before the newest weights are known (WeightsFeed.catch_up)
         # The weights topic is waited on only when nothing else can move: input held for newer weights and no work in
         # hand (a streaming engine with groups in flight runs on meanwhile: waiting here starved it between steps).
         idle = self.work is None or (bool(self.held) and not self.service.under_way())
@@ -533,6 +534,8 @@ class ServiceRunner:
         return {**counted, "lag": lag, "held": len(self.held), "in_flight": len(self.in_flight), "busy_s": busy}
 
     def waiting_for(self) -> str:
+        if self.weights is not None and not self.weights.caught_up:
+            return f"reading {WEIGHTS_TOPIC} to its end: the newest weights are loaded before any input is taken"
         if not self.held:
             return "waiting for input"
         now = time.monotonic()

@@ -15,6 +15,7 @@ the rolled-back versions, kept, would sample under version numbers the new learn
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -27,6 +28,8 @@ from services.transport import Consumer, Record
 log = logging.getLogger(__name__)
 
 __all__ = ["WeightsFeed"]
+
+MAX_RECORDS = 10_000  # announcements read at once (the newest of each model among them is offered)
 
 
 class WeightsFeed:
@@ -47,11 +50,30 @@ class WeightsFeed:
         self.metrics, self.counters, self.timed = metrics, counters, timed
         self.loaded: dict[str, int] = {}  # per model: the version loaded
         self.progress: dict[str, tuple[int, int, int]] = {}  # per model: _progress of the newest taken
+        self.caught_up = False  # the topic was read to its end once (see catch_up)
+
+    def catch_up(self, within_s: float) -> bool:
+        """Read the topic towards its end for up to about ``within_s``, offering what it holds; whether it has been
+        read to its end (once: from then on, :meth:`apply`).
+
+        A replica does this before it takes input: one started again (after a kill) would otherwise sample, score
+        or value its first input with the initial weights while the announcement of the newest was still on its
+        way, and what it sent would carry version 0 (a gateway's call answered so was too stale to train on)."""
+        deadline = time.monotonic() + within_s
+        while not self.caught_up:
+            records, self.caught_up = self.consumer.read_to_end(MAX_RECORDS)
+            self._offer(records)
+            if time.monotonic() >= deadline:
+                break
+        return self.caught_up
 
     def apply(self, timeout_s: float) -> bool:
         """Offer the service the newest announcements that arrived within ``timeout_s``; whether any was offered."""
+        return self._offer(self.consumer.poll(timeout_s, max_records=MAX_RECORDS))
+
+    def _offer(self, records: list[Record]) -> bool:
         candidates: dict[str, list[WeightAnnouncement]] = {}
-        for record in self.consumer.poll(timeout_s, max_records=10_000):
+        for record in records:
             announcement = self.accept(record, WeightAnnouncement)
             if announcement is not None and announcement.model in self.service.weight_models:
                 candidates.setdefault(announcement.model, []).append(announcement)

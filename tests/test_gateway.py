@@ -26,7 +26,7 @@ from openai import OpenAI
 
 from common.config import load_config
 from common.named import NamedError, load_named
-from common.schema import EpisodeEvent, ExperienceBatch, decode, new_header
+from common.schema import EpisodeEvent, ExperienceBatch, decode, encode, new_header
 from services.cluster import stop_all
 from services.gateway.conversation import CallView, Prompts, append_only_violation
 from services.gateway.episodes import EpisodeBook, KeyError_, episode_key, episode_of_key
@@ -463,7 +463,7 @@ def test_hostile_requests_get_openai_errors_and_lose_nothing(make_config):
 
 
 @pytest.mark.slow
-def test_a_retried_call_gets_the_same_answer_not_a_second_sample(make_config):
+def test_a_retried_call_gets_the_same_answer_not_a_second_sample_and_a_retried_reward_counts_once(make_config):
     agent = Agent(make_config, "run.steps=1", "generation.temperature=2.0")
     task = agent.claim()
     body = {"model": task["model"], "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 8}
@@ -477,12 +477,22 @@ def test_a_retried_call_gets_the_same_answer_not_a_second_sample(make_config):
     assert retried["id"] == lost["id"] and retried["choices"] == lost["choices"]
     fresh = agent.http.post(url, json=body).json()  # the same request, not a retry: another sample
     assert fresh["id"] != lost["id"]
-    agent.http.post(f"{agent.url}/episodes/{task['key']}/reward", json={"reward": 1.0})
+    # A reward posted again with its idempotency key (its answer lost on the way) counts once; another key adds up.
+    reward_url = f"{agent.url}/episodes/{task['key']}/reward"
+    for _ in range(2):
+        agent.http.post(reward_url, json={"reward": 0.25, "done": False}, headers={"Idempotency-Key": "r-1"})
+    assert agent.http.post(reward_url, json={"reward": 0.5}, headers={"Idempotency-Key": "r-2"}).json() == {
+        "episode": task["episode"],
+        "reward": 0.75,
+        "ended": True,
+    }
     for _ in range(3):
         agent.http.post(f"{agent.url}/episodes/{agent.claim()['key']}/reward", json={"reward": 0.0})
     agent.finish()
     calls = [e for e in read_messages(agent.bus, "episodes") if e.kind == "call"]
     assert len(calls) == 3, "one call for the idempotency key, one for the lost answer, one fresh"
+    trained = [float(r) for m in read_messages(agent.bus, "rollouts") for r in m.environment_reward]
+    assert trained == [0.75] * 3, "each of the episode's three rows with its reward, the repeated post once"
 
 
 def test_a_call_its_client_gave_up_waiting_for_is_answered_to_the_retry_and_sampled_once(make_config):
@@ -585,8 +595,9 @@ def test_agents_named_by_file_that_fail_end_their_episode_failed(tmp_path):
     class Episode:
         id = "0/0#0"
 
-        def reward(self, value, done=True):
+        def reward(self, value, done=True, idempotency_key=None):
             posted.append(("reward", value))
+            assert idempotency_key, "a returned reward is posted with a key: its retries count once"
 
         def end(self, outcome="ended", detail=""):
             posted.append((outcome, detail.split(":")[0]))
@@ -599,6 +610,72 @@ def test_agents_named_by_file_that_fail_end_their_episode_failed(tmp_path):
         pool._run(episode)
     assert posted == [("reward", 0.5), ("ended", ""), ("failed", "ZeroDivisionError")]
     assert Path(AGENTS).is_file()
+
+
+def test_a_generator_started_again_answers_no_call_before_it_has_the_newest_weights(make_config, chat_tokenizer):
+    """A generator that starts while a call waits on requests (its predecessor was killed mid-call) reads the weights
+    topic to its end first, even where the broker answers its first fetches of it empty (as under load): the call is
+    sampled by v2, the newest announced, never by the initial weights, whose tokens would be too stale to train on."""
+    import torch
+
+    from common.schema import RUN_ID, CompletionRequest
+    from services.generator import GeneratorService
+    from services.learner import LearnerService
+    from services.runtime import ServiceRunner
+
+    config = gateway_config(make_config, "gateway.port=0")
+
+    class SlowToAnswer(MemoryBus):
+        """The broker's first answers to a fetch of the weights topic come back empty."""
+
+        def consumer(self, topic, group, client_id):
+            consumer = super().consumer(topic, group, client_id)
+            if topic == "weights":
+                empty, poll = iter(range(3)), consumer.poll
+                consumer.poll = lambda timeout_s=0.0, max_records=1: (
+                    [] if next(empty, None) is not None else poll(timeout_s, max_records)
+                )
+            return consumer
+
+    bus = SlowToAnswer()
+    bus.create_topics(pipeline_topics(partitions=2))
+    learner = LearnerService(config)
+    producer = bus.producer("test")
+    for version in (1, 2):
+        with torch.no_grad():
+            for p in learner.trainer.actor.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        learner.trainer.version, learner.groups_done = version, version * config.groups_per_update
+        for announcement in learner.announce():
+            producer.send("weights", encode(announcement), key=b"k")
+    prompt = chat_tokenizer.encode("say something")
+    request = CompletionRequest(
+        **new_header("0/0#0/c1", "gateway-0/x", 2, {RUN_ID: config.run.run_id}),
+        step=0,
+        episode="0/0#0",
+        call="0/0#0/c1",
+        reply_to="gateway-0/x",
+        prompt_tokens=np.asarray(prompt, np.int64),
+        max_tokens=4,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        seed=-1,
+        stop=[],
+    )
+    producer.send("requests", encode(request), key=b"k")
+    producer.flush()
+
+    runner = ServiceRunner(GeneratorService(config), bus)
+    assert "reading weights to its end" in runner.waiting_for()
+    deadline = time.monotonic() + 60
+    while not (answers := read_messages(bus, "completions")):
+        assert time.monotonic() < deadline, "the call was never answered"
+        runner.poll_once(0.1)
+    [answer] = answers
+    assert answer.call == "0/0#0/c1" and answer.status == "ok" and len(answer.token_versions)
+    assert answer.token_versions.tolist() == [2] * len(answer.token_versions), "sampled by the newest weights"
+    assert runner.service.policy_version == 2 and runner.waiting_for() == "waiting for input"
 
 
 # ---------------------------------------------------------------------------------------------- faults, for real
@@ -631,6 +708,9 @@ class Processes:
         while len(self.updates()) < count:
             crashed = [n for n, p in self.processes.items() if p.poll() not in (None, 0, -signal.SIGKILL)]
             assert not crashed, f"{crashed} crashed; logs in {self.tmp_path}"
+            if self.processes["learner-0"].poll() == 0 and len(self.updates()) < count:  # the run ended short
+                said = (self.tmp_path / "learner-0.log").read_text().splitlines()[-5:]
+                raise AssertionError(f"the learner ended after {len(self.updates())} updates: {said}")
             assert time.monotonic() < deadline, f"stuck at {len(self.updates())} updates; logs in {self.tmp_path}"
             time.sleep(0.2)
 

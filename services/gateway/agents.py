@@ -49,9 +49,11 @@ class Episode:
     label: str  # the dataset row's label ('' where it has none)
     gateway: str  # the gateway that handed it out
 
-    def reward(self, value: float, done: bool = True) -> None:
-        """Post a reward (one outcome; several posts add up); ``done``: the episode is over."""
-        _post(f"{self.gateway}/episodes/{self.api_key}/reward", {"reward": value, "done": done})
+    def reward(self, value: float, done: bool = True, idempotency_key: str | None = None) -> None:
+        """Post a reward (one outcome; several posts add up); ``done``: the episode is over. Posts with the same
+        ``idempotency_key`` count once (give one to post again after an error)."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        _post(f"{self.gateway}/episodes/{self.api_key}/reward", {"reward": value, "done": done}, headers)
 
     def end(self, outcome: str = "ended", detail: str = "") -> None:
         """End the episode without a reward (``outcome`` ended, or failed with ``detail``)."""
@@ -66,8 +68,8 @@ class Refused(RuntimeError):
         self.status = status
 
 
-def _post(url: str, body: dict) -> dict:
-    response = httpx.post(url, json=body, timeout=60)
+def _post(url: str, body: dict, headers: dict | None = None) -> dict:
+    response = httpx.post(url, json=body, headers=headers, timeout=60)
     if response.status_code >= 400:
         raise Refused(url, response.status_code, response.text)
     return response.json() if response.content else {}
@@ -153,7 +155,8 @@ class AgentPool:
         if reward is None:
             self._close(episode, episode.end)
         else:
-            self._close(episode, lambda: episode.reward(float(reward)))
+            key = f"{episode.id}/returned"  # its retries below count once
+            self._close(episode, lambda: episode.reward(float(reward), idempotency_key=key))
         self.done += 1
 
     def _close(self, episode: Episode, close: Callable[[], None]) -> None:

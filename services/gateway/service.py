@@ -389,8 +389,7 @@ class GatewayService(Service):
         """The call's id: the client's idempotency key's, or for a client's retry (x-stainless-retry-count) of a call
         answered before, that call's (same request, the newest); else a new one."""
         if request.idempotency_key:
-            key = hashlib.blake2b(request.idempotency_key.encode(), digest_size=8).hexdigest()
-            call_id = f"{episode.id}/k{key}"
+            call_id = f"{episode.id}/k{_key_hash(request.idempotency_key)}"
             if call_id not in episode.calls and call_id not in self.pending and self.peers and not request.caught_up:
                 self._catch_up()  # another replica may have answered it
                 request.caught_up = True
@@ -555,7 +554,15 @@ class GatewayService(Service):
             total = request.body.total()
         except ValueError as exc:
             raise ApiError(400, str(exc), "invalid_reward") from None
-        self._write(self._event(episode, "reward", f"{episode.id}/reward/{uuid.uuid4().hex[:12]}", reward=total))
+        # A post with an idempotency key is one reward however often it comes: its retry after a gateway died between
+        # writing the reward and the end (the client saw no answer) adds nothing.
+        key = request.idempotency_key
+        event_id = f"{episode.id}/reward/" + (_key_hash(key) if key else uuid.uuid4().hex[:12])
+        if key and event_id not in self.book.seen and self.peers and not request.caught_up:
+            self._catch_up()  # another replica may have written it
+            request.caught_up = True
+        if event_id not in self.book.seen:
+            self._write(self._event(episode, "reward", event_id, reward=total))
         if request.body.done:
             self._finish(episode, "rewarded", "")
         request.answer({"episode": episode.id, "reward": episode.reward, "ended": request.body.done})
@@ -754,6 +761,11 @@ class _Origin:
     """The lineage of an episode whose prompt batch this replica does not hold."""
 
     lineage: dict
+
+
+def _key_hash(idempotency_key: str) -> str:
+    """A client's idempotency key as part of an event id: short, and the same on every replica."""
+    return hashlib.blake2b(idempotency_key.encode(), digest_size=8).hexdigest()
 
 
 def _digest(body) -> str:

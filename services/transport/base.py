@@ -100,6 +100,18 @@ class Consumer(ABC):
         """The end offset last seen of each assigned partition (those seen so far)."""
         return {}
 
+    def at_end(self) -> bool:
+        """Whether every assigned partition has been read to the end the broker last told of (False while an end is
+        not known yet, or records are fetched but not yet returned)."""
+        return self.lag() == 0
+
+    def read_to_end(self, max_records: int) -> tuple[list[Record], bool]:
+        """One poll long enough to take in a fetch that began after it (the broker holds an empty fetch for
+        ``fetch_wait_s``): the records it brought, and whether it brought none and nothing is left, so that
+        everything written before the call has been read."""
+        records = self.poll(2 * self.fetch_wait_s + 0.05 if self.fetch_wait_s else 0.0, max_records)
+        return records, not records and self.at_end()
+
     def close(self) -> None:
         pass
 

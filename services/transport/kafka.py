@@ -498,6 +498,16 @@ class _KafkaConsumer(Consumer):
         ends = {tp.partition: self.consumer.highwater(tp) for tp in self.consumer.assignment()}
         return {partition: end for partition, end in ends.items() if end is not None}
 
+    def at_end(self) -> bool:
+        # An end offset is known once a fetch of the partition was answered; until then nothing says it is read.
+        assigned = self.consumer.assignment()
+        ends = {tp: self.consumer.highwater(tp) for tp in assigned}
+        return (
+            bool(assigned)
+            and not self.buffer
+            and all(end is not None and self.consumer.position(tp) >= end for tp, end in ends.items())
+        )
+
     def lag(self) -> int:
         total = 0
         for tp in self.consumer.assignment():
