@@ -127,6 +127,38 @@ def test_a_batch_held_for_newer_weights_does_not_idle_the_groups_in_hand(bus, co
     assert weights.timeouts == [0.2], "with nothing else to do, the runner waits for the weights that batch 1 needs"
 
 
+def test_groups_start_in_feed_order_whatever_order_their_prompt_batches_came_in(make_config):
+    """A restarted generator gets its prompt batches from several partitions in any order: here batch 1 before batch
+    0. The learner has used up 1 group (updates of 1, max_staleness 1), so the groups at feed positions 0, 1 and 2 may
+    be sampled and position 3 (batch 1's row 1) may not yet. Batch 0's groups, which the learner needs next, start:
+    queued behind batch 1's second group they waited for it, and it for them (the chaos test's stall)."""
+    from services.roles import pipeline_topics
+
+    config = make_config(
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=4",
+        "learner.mini_batch_size=2",
+        "learner.groups_per_update=1",
+        "generation.streaming=true",
+        "pipeline.max_staleness=1",
+    )
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics(partitions=2))
+    publish(bus, "weights", *[encode(a) for a in announce_v1(config, version=1)])
+    feeder = FeederService(config)
+    publish(bus, "prompts", encode(feeder.batch(1)), partition=0)  # read first
+    publish(bus, "prompts", encode(feeder.batch(0)), partition=1)
+    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    for _ in range(40):
+        runner.poll_once(0.05)
+        if len({g for r in rollouts(bus) for g in r.idempotency_keys()}) == 3:
+            break
+    sent = sorted(g for r in rollouts(bus) for g in r.idempotency_keys())
+    assert sent == ["0/0", "0/1", "1/0"], "every group the bound allows, batch 0's first"
+    assert runner.waiting_for() == "waiting for input" and runner.service.queue, "batch 1's row 1 waits for the bound"
+
+
 def test_a_prompt_batch_half_sent_by_a_generator_that_died_is_sampled_again_and_its_sent_groups_recognised(bus, config):
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(0)))

@@ -188,7 +188,11 @@ class GeneratorService(Service):
         if isinstance(message, CompletionRequest):
             self._start_call(message)
             return
-        self.queue.extend((message, row) for row in range(message.rows))
+        # The queue stays in feed order, whatever order the prompt batches came in (from several partitions, after a
+        # restart): groups start from its head as the bound allows, so a later batch's group that must wait for the
+        # learner would otherwise hold back an earlier batch's that the learner waits for (a stall, under kill -9s).
+        queued = [*self.queue, *((message, row) for row in range(message.rows))]
+        self.queue = deque(sorted(queued, key=lambda group: (group[0].step, group[1])))
         self.batches[message.batch_id] = _Stream(message, message.rows)
 
     def collect(self) -> list[Collected]:
