@@ -59,6 +59,8 @@ class WeightsFeed:
         A replica does this before it takes input: one started again (after a kill) would otherwise sample, score
         or value its first input with the initial weights while the announcement of the newest was still on its
         way, and what it sent would carry version 0 (a gateway's call answered so was too stale to train on)."""
+        if self.caught_up:  # every poll asks
+            return True
         deadline = time.monotonic() + within_s
         while not self.caught_up:
             records, self.caught_up = self.consumer.read_to_end(MAX_RECORDS)

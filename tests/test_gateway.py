@@ -616,11 +616,10 @@ def test_a_generator_started_again_answers_no_call_before_it_has_the_newest_weig
     """A generator that starts while a call waits on requests (its predecessor was killed mid-call) reads the weights
     topic to its end first, even where the broker answers its first fetches of it empty (as under load): the call is
     sampled by v2, the newest announced, never by the initial weights, whose tokens would be too stale to train on."""
-    import torch
+    from test_runtime import announce_v1
 
     from common.schema import RUN_ID, CompletionRequest
     from services.generator import GeneratorService
-    from services.learner import LearnerService
     from services.runtime import ServiceRunner
 
     config = gateway_config(make_config, "gateway.port=0")
@@ -639,14 +638,9 @@ def test_a_generator_started_again_answers_no_call_before_it_has_the_newest_weig
 
     bus = SlowToAnswer()
     bus.create_topics(pipeline_topics(partitions=2))
-    learner = LearnerService(config)
     producer = bus.producer("test")
     for version in (1, 2):
-        with torch.no_grad():
-            for p in learner.trainer.actor.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        learner.trainer.version, learner.groups_done = version, version * config.groups_per_update
-        for announcement in learner.announce():
+        for announcement in announce_v1(config, version):
             producer.send("weights", encode(announcement), key=b"k")
     prompt = chat_tokenizer.encode("say something")
     request = CompletionRequest(

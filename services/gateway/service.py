@@ -239,6 +239,15 @@ class GatewayService(Service):
             self._read_log()
         self._read_log()
 
+    def _read_on_for(self, request: Request) -> bool:
+        """Read the episodes log to its end for ``request``, once, where other replicas write to it (what it needs
+        may be there, not read yet); whether it did."""
+        if not self.peers or request.caught_up:
+            return False
+        self._catch_up()
+        request.caught_up = True
+        return True
+
     def _write(self, event: EpisodeEvent) -> Episode:
         self.log.send(event)  # acknowledged by the broker: on the log before anyone is answered
         return self.book.apply(event, logged=False) or self.book.get(event.episode)
@@ -317,9 +326,7 @@ class GatewayService(Service):
             raise ApiError(401, str(exc), "invalid_api_key") from None
         episode = self.book.get(name)
         unknown = episode is None or not episode.started
-        if unknown and name not in self.book.gone and self.peers and not request.caught_up:
-            self._catch_up()  # another replica may have handed it out
-            request.caught_up = True
+        if unknown and name not in self.book.gone and self._read_on_for(request):  # another replica handed it out?
             episode = self.book.get(name)
         if name in self.book.gone or (episode is not None and episode.over):
             raise ApiError(409, f"episode {name} has ended", "episode_ended")
@@ -354,10 +361,8 @@ class GatewayService(Service):
                 400, f"episode {episode.id} has had its {self.gateway.max_calls} calls (gateway.max_calls)", "max_calls"
             )
         prompt = self._prompt(request, episode)
-        if not prompt.parent and episode.calls and self.peers and not request.caught_up:
-            self._catch_up()  # it may extend a call another replica answered, not read here yet
-            request.caught_up = True
-            self._call(request)
+        if not prompt.parent and episode.calls and self._read_on_for(request):
+            self._call(request)  # it may extend a call another replica answered, not read here before
             return
         max_tokens = self._max_tokens(body.limit, prompt)
         if not prompt.parent and episode.calls:
@@ -390,14 +395,11 @@ class GatewayService(Service):
         answered before, that call's (same request, the newest); else a new one."""
         if request.idempotency_key:
             call_id = f"{episode.id}/k{_key_hash(request.idempotency_key)}"
-            if call_id not in episode.calls and call_id not in self.pending and self.peers and not request.caught_up:
-                self._catch_up()  # another replica may have answered it
-                request.caught_up = True
+            if call_id not in episode.calls and call_id not in self.pending:
+                self._read_on_for(request)  # another replica may have answered it
             return call_id
         if request.retries:
-            if self.peers and not request.caught_up:
-                self._catch_up()  # another replica may have answered it
-                request.caught_up = True
+            self._read_on_for(request)  # another replica may have answered it
             same = [call for call in episode.calls.values() if call.event.request_digest == digest]
             waiting = [p.call for p in self.pending.values() if p.episode == episode.id and p.request_digest == digest]
             if waiting or same:
@@ -558,9 +560,8 @@ class GatewayService(Service):
         # writing the reward and the end (the client saw no answer) adds nothing.
         key = request.idempotency_key
         event_id = f"{episode.id}/reward/" + (_key_hash(key) if key else uuid.uuid4().hex[:12])
-        if key and event_id not in self.book.seen and self.peers and not request.caught_up:
-            self._catch_up()  # another replica may have written it
-            request.caught_up = True
+        if key and event_id not in self.book.seen:
+            self._read_on_for(request)  # another replica may have written it
         if event_id not in self.book.seen:
             self._write(self._event(episode, "reward", event_id, reward=total))
         if request.body.done:
