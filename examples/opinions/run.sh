@@ -3,7 +3,7 @@
 # pipeline (every service its own process over a local Kafka-protocol broker, vLLM generator when installed) ->
 # report.
 # Usage: examples/opinions/run.sh [RUN_DIR | --run-dir DIR] [--quick] [--set key=value ...]   (RUN_DIR:
-# runs/opinions; --quick: every step with small counts, minutes; needs `pip install -e ".[recipe]"`)
+# runs/opinions; --quick: every step with small counts, minutes; needs `make venv EXTRAS=recipe`)
 set -euo pipefail
 source "$(dirname "$0")/../recipe.sh"
 recipe_args opinions "$@"

@@ -3,7 +3,7 @@
 # model on its own and with the calculator -> GRPO with the calculator (episodes; environment replicas on the bus,
 # all in one process) -> held-out accuracy of the trained actor with the calculator, and on its own -> its report.
 # Usage: examples/tools/run.sh [RUN_DIR | --run-dir DIR] [--quick] [--set key=value ...]   (RUN_DIR: runs/tools;
-# --quick: every step with small counts, minutes; needs `pip install -e ".[recipe]"`; vLLM is used for sampling and
+# --quick: every step with small counts, minutes; needs `make venv EXTRAS=recipe`; vLLM is used for sampling and
 # the evaluations when installed)
 set -euo pipefail
 source "$(dirname "$0")/../recipe.sh"

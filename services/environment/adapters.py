@@ -78,9 +78,7 @@ def _resolve_names(environment_name: str, action_name: str | None, field: str | 
         from openenv.core.env_server.interfaces import Environment as OpenEnv
         from openenv.core.env_server.types import Action
     except ImportError as exc:
-        raise ValueError(
-            f"environment.openenv needs OpenEnv: pip install 'streamppo[openenv]' (openenv-core) ({exc})"
-        ) from exc
+        raise ValueError(f"environment.openenv needs OpenEnv: make venv EXTRAS=openenv (openenv-core) ({exc})") from exc
     environment = _named(environment_name, "environment")
     if not (isinstance(environment, type) and issubclass(environment, OpenEnv)):
         raise ValueError(

