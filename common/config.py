@@ -11,6 +11,7 @@ import difflib
 import math
 import os
 import re
+import secrets
 import types
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -268,9 +269,10 @@ class SandboxSection(_Section):
 
     isolation: Literal["auto", "bwrap", "rlimits"] = Field(
         "auto",
-        description="bwrap: namespaces (no network, read-only file system outside the scratch folder); rlimits: "
-        "resource limits and a Python audit hook only; auto: bwrap where it is installed and works, else rlimits "
-        "(logged).",
+        description="bwrap: namespaces (no network, read-only file system outside the scratch folder, no host "
+        "process visible); rlimits: resource limits and a Python audit hook only (escapable: for trusted code); auto: "
+        "bwrap, and where it is not installed or cannot make its namespaces the service refuses to start, saying why "
+        "(never rlimits unasked).",
     )
     python: str | None = Field(
         None, description="The interpreter that runs the code; default /usr/bin/python3 where it exists."
@@ -702,6 +704,13 @@ class PipelineSection(_Section):
         "Unset (and no signing_key_file): messages are not signed.",
     )
     signing_key_file: Path | None = Field(None, description="File whose content is the run's signing key.")
+    run_key: bool = Field(
+        False,
+        description="Sign with a key made for the run when no signing_key_env or signing_key_file names one: the "
+        "first service to start writes a random key to <run.dir>/signing.key (mode 0600), every other reads it. "
+        "streamppo up, the compose file and the chart turn it on, so that a client of the broker cannot forge a "
+        "record; false there is an unsigned run, which streamppo status shows.",
+    )
 
     @model_validator(mode="after")
     def _one_key_source(self):
@@ -709,11 +718,12 @@ class PipelineSection(_Section):
             raise ValueError("set at most one of pipeline.signing_key_env and pipeline.signing_key_file")
         return self
 
-    def signing_key(self) -> bytes | None:
+    def signing_key(self, run_dir: Path | None = None) -> bytes | None:
         """The run's signing key, read now (ConfigError naming the variable or file when it cannot be); None when
-        messages are not signed. Never logged."""
+        messages are not signed. With ``run_key`` and no other source, the run's own key in ``run_dir``, made by
+        whoever asks first. Never logged."""
         if self.signing_key_env is None and self.signing_key_file is None:
-            return None
+            return _run_key(Path(run_dir)) if self.run_key and run_dir is not None else None
         return _secret(self.signing_key_env, self.signing_key_file, "pipeline signing key").encode()
 
 
@@ -892,6 +902,30 @@ class KafkaSection(_Section):
         return options
 
 
+RUN_KEY_FILE = "signing.key"
+
+
+def _run_key(run_dir: Path) -> bytes:
+    """The run's own signing key in ``run_dir``: made once (a random key, mode 0600, linked into place so that of
+    services starting at once one writes it and every one reads the same), then read."""
+    path = run_dir / RUN_KEY_FILE
+    if not path.exists():
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            made = run_dir / f".{RUN_KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+            made.write_text(secrets.token_hex(32) + "\n")
+            made.chmod(0o600)
+            try:
+                os.link(made, path)  # fails if another service made it first: its key is the run's
+            except FileExistsError:
+                pass
+            finally:
+                made.unlink()
+        except OSError as exc:
+            raise ConfigError(f"pipeline.run_key: cannot make the run's key in {run_dir}: {exc.strerror}") from None
+    return _secret(None, path, "the run's signing key").encode()
+
+
 def _secret(env: str | None, file: Path | None, what: str) -> str:
     if env is not None:
         value = os.environ.get(env)
@@ -923,6 +957,10 @@ class RunConfig(_Section):
         description="Episodes run by agents you already have, through an OpenAI-compatible gateway (every call on "
         "the log); none: the generator samples each response itself.",
     )
+
+    def signing_key(self) -> bytes | None:
+        """The key every message of the run is signed with (:meth:`PipelineSection.signing_key`), or None."""
+        return self.pipeline.signing_key(self.run.dir)
 
     @property
     def episodes(self) -> bool:

@@ -141,6 +141,16 @@ def up(
             *overrides,  # the user's settings win
         ]
         print(f"local broker listening on {bootstrap} (memory storage; idempotent producer off)", flush=True)
+    # Signed by default with a key made for the run (pipeline.run_key), unless the user chose a key or chose none.
+    pipeline = config.pipeline if config is not None else None
+    keyed = pipeline is not None and (pipeline.signing_key_env or pipeline.signing_key_file)
+    if pipeline is not None and not keyed and "run_key" in pipeline.model_fields_set and not pipeline.run_key:
+        print("messages UNSIGNED (pipeline.run_key=false): any client of the broker can forge the run's records")
+    elif keyed:
+        print("messages signed with the configured key")
+    else:
+        overrides = ["pipeline.run_key=true", *overrides]
+        print("messages signed with a key made for the run (pipeline.run_key; in its run directory)")
     common = ["--config", str(config_path), "--bootstrap", bootstrap]
     common += [arg for override in overrides for arg in ("--set", override)]
     updates = None

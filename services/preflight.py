@@ -23,7 +23,7 @@ def check_run_inputs(config: RunConfig) -> None:
     from common.rewards import load_reward_function
     from services.learner.trackers import check_trackers
 
-    config.pipeline.signing_key()  # a key named but not there is a ConfigError
+    config.signing_key()  # a key named but not there is a ConfigError
     check_trackers(config)
     prompts = load_prompts(config.data.prompts)
     PromptSchedule(len(prompts), config.data.batch_size, config.data.shuffle, config.run.seed)

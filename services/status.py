@@ -77,7 +77,13 @@ def read_status(bus: Bus, run_id: str, timeout_s: float = 20.0) -> PipelineStatu
 def format_status(status: PipelineStatus) -> str:
     order = {name: i for i, name in enumerate(ROLES)}
     replicas = sorted(status.replicas.values(), key=lambda r: (order.get(r.role, len(order)), r.replica))
-    lines = [f"run {status.run_id}: {len(replicas)} replica(s) reporting"]
+    signed = {r.counters.get("signed") for r in replicas} - {None}
+    signing = (
+        "messages signed" if signed == {1} else
+        "UNSIGNED: any client of the broker can forge its records (pipeline.run_key or signing_key_env signs them)"
+        if signed == {0} else "some replicas sign and some do not" if signed else "signing unknown"
+    )  # fmt: skip
+    lines = [f"run {status.run_id}: {len(replicas)} replica(s) reporting; {signing}"]
     header = f"{'replica':<28}{'state':<10}{'lag':>6}{'held':>6}{'processed':>11}{'dropped':>9}{'dlq':>5}  weights"
     lines.append(header)
     for r in replicas:

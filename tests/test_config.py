@@ -39,6 +39,22 @@ def test_a_bad_value_names_the_field(override, field):
         load_config(EXAMPLE / "config.yaml", [override])
 
 
+def test_a_run_key_is_made_once_for_the_run_and_shared_by_its_services(tmp_path):
+    """pipeline.run_key: the first service writes a random key into the run directory (mode 0600), every other one
+    reads the same; without it, and with no key named, a run is unsigned; a key named wins."""
+    settings = [f"run.dir={tmp_path / 'run'}"]
+    assert load_config(EXAMPLE / "config.yaml", settings).signing_key() is None
+    keys = {load_config(EXAMPLE / "config.yaml", [*settings, "pipeline.run_key=true"]).signing_key() for _ in range(3)}
+    (key,) = keys
+    assert len(key) == 64 and (tmp_path / "run" / "signing.key").stat().st_mode & 0o777 == 0o600
+    other = load_config(EXAMPLE / "config.yaml", [f"run.dir={tmp_path / 'other'}", "pipeline.run_key=true"])
+    other = other.signing_key()
+    assert other != key  # another run, another key
+    (tmp_path / "named").write_text("mine\n")
+    named = [*settings, "pipeline.run_key=true", f"pipeline.signing_key_file={tmp_path / 'named'}"]
+    assert load_config(EXAMPLE / "config.yaml", named).signing_key() == b"mine"
+
+
 def test_malformed_override_and_missing_file():
     with pytest.raises(ConfigError, match="section.key=value"):
         load_config(EXAMPLE / "config.yaml", ["nonsense"])

@@ -5,6 +5,7 @@ then whole runs with real clients: the `openai` package against the gateway of a
 scorer, advantage service and learner behind it), the test itself being the agent where it needs to misbehave.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 import yaml
 from conftest import REPO
-from helpers import broker_address, is_local_broker, read_messages
+from helpers import broker_address, is_local_broker, publish, read_messages
 from openai import OpenAI
 
 from common.config import load_config
@@ -444,13 +445,31 @@ def test_hostile_requests_get_openai_errors_and_lose_nothing(make_config):
     error_of(http.get(f"{agent.url}/v2/anything"), 404)
     error_of(http.post(f"{agent.url}/episodes/{task['key']}/reward", json={"reward": "lots"}), 400)
     error_of(http.post(f"{agent.url}/episodes/{task['key']}/reward", json={}), 400)
+    # What OpenAI's API refuses, refused alike: a message without content, a role that is none, a number sent as a
+    # string, tools that are not tool schemas.
+    for loose in (
+        {"messages": [{"role": "user"}]},
+        {"messages": [{"role": "\N{FIRE}", "content": "hi"}]},
+        {"max_tokens": "3"},
+        {"tools": [{"name": "calculator"}]},
+        {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+    ):
+        error_of(http.post(f"{url}/chat/completions", json={**good, **loose}), 400)
+    # A reward no float32 holds (it was answered 200, then failed the group's record at every restart), and a sum of
+    # posts that would pass the bound.
+    reward_url = f"{agent.url}/episodes/{task['key']}/reward"
+    assert error_of(http.post(reward_url, json={"reward": 1e39}), 400)["code"] == "invalid_reward"
+    assert http.post(reward_url, json={"reward": 6e5, "done": False}).status_code == 200
+    assert error_of(http.post(reward_url, json={"reward": 6e5, "done": False}), 400)["code"] == "invalid_reward"
     # Nothing of that reached the log; the episode still works, by the API key as well as by the base URL.
     by_key = OpenAI(base_url=f"{agent.url}/v1", api_key=task["api_key"])
     answer = by_key.chat.completions.create(**good)
     assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.completion_tokens >= 1
     completion = agent.client(task).completions.create(model=task["model"], prompt="once upon", max_tokens=2)
     assert completion.choices[0].text is not None
-    assert http.post(f"{agent.url}/episodes/{task['key']}/reward", json={"reward": 1.0}).json()["ended"]
+    assert http.post(reward_url, json={"reward": -6e5 + 1.0}).json() == {
+        "episode": task["episode"], "reward": 1.0, "ended": True
+    }  # fmt: skip
     error_of(http.post(f"{url}/chat/completions", json=good), 409)  # ended
     for _ in range(3):  # the other episodes, plainly
         other = agent.claim()
@@ -493,6 +512,107 @@ def test_a_retried_call_gets_the_same_answer_not_a_second_sample_and_a_retried_r
     assert len(calls) == 3, "one call for the idempotency key, one for the lost answer, one fresh"
     trained = [float(r) for m in read_messages(agent.bus, "rollouts") for r in m.environment_reward]
     assert trained == [0.75] * 3, "each of the episode's three rows with its reward, the repeated post once"
+
+
+@pytest.mark.slow
+def test_a_reward_on_the_log_that_no_float32_holds_is_left_out_and_the_run_goes_on(make_config):
+    """A reward event the API would refuse, on the log anyway (written before the API refused it): the replica reads
+    it, leaves it out and says so, and the episode's group is trained with the rewards that fit."""
+    agent = Agent(make_config, "run.steps=1")
+    tasks = [agent.claim() for _ in range(4)]
+    for task in tasks:
+        agent.client(task).chat.completions.create(
+            model=task["model"], messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+    start = next(e for e in read_messages(agent.bus, "episodes") if e.episode == tasks[0]["episode"])
+    poisoned = dataclasses.replace(start, kind="reward", event=f"{start.episode}/reward/old", reward=1e39)
+    publish(agent.bus, "episodes", encode(poisoned))
+    deadline = time.monotonic() + 30
+    while agent.http.get(f"{agent.url}/health").json()["counts"].get("rewards_refused") != 1:
+        assert time.monotonic() < deadline, "the gateway never read the poisoned reward"
+        time.sleep(0.1)
+    for task, reward in zip(tasks, (0.5, 1.0, 1.0, 1.0)):
+        assert agent.http.post(f"{agent.url}/episodes/{task['key']}/reward", json={"reward": reward}).status_code == 200
+    agent.finish()
+    trained = sorted(float(r) for m in read_messages(agent.bus, "rollouts") for r in m.environment_reward)
+    assert trained == [0.5, 1.0, 1.0, 1.0]
+
+
+def test_a_claim_whose_answer_was_lost_gets_the_same_episode_from_the_gateway_started_again(make_config):
+    """The gateway writes an episode's start, then dies before the agent reads the answer: the agent's retry of the
+    claim (same idempotency key) at the gateway started again gets that episode, not another, so it never waits
+    for an agent until gateway.episode_timeout_s. The real gateway on the in-memory bus, the lost answer the client
+    throwing it away as the gateway is stopped."""
+    from services.feeder import FeederService
+    from services.gateway import GatewayService
+    from services.runtime import ServiceRunner
+
+    port = free_port()
+    config = gateway_config(make_config, "run.steps=1", f"gateway.port={port}")
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics())
+    ServiceRunner(FeederService(config), bus)
+    claim_url = f"http://127.0.0.1:{port}/episodes/claim"
+    tasks = []
+    for life in range(2):  # the gateway, then the same replica started again
+        gateway = ServiceRunner(GatewayService(config, "gateway-0"), bus)
+        stop = threading.Event()
+        loop = threading.Thread(target=lambda g=gateway, s=stop: [g.poll_once(0.01) for _ in iter(s.is_set, True)])
+        loop.start()
+        try:
+            headers = {"Idempotency-Key": "claim-1"}
+            tasks.append(httpx.post(claim_url, json={"wait_s": 10}, headers=headers, timeout=30).json())
+            if life == 1:
+                other = httpx.post(claim_url, json={"wait_s": 10}, timeout=30).json()  # a claim of its own
+                health = httpx.get(f"http://127.0.0.1:{port}/health").json()
+        finally:
+            stop.set()
+            loop.join(10)
+            gateway.close()
+    assert tasks[1]["episode"] == tasks[0]["episode"] and tasks[1]["api_key"] == tasks[0]["api_key"]
+    assert tasks[1]["prompt"] == tasks[0]["prompt"] and other["episode"] != tasks[0]["episode"]
+    starts = [e for e in read_messages(bus, "episodes") if e.kind == "start"]
+    assert sorted(e.episode for e in starts) == sorted([tasks[0]["episode"], other["episode"]])
+    assert health["counts"]["claims_retried"] == 1
+
+
+def test_max_calls_holds_for_calls_in_flight_at_once(make_config):
+    """gateway.max_calls counts the calls at the generators too: of 12 calls sent at once to one episode, whose
+    answers cannot come (the generator does not run), 4 reach the generators and the others are refused."""
+    from services.feeder import FeederService
+    from services.gateway import GatewayService
+    from services.runtime import ServiceRunner
+
+    port = free_port()
+    config = gateway_config(make_config, "run.steps=1", f"gateway.port={port}", "gateway.max_calls=4",
+                            "gateway.call_timeout_s=5")  # fmt: skip
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics())
+    ServiceRunner(FeederService(config), bus)
+    gateway = ServiceRunner(GatewayService(config), bus)
+    stop = threading.Event()
+    loop = threading.Thread(target=lambda: [gateway.poll_once(0.01) for _ in iter(stop.is_set, True)], daemon=True)
+    loop.start()
+    statuses = []
+    try:
+        http = httpx.Client(timeout=30)
+        task = http.post(f"http://127.0.0.1:{port}/episodes/claim", json={"wait_s": 10}).json()
+
+        def call(i):
+            body = {"model": task["model"], "messages": [{"role": "user", "content": f"call {i}"}], "max_tokens": 2}
+            statuses.append(httpx.post(f"{task['base_url']}/chat/completions", json=body, timeout=30).status_code)
+
+        callers = [threading.Thread(target=call, args=(i,)) for i in range(12)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join(30)
+    finally:
+        stop.set()
+        loop.join(5)
+        gateway.close()
+    assert len(read_messages(bus, "requests")) == 4
+    assert sorted(statuses) == [400] * 8 + [503] * 4  # the 4 taken were told to try again: no answer came
 
 
 def test_a_call_its_client_gave_up_waiting_for_is_answered_to_the_retry_and_sampled_once(make_config):
@@ -551,13 +671,17 @@ def test_a_reward_that_never_comes_ends_the_episode_as_configured_and_counted(ma
         agent.client(task).chat.completions.create(
             model=task["model"], messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )
-    for task in tasks[:3]:  # the last one's agent walks away
+    for task in tasks[:2]:
         agent.http.post(f"{agent.url}/episodes/{task['key']}/reward", json={"reward": 1.0})
+    # The third one's agent posts its reward but never says it is done: the reward is its outcome all the same.
+    agent.http.post(f"{agent.url}/episodes/{tasks[2]['key']}/reward", json={"reward": 1.0, "done": False})
+    # The last one's agent walks away.
     started = time.monotonic()
     agent.finish()
     assert time.monotonic() - started < 60
     ends = {e.episode: e for e in read_messages(agent.bus, "episodes") if e.kind == "end"}
     assert ends[tasks[3]["episode"]].outcome == "timed_out"
+    assert ends[tasks[2]["episode"]].outcome == "rewarded" and ends[tasks[2]["episode"]].reward == 1.0
     rewards = sorted(float(r) for m in read_messages(agent.bus, "rollouts") for r in m.environment_reward)
     letters = read_messages(agent.bus, "episodes.dlq")
     if policy == "dead_letter":

@@ -80,6 +80,32 @@ def _valid_input(bus, config, topic) -> bytes:
     return encode(message)
 
 
+def test_an_output_that_cannot_be_encoded_sets_its_input_aside_and_the_replica_goes_on(bus, config):
+    """No record may crash-loop a replica: an output the schema refuses (here a score no float32 holds, as a reward
+    of 1e39 once was) is sent nowhere, its input is dead-lettered with why, and the next input is served."""
+
+    class Overflowing(ScorerService):
+        def process(self, message):
+            outputs = super().process(message)
+            if message.step == 0:
+                outputs[0].scores[:] = np.float32(np.inf)
+            return outputs
+
+    runner = ServiceRunner(Overflowing(config, "scorer"), bus)
+    generator = GeneratorService(config)
+    feeder = FeederService(config)
+    for step in (0, 1):
+        publish(bus, "rollouts", encode(generator.process(feeder.batch(step))[0]))
+    assert runner.poll_once() and runner.poll_once()
+    (letter,) = [decode(v) for v in read_all(bus, "rollouts.dlq")]
+    assert "cannot be encoded" in letter.error and "NaN or infinity" in letter.error and letter.source_offset == 0
+    (scored,) = [decode(v) for v in read_all(bus, "scored")]
+    assert scored.step == 1 and runner.counters["dead_letters"] == 1 and runner.counters["processed"] == 1
+    runner.close()  # both were committed past: a successor in the group reads neither again
+    successor = ServiceRunner(ScorerService(config, "scorer-2"), bus)
+    assert not successor.poll_once(0.1) and read_all(bus, "scored") == [encode(scored)]
+
+
 def test_a_message_for_another_topic_is_a_dead_letter(bus, config):
     runner = ServiceRunner(ScorerService(config, "scorer"), bus)
     publish(bus, "rollouts", encode(FeederService(config).batch(0)))  # a prompts message on the rollouts topic

@@ -64,6 +64,25 @@ def sandbox(request):
     return Sandbox(SandboxSection(isolation=request.param, cpu_seconds=1, wall_seconds=3, output_bytes=4096))
 
 
+def test_auto_never_falls_to_the_escapable_sandbox_on_its_own(monkeypatch):
+    """Without a bwrap that works, ``auto`` refuses to start with one line (it once fell to rlimits with a log line,
+    which an outside audit escaped); ``rlimits`` chosen on purpose still runs."""
+    from services.environment import sandbox as module
+
+    monkeypatch.setattr(module, "bwrap_available", lambda: "bwrap cannot make its namespaces here: (simulated)")
+    with pytest.raises(RuntimeError, match="is auto, but bwrap cannot make its namespaces.*rlimits on purpose"):
+        Sandbox(SandboxSection(isolation="auto"))
+    assert Sandbox(SandboxSection(isolation="rlimits")).isolation == "rlimits"
+
+
+def test_the_fallback_refuses_the_module_that_starts_processes_unaudited():
+    """The audit's escape under rlimits: ``_posixsubprocess.fork_exec`` started an interpreter without the hook."""
+    sandbox = Sandbox(SandboxSection(isolation="rlimits", cpu_seconds=1, wall_seconds=3))
+    result = sandbox.run_python("import _posixsubprocess\nprint('imported')")
+    assert result.status == "error" and "importing _posixsubprocess is not allowed" in result.output
+    assert "imported" not in result.output
+
+
 def test_code_runs_and_writes_its_scratch_folder(sandbox):
     result = sandbox.run_python("open('notes.txt', 'w').write('kept'); print(open('notes.txt').read(), 6 * 7)")
     assert (result.status, result.output.strip()) == ("ok", "kept 42")

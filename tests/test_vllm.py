@@ -419,6 +419,43 @@ def test_sigterm_ends_a_run_with_its_engine(model_cache, tmp_path):
             run.kill()
 
 
+def test_kill_9_of_a_process_that_hosts_vllm_takes_its_engine_with_it(model_cache, tmp_path):
+    """A run killed by ``kill -9`` (or the OOM killer) cannot stop its engine: every process vLLM started watches its
+    parent and dies with it (services/generator/vllm_plugin.py), so nothing of the engine is left within seconds,
+    nor multiprocessing's resource tracker, and a pipe on the run's output ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    from conftest import EXAMPLE, REPO
+
+    run_dir = tmp_path / "run"
+    settings = [f"run.dir={run_dir}", f"model.cache_dir={model_cache}", "generation.backend=vllm", "run.steps=10000"]
+    command = [sys.executable, "-m", "services.cli", "run", "--config", str(EXAMPLE / "config.yaml"), "--no-progress"]
+    run = subprocess.Popen(
+        command + [arg for s in settings for arg in ("--set", s)], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists():
+            assert run.poll() is None and time.monotonic() < deadline, "the run did not reach its first update"
+            time.sleep(0.5)
+        left = psutil.Process(run.pid).children(recursive=True)
+        assert any(p.name().startswith("VLLM::") for p in left), [p.name() for p in left]
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait(timeout=30)
+        gone, alive = psutil.wait_procs(left, timeout=15)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+        run.stdout.read()  # ends: nothing holds the dead run's output open
+    finally:
+        if run.poll() is None:
+            run.kill()
+
+
 def test_a_streaming_run_on_vllm_trains_every_group_once_with_weights_loaded_in_flight(make_config):
     """`streamppo run` with the streaming generator on vLLM: groups go on as they finish, updates land while
     responses are being sampled (recompute), and every group is trained once within the staleness bound, judged by

@@ -5,10 +5,13 @@ Two isolations (``environment.sandbox.isolation``):
 - **bwrap** (Debian's ``bubblewrap``, used where it is installed and works): the code runs in new user, PID,
   network, IPC and UTS namespaces, with the whole file system mounted read-only but for its scratch folder and a
   private ``/tmp``; no network device at all; killing the sandbox kills every process in it.
-- **rlimits** (the fallback): no namespaces. The code runs as its own process group in a scratch folder, and a
-  Python audit hook installed before it runs refuses sockets, new processes, ``ctypes`` and any open for writing
-  outside the scratch folder. That is a refusal inside the interpreter, not a kernel boundary: code that finds a way
-  around Python's audit events is held only by the limits below.
+- **rlimits** (only when chosen: ``isolation: rlimits``): no namespaces. The code runs as its own process group in
+  a scratch folder, and a Python audit hook installed before it runs refuses sockets, new processes, ``ctypes``, the
+  modules that start processes without an audit event (``_posixsubprocess``) and any open for writing outside the
+  scratch folder. That is a refusal inside the interpreter, not a kernel boundary: the host's files are readable, its
+  processes visible, and code that finds a way around Python's audit events is held only by the limits below. It is
+  for code you trust (your own tests, a model on a machine of its own), never chosen for you: ``auto`` without a
+  working bwrap refuses to start, with one line that says why.
 
 Both apply the kernel's resource limits to every process of the sandbox: CPU seconds (``RLIMIT_CPU``), address space
 (``RLIMIT_AS``), bytes written to any file, its output included (``RLIMIT_FSIZE``: a write past
@@ -97,6 +100,8 @@ _GUARD = textwrap.dedent(
     def _guard(event, args):
         if event.startswith(_refused) and event not in ("socket.getaddrinfo", "socket.gethostname"):
             raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "import" and args[0] in ("_posixsubprocess", "_ctypes", "_socket"):
+            raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
         if event == "open":
             path, mode, flags = args
             writes = any(c in (mode or "") for c in "wax+") or bool((flags or 0) & _write_flags)
@@ -275,11 +280,14 @@ class Sandbox:
             self.isolation = "rlimits"
         else:
             why = bwrap_available()
-            if why is not None and cfg.isolation == "bwrap":
-                raise RuntimeError(f"environment.sandbox.isolation is bwrap, but {why}")
             if why is not None:
-                log.warning("sandbox: %s; Python code runs with resource limits and an audit hook only", why)
-            self.isolation = "bwrap" if why is None else "rlimits"
+                # Never the escapable fallback unasked: code from a model is untrusted.
+                raise RuntimeError(
+                    f"environment.sandbox.isolation is {cfg.isolation}, but {why}: a model's Python code is not run "
+                    "without namespaces. Install Debian's bubblewrap (make setup does, as root), or choose "
+                    "isolation: rlimits on purpose (resource limits and an audit hook only: docs/episodes.md)"
+                )
+            self.isolation = "bwrap"
 
     def run_python(self, code: str) -> RunResult:
         """Run ``code`` as a script; its output and how it ended."""

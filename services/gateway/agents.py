@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ __all__ = ["AgentPool", "Episode"]
 
 CLAIM_WAIT_S = 5.0  # how long one claim waits at the gateway for an episode
 AWAY_BACKOFF_S = (0.5, 8.0)  # a gateway that does not answer: retried after this, doubling
+SAME_GATEWAY_TRIES = 5  # a claim that got no answer is retried at the same gateway this often, then at the next
 
 
 @dataclass(frozen=True)
@@ -111,20 +113,32 @@ class AgentPool:
     def _work(self, number: int) -> None:
         backoff = AWAY_BACKOFF_S[0]
         turn = number
+        claim = None  # a claim's idempotency key, the same until it is answered: a retry gets the episode it took
+        failures = 0  # of this claim at this gateway
         with httpx.Client(timeout=CLAIM_WAIT_S + 30) as client:
             while not self.stopping.is_set():
+                if failures >= SAME_GATEWAY_TRIES:
+                    turn, failures = turn + 1, 0
                 gateway = self.gateways[turn % len(self.gateways)]
-                turn += 1
+                claim = claim or uuid.uuid4().hex
                 try:
                     response = client.post(
-                        f"{gateway}/episodes/claim", json={"agent": f"{self.name}/{number}", "wait_s": CLAIM_WAIT_S}
+                        f"{gateway}/episodes/claim",
+                        json={"agent": f"{self.name}/{number}", "wait_s": CLAIM_WAIT_S},
+                        headers={"Idempotency-Key": claim},
                     )
                 except httpx.HTTPError as exc:
+                    # The same gateway again first (a replica started again under its name reads what it wrote
+                    # before): the claim may have taken an episode there.
+                    failures += 1
                     log.info("agents: gateway %s does not answer (%s); again in %.1f s", gateway, exc, backoff)
                     self.stopping.wait(backoff)
                     backoff = min(backoff * 2, AWAY_BACKOFF_S[1])
                     continue
-                backoff = AWAY_BACKOFF_S[0]
+                backoff, failures = AWAY_BACKOFF_S[0], 0
+                turn += 1
+                if response.status_code != 503:
+                    claim = None  # answered: the next claim is another
                 if response.status_code == 204 or self.stopping.is_set():
                     continue
                 if response.status_code != 200:

@@ -33,6 +33,12 @@ __all__ = [
 ]
 
 MAX_STOPS = 16
+# The largest reward the API takes, one post's or an episode's sum. Rewards travel as float32 (a 1e39 was infinity
+# there, and its group could never be encoded); far inside that range a sum of them stays finite, and past ~1e6 a
+# float32 keeps no fraction of it anyway.
+MAX_REWARD = 1e6
+# The roles a chat message may have, as OpenAI's API takes them.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class ApiError(Exception):
@@ -61,7 +67,9 @@ def error_body(message: str, kind: str, code: str | None = None, param: str | No
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as OpenAI's server does; known ones are taken as their JSON type only (strict): a
+    # "max_tokens": "12" is refused as OpenAI refuses it, not read as 12.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class _Sampled(_Request):
@@ -107,8 +115,13 @@ class ChatRequest(_Sampled):
     @classmethod
     def _messages(cls, messages):
         for i, message in enumerate(messages):
-            if not isinstance(message.get("role"), str):
+            role = message.get("role")
+            if not isinstance(role, str):
                 raise ValueError(f"messages[{i}] has no role")
+            if role not in ROLES:
+                raise ValueError(f"messages[{i}].role: {role[:40]!r} is not one of {', '.join(ROLES)}")
+            if "content" not in message and not (role == "assistant" and message.get("tool_calls")):
+                raise ValueError(f"messages[{i}] has no content (only an assistant's tool calls may go without)")
             content = message.get("content")
             if isinstance(content, list):  # content parts: text only
                 if not all(
@@ -119,6 +132,19 @@ class ChatRequest(_Sampled):
             elif content is not None and not isinstance(content, str):
                 raise ValueError(f"messages[{i}].content must be a string, text parts or null")
         return messages
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools):
+        for i, tool in enumerate(tools or []):
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict):
+                raise ValueError(f"tools[{i}] is not a tool: {{'type': 'function', 'function': {{'name': ...}}}}")
+            if not isinstance(function.get("name"), str) or not function["name"]:
+                raise ValueError(f"tools[{i}].function has no name")
+            if not isinstance(function.get("parameters", {}), dict):
+                raise ValueError(f"tools[{i}].function.parameters must be a JSON schema (an object)")
+        return tools
 
     @property
     def limit(self) -> int | None:
@@ -173,7 +199,10 @@ class RewardRequest(_Request):
         values = [self.reward] if self.reward is not None else self.rewards
         if not all(isinstance(v, float | int) and v == v and abs(v) != float("inf") for v in values):
             raise ValueError("rewards must be finite numbers")
-        return float(sum(values))
+        total = float(sum(values))
+        if not all(abs(v) <= MAX_REWARD for v in values) or abs(total) > MAX_REWARD:
+            raise ValueError(f"a reward, and an episode's sum of them, lies within ±{MAX_REWARD:g}")
+        return total
 
 
 class EndRequest(_Request):

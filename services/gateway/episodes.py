@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.schema import EpisodeEvent
+from services.gateway.api import MAX_REWARD
 from services.gateway.conversation import CallView
 
 __all__ = [
@@ -104,6 +105,8 @@ class Episode:
     index: int
     batch_id: str  # its prompt batch's
     agent: str = ""  # who took it ('' until it is taken)
+    claim: str = ""  # the claim that took it, by its idempotency key's hash ('' for a claim without one)
+    prompt: str = ""  # its prompt, as its start recorded it
     calls: dict[str, Call] = field(default_factory=dict)  # by id, in the order they came
     rewards: list[float] = field(default_factory=list)  # as posted
     ending: EpisodeEvent | None = None  # written here, not read back from the log yet: no more calls
@@ -183,6 +186,7 @@ class EpisodeBook:
         self.episodes: dict[str, Episode] = {}
         self.seen: set[str] = set()  # the ids of the events applied
         self.gone: set[str] = set()  # episodes forgotten (ended, their group sent or used up)
+        self.refused: list[str] = []  # reward events of the log that no API would have taken (why, each)
 
     def get(self, episode: str) -> Episode | None:
         return self.episodes.get(episode)
@@ -209,12 +213,19 @@ class EpisodeBook:
         episode.active = time.monotonic()
         if event.kind == "start":
             episode.agent = event.detail or "agent"
+            episode.claim, episode.prompt = event.request_digest, event.prompt_text
         elif event.kind == "end":
             episode.ending = episode.ending or event
         elif episode.end is not None or (event.kind == "call" and event.parent and event.parent not in episode.calls):
             episode.late += 1  # after its end on the log (or naming a call it has not had): not trained
         elif event.kind == "reward":
-            episode.rewards.append(event.reward)
+            # The API refuses such a reward (400); one on the log anyway (written before it did, or by another
+            # client of the topic) is left out, never trained: a sum past float32 could not be encoded, and every
+            # replica reading the log again would fail on it again.
+            if not abs(event.reward) <= MAX_REWARD or not abs(episode.reward + event.reward) <= MAX_REWARD:
+                self.refused.append(f"episode {episode.id}: reward {event.reward:g} is outside ±{MAX_REWARD:g}")
+            else:
+                episode.rewards.append(event.reward)
         elif event.kind == "call":
             episode.calls[event.event] = Call(event, self._view(episode, event))
         return episode

@@ -50,7 +50,7 @@ from common.schema import (
     WeightAnnouncement,
     new_header,
 )
-from services.gateway.api import Answer, ApiError, now
+from services.gateway.api import MAX_REWARD, Answer, ApiError, now
 from services.gateway.conversation import Prompt, Prompts, append_only_violation
 from services.gateway.episodes import Episode, EpisodeBook, KeyError_, Row, episode_id, episode_key, episode_of_key
 from services.gateway.http import GatewayServer, Request
@@ -104,7 +104,7 @@ class GatewayService(Service):
         self.template_problem = append_only_violation(self.tokenizer)
         if self.template_problem:
             log.warning("%s: %s", self.replica_id, self.template_problem)
-        self.secret = config.pipeline.signing_key()
+        self.secret = config.signing_key()
         self.book = EpisodeBook(self.tokenizer)
         self.admission = Admission(config)
         self.policy_version = 0
@@ -231,6 +231,10 @@ class GatewayService(Service):
             if event.producer != self.replica_id:
                 self.peers.add(event.producer)
             self.book.apply(event, logged=True)
+        for why in self.book.refused:
+            self.counts["rewards_refused"] += 1
+            log.warning("%s: a reward on the episodes log is left out: %s", self.replica_id, why)
+        self.book.refused.clear()
 
     def _catch_up(self) -> None:
         """Read the episodes log to its end (what other replicas wrote before now)."""
@@ -356,7 +360,9 @@ class GatewayService(Service):
             self.pending[call_id].waiting.append(request)
             self._deliver(self.pending[call_id])
             return
-        if len(episode.calls) >= self.gateway.max_calls:
+        # Calls at the generators count too: 200 parallel calls to one episode all came before any was answered.
+        in_flight = sum(1 for pending in self.pending.values() if pending.episode == episode.id)
+        if len(episode.calls) + in_flight >= self.gateway.max_calls:
             raise ApiError(
                 400, f"episode {episode.id} has had its {self.gateway.max_calls} calls (gateway.max_calls)", "max_calls"
             )
@@ -518,32 +524,57 @@ class GatewayService(Service):
     # ------------------------------------------------------------------ agents take episodes, reward and end them
 
     def _claim(self, request: Request) -> None:
+        # A claim retried with its idempotency key (its answer was lost: the gateway died between writing the start
+        # and answering) gets the episode it took, not a second one: the first would wait for an agent that never
+        # comes until gateway.episode_timeout_s, and its group train a row short.
+        claim = f"claim:{_key_hash(request.idempotency_key)}" if request.idempotency_key else ""
+        if claim:
+            taken = self._claimed(claim)
+            if taken is None and self._read_on_for(request):  # another replica may have handed it out
+                taken = self._claimed(claim)
+            if taken is not None:
+                self.counts["claims_retried"] += 1
+                request.answer(self._task(taken))
+                return
         if not self.offers:
             self.claims.append(request)
             return
         episode = self.book.get(self.offers.popleft())
-        self._take(episode, request.body.agent)
+        self._take(episode, request.body.agent, claim)
         request.answer(self._task(episode))
 
-    def _take(self, episode: Episode, agent: str) -> None:
+    def _claimed(self, claim: str) -> Episode | None:
+        return next((e for e in self.book.episodes.values() if e.claim == claim and not e.over), None)
+
+    def _take(self, episode: Episode, agent: str, claim: str = "") -> None:
         if episode.id in self.offers:
             self.offers.remove(episode.id)
-        self._write(self._event(episode, "start", f"{episode.id}/start", detail=agent))
+        origin = self._origin(episode)
+        prompt = origin.prompt_text[episode.row] if isinstance(origin, PromptBatch) else ""
+        self._write(
+            self._event(episode, "start", f"{episode.id}/start", detail=agent, request_digest=claim, prompt_text=prompt)
+        )
         self.counts["episodes_taken"] += 1
         if not self.offers:
             self.offered_since = None
 
     def _task(self, episode: Episode) -> dict:
         key = episode_key(episode.id, self.secret)
-        origin = self.batches[episode.batch_id].message
+        held = self.batches.get(episode.batch_id)
+        # A retried claim served by a replica that does not hold the prompt batch: the prompt its start recorded.
+        prompt, label = (
+            (held.message.prompt_text[episode.row], held.message.prompt_label[episode.row])
+            if held is not None
+            else (episode.prompt, "")
+        )
         return {
             "episode": episode.id,
             "key": key,
             "base_url": f"{self.url}/episodes/{key}/v1",
             "api_key": key,
             "model": self.model_name,
-            "prompt": origin.prompt_text[episode.row],
-            "label": origin.prompt_label[episode.row],
+            "prompt": prompt,
+            "label": label,
             "step": episode.step,
             "row": episode.row,
             "index": episode.index,
@@ -556,6 +587,11 @@ class GatewayService(Service):
             total = request.body.total()
         except ValueError as exc:
             raise ApiError(400, str(exc), "invalid_reward") from None
+        if abs(episode.reward + total) > MAX_REWARD:
+            raise ApiError(
+                400, f"episode {episode.id}'s rewards would sum past ±{MAX_REWARD:g} ({episode.reward:g} so far)",
+                "invalid_reward", "reward",
+            )  # fmt: skip
         # A post with an idempotency key is one reward however often it comes: its retry after a gateway died between
         # writing the reward and the end (the client saw no answer) adds nothing.
         key = request.idempotency_key
@@ -629,7 +665,9 @@ class GatewayService(Service):
                     episode = self.book.get(episode_id(batch.message.step, row, index))
                     if episode and episode.started and not episode.over and episode.id not in busy:
                         if now_ - episode.active >= limit:
-                            self._finish(episode, "timed_out", f"no call, reward or end for {limit:.0f} s")
+                            # Rewards posted (with done: false) are the episode's outcome: its end just never came.
+                            outcome = "rewarded" if episode.rewards else "timed_out"
+                            self._finish(episode, outcome, f"no call, reward or end for {limit:.0f} s")
 
     def _settle(self) -> list[Collected]:
         """The groups whose episodes have all ended (as the log has it), as rollouts records."""

@@ -2,9 +2,15 @@
 pyproject.toml): vLLM calls :func:`register` in each of its processes, the workers included, before it builds the
 engine a ``weight_transfer_config`` names. Registration is lazy (a module path), so a vLLM process that never uses
 the engine imports nothing of streamppo but this file. It also quiets what vLLM's reload says of every update that
-is expected (:data:`EXPECTED_ON_RELOAD`)."""
+is expected (:data:`EXPECTED_ON_RELOAD`), and makes each process vLLM starts die with the process that started it
+(:func:`die_with_parent`)."""
 
 from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
 
 BACKEND = "streamppo"
 # In a worker's error when weights were refused before any was touched: vLLM passes a worker's exception on as its
@@ -24,9 +30,34 @@ def _not_expected_on_reload(record) -> bool:
     return record.getMessage() not in EXPECTED_ON_RELOAD
 
 
+PARENT_CHECK_S = 0.5  # how often a vLLM process looks for its parent
+
+
+def die_with_parent() -> None:
+    """In a process vLLM started (its engine core, its workers): a watchdog that kills this process once the one
+    that started it is gone. A generator killed by ``kill -9`` or the OOM killer cannot stop its engine, whose
+    processes then ran on with parent 1, holding gigabytes and the dead run's stdout (a pipe on it never ended).
+    Each of vLLM's processes watches its own parent, so a worker goes with its engine core. Not in the process that
+    hosts vLLM itself (not started by multiprocessing), nor twice in one process."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None or getattr(die_with_parent, "watching", False):
+        return
+    die_with_parent.watching = True
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os.kill(os.getpid(), signal.SIGKILL)  # nothing of it is worth keeping: its host, and its requests, are gone
+
+    threading.Thread(target=watch, name="streamppo-die-with-parent", daemon=True).start()
+
+
 def register() -> None:
     import logging
 
+    die_with_parent()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     reload_log = logging.getLogger(RELOAD_LOGGER)
