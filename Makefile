@@ -1,7 +1,8 @@
 # streamppo's steps, each runnable alone. `make ci` is the README's test command and all that .ci/run calls.
 #
-#   make setup       what the tests need: Debian's bubblewrap (as root), the venv (deploy/install.py: the inference
-#                    engine this machine takes, every pin from pyproject.toml)
+#   make setup       what the tests need: Debian's bubblewrap, Java and Maven where missing (as root), the venv
+#                    (deploy/install.py: the inference engine this machine takes, every pin from pyproject.toml),
+#                    Apache Kafka's jars from Maven Central (deploy/kafka/pom.xml, once, into ~/.cache/streamppo)
 #   make run         the README's first run: the venv without the test extras, then the vowels example
 #   make lint        ruff, as configured in pyproject.toml
 #   make test-fast   the fast tier: no processes, no engine, no broker (docs/testing.md)
@@ -18,16 +19,22 @@ PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadgroup
 
-.PHONY: setup system venv run lint test-fast test ci
+.PHONY: setup system venv kafka run lint test-fast test ci
 
-setup: system venv
+setup: system venv kafka
 
 system:
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -q bubblewrap >/dev/null; } \
 	  || echo "setup: no bubblewrap (root installs Debian's): the sandbox refuses untrusted code (docs/episodes.md)"
+	@{ command -v java >/dev/null && command -v mvn >/dev/null; } || { [ "$$(id -u)" = 0 ] && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q openjdk-17-jre-headless maven >/dev/null; } \
+	  || echo "setup: no Java or Maven: streamppo up runs on the memory broker, and the tests cannot run Apache Kafka"
 
 venv:
 	$(PYTHON) deploy/install.py --venv $(VENV) --extras $(EXTRAS)
+
+kafka: venv
+	$(PY) -m services.transport.apache_kafka fetch
 
 run:
 	$(PYTHON) deploy/install.py --venv $(VENV)

@@ -165,7 +165,14 @@ def _up(args) -> int:
         print(f"streamppo: {exc}", file=sys.stderr)
         return exit_codes.CONFIG
     return up(
-        args.config, overrides, args.bootstrap, replicas, verbose=args.verbose, restart=args.restart, config=config
+        args.config,
+        overrides,
+        args.bootstrap,
+        replicas,
+        verbose=args.verbose,
+        restart=args.restart,
+        config=config,
+        broker=args.broker,
     )
 
 
@@ -354,6 +361,13 @@ def _add_pipeline_commands(sub) -> None:
     cluster = sub.add_parser("up", help="run every service as its own process over a local (or given) broker")
     _config_options(cluster)
     cluster.add_argument("--bootstrap", default=None, help="use this broker instead of starting a local one")
+    cluster.add_argument(
+        "--broker",
+        choices=["kafka", "memory"],
+        default="kafka",
+        help="the broker up starts: Apache Kafka, its log in the run directory (default; the memory broker where "
+        "Java is missing, saying so), or the memory broker (nothing kept when it stops)",
+    )
     cluster.add_argument("--replicas", action="append", default=[], metavar="ROLE=N", help="e.g. --replicas scorer=2")
     cluster.add_argument(
         "--resume", action="store_true", help="continue from the learner's last checkpoint (e.g. on a new broker)"

@@ -1,6 +1,7 @@
 """``streamppo up``: a local cluster without Docker.
 
-Starts a local Kafka-protocol broker (unless ``--bootstrap`` names one), then the replicas of every role in
+Starts Apache Kafka with the run's log in the run directory (the memory broker where Java is missing; none when
+``--bootstrap`` names a broker), then the replicas of every role in
 ``ROLES`` as child processes (``streamppo <role>``), each with its output prefixed by its name, and waits until
 every replica of the roles that end the run has finished. A child that exits with an error is restarted after a
 back-off (``--restart on-failure``, the default, as Kubernetes would) or stops the run (``--restart never``). When
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,10 +29,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.config import load_config
 from services import exit_codes
 from services.restarts import Restarts
 from services.roles import ROLES, roles_of
 from services.run_bus import RUN_BROKER, RUN_CONFIG
+from services.transport.apache_kafka import KafkaBroker
 from services.transport.local_broker import LocalBroker
 
 __all__ = ["parse_replicas", "stop_all", "up"]
@@ -117,30 +122,32 @@ def up(
     verbose: bool = False,
     restart: str = "on-failure",
     config=None,
+    broker: str = "kafka",
 ) -> int:
     """Run the pipeline; returns 0 once every replica of the roles that end the run has finished.
 
     With ``restart="on-failure"`` a child that exits with an error (or is killed) is restarted after a back-off, as
     :mod:`services.restarts` says; when it gives up, the run stops with that child's exit code. With
     ``restart="never"`` the first failure stops the run. ``config``: the run's configuration (``config_path`` with
-    ``overrides``), for what ``up`` reports.
+    ``overrides``), for what ``up`` reports. ``broker``: which to start when ``bootstrap`` names none (``kafka``,
+    or ``memory``).
     """
-    broker = None
+    which, broker = broker, None
     started = time.time()
     if bootstrap is None:
-        broker = LocalBroker().start()
+        broker, said = _start_broker(config, which)
         bootstrap = broker.bootstrap
-        # kafka-python's idempotent producer cannot initialise against this broker (it rejects the produce with
-        # no producer id); re-delivery is still harmless, as every consumer de-duplicates by batch id. The broker
-        # accepts short sessions (Apache Kafka's group.min.session.timeout.ms is 6 s by default): a killed replica's
-        # partitions move to the others in under 3 s instead of 10 (benchmarks/RESULTS.md).
+        # Short consumer sessions (Apache Kafka's group.min.session.timeout.ms is 6 s by default; the broker up starts
+        # allows 1 s): a killed replica's partitions move to the others in under 3 s instead of 10
+        # (benchmarks/RESULTS.md). The memory broker rejects kafka-python's idempotent produce (no producer id);
+        # re-delivery is still harmless there, as every consumer de-duplicates by batch id.
         overrides = [
-            "kafka.idempotent_producer=false",
+            *(["kafka.idempotent_producer=false"] if isinstance(broker, LocalBroker) else []),
             f"kafka.session_timeout_ms={LOCAL_SESSION_TIMEOUT_MS}",
             f"kafka.heartbeat_interval_ms={LOCAL_HEARTBEAT_MS}",
             *overrides,  # the user's settings win
         ]
-        print(f"local broker listening on {bootstrap} (memory storage; idempotent producer off)", flush=True)
+        print(said, flush=True)
     # Signed by default with a key made for the run (pipeline.run_key), unless the user chose a key or chose none.
     pipeline = config.pipeline if config is not None else None
     keyed = pipeline is not None and (pipeline.signing_key_env or pipeline.signing_key_file)
@@ -157,7 +164,10 @@ def up(
     if config is not None:
         run_dir = Path(config.run.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / RUN_CONFIG).write_text(config.model_dump_json(indent=2, exclude_unset=True))
+        # What the children run with, up's own settings included (the run's key, the sessions): a replica added by
+        # hand (`streamppo scorer --config <run dir>/config.json`) is then one of the run.
+        children_config = load_config(config_path, overrides)
+        (run_dir / RUN_CONFIG).write_text(children_config.model_dump_json(indent=2, exclude_unset=True))
         (run_dir / RUN_BROKER).write_text(bootstrap + "\n")
         updates = _Updates(run_dir / "metrics.jsonl", config.run.steps, f"streamppo status --run-dir {run_dir}")
     flags = ["-v"] if verbose else []
@@ -212,6 +222,51 @@ def up(
         stop_all([child.process for child in children.values() if child.process is not None], hurry=lambda: signals > 1)
         if broker is not None:
             broker.stop()
+
+
+def _start_broker(config, which: str = "kafka") -> tuple[KafkaBroker | LocalBroker, str]:
+    """The run's broker, and the line that says which: Apache Kafka with its log in the run directory (``kafka/``),
+    where Java is; the memory broker otherwise, saying why. A new run starts on an empty log; ``run.resume`` takes
+    up the one there (on the port it had, where that is free), as after a machine's restart."""
+    from services.transport.apache_kafka import KAFKA_VERSION, KafkaBroker, KafkaUnavailable, kafka_available
+
+    why = kafka_available() if which == "kafka" else "--broker memory"
+    if why is None and config is not None:
+        run_dir = Path(config.run.dir)
+        folder = run_dir / "kafka"
+        port = None
+        if config.run.resume:
+            port = _free_port_of(run_dir / RUN_BROKER)
+        elif folder.exists():
+            shutil.rmtree(folder)  # a new run: the log of the one before it in this folder is not its own
+        try:
+            broker = KafkaBroker(folder, port).start()
+        except KafkaUnavailable as exc:
+            why = str(exc)
+        else:
+            kept = "taken up again" if config.run.resume and broker.formatted else "new"
+            return broker, (
+                f"Apache Kafka {KAFKA_VERSION} serving on {broker.bootstrap}: the run's log ({kept}) in {folder}, "
+                f"kept across the broker's restarts; its own log in {broker.log_path}"
+            )
+    broker = LocalBroker().start()
+    why = why or "no run directory given"
+    because = "as asked (--broker memory)" if which == "memory" else f"because Apache Kafka cannot run here ({why})"
+    return broker, (
+        f"the memory broker serving on {broker.bootstrap}, {because}: the run's log is lost when it stops, and the "
+        "idempotent producer is off"
+    )
+
+
+def _free_port_of(address_file: Path) -> int | None:
+    """The port of the address a run's broker had (``<run.dir>/broker``), if it is free now."""
+    try:
+        port = int(address_file.read_text().strip().rpartition(":")[2])
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))
+        return port
+    except (OSError, ValueError):
+        return None
 
 
 def _summarise(config, bootstrap: str, seconds: float) -> None:

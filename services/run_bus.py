@@ -34,6 +34,7 @@ def kafka_bus(
         KafkaSettings(
             bootstrap=bootstrap,
             max_message_bytes=k.max_message_bytes,
+            replication_factor=k.replication_factor,
             session_timeout_ms=k.session_timeout_ms,
             heartbeat_interval_ms=k.heartbeat_interval_ms,
             idempotent_producer=k.idempotent_producer,

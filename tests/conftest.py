@@ -105,27 +105,32 @@ def experience(tiny_model):
 # testcontainers' reaper runs in a container of its own, whose image comes from a registry; every container a test
 # starts is stopped by the test itself.
 os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
-KAFKA_IMAGE = "confluentinc/cp-kafka:7.6.0"  # testcontainers' KafkaContainer
+KAFKA_IMAGE = "confluentinc/cp-kafka:7.6.0"  # testcontainers' KafkaContainer (STREAMPPO_TEST_BROKER=container)
+BROKERS = ("kafka", "local", "container")
 
 
 def _suite_broker() -> str:
-    """Which broker the suite runs against: ``env`` ($KAFKA_BOOTSTRAP_SERVERS), ``kafka`` (testcontainers' Kafka, when
-    its image is present or can be pulled), else ``local`` (the local broker binary on a free port). A Docker engine
-    that answers is not enough: with no registry it cannot give the image."""
-    from helpers import image_available
-
+    """Which broker the suite runs against: ``env`` ($KAFKA_BOOTSTRAP_SERVERS), else $STREAMPPO_TEST_BROKER:
+    ``kafka`` (the default: Apache Kafka from Maven Central's jars, started by the tests), ``local`` (the memory
+    broker, tansu) or ``container`` (testcontainers' Kafka image, where a registry gives it)."""
     if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
         return "env"
-    return "kafka" if image_available(KAFKA_IMAGE, pull=True) else "local"
+    which = os.environ.get("STREAMPPO_TEST_BROKER", "kafka")
+    if which not in BROKERS:
+        raise pytest.UsageError(f"STREAMPPO_TEST_BROKER={which!r}: one of {', '.join(BROKERS)}")
+    return which
 
 
 def pytest_report_header(config):
     from helpers import docker_answers, image_available
 
+    from services.transport.apache_kafka import KAFKA_VERSION
+
     broker = {
         "env": f"$KAFKA_BOOTSTRAP_SERVERS ({os.environ.get('KAFKA_BOOTSTRAP_SERVERS')})",
-        "kafka": f"Apache Kafka in a container ({KAFKA_IMAGE}, testcontainers)",
-        "local": "the local broker binary (tansu, memory storage), one process per session",
+        "kafka": f"Apache Kafka {KAFKA_VERSION} (KRaft, from Maven Central's jars), one broker per test process",
+        "local": "the local memory broker (tansu), one process per session (STREAMPPO_TEST_BROKER=local)",
+        "container": f"Apache Kafka in a container ({KAFKA_IMAGE}, testcontainers)",
     }[_suite_broker()]
     images = [image for image in CONTAINER_IMAGES if image_available(image)]
     containers = (
@@ -141,21 +146,43 @@ CONTAINER_IMAGES = ("streamppo:cpu", "streamppo-broker:local", "streamppo-promet
 
 @pytest.fixture(scope="session")
 def kafka_broker(tmp_path_factory):
-    """A real Kafka-protocol broker, as config overrides: the one :func:`_suite_broker` names (the local broker's
-    idempotence kafka-python cannot use, so the producer runs without it there)."""
+    """A real Kafka-protocol broker, as config overrides: the one :func:`_suite_broker` names. Apache Kafka by
+    default; nothing is skipped where Java or the jars are missing: the tests fail, saying which (`make setup`)."""
     which = _suite_broker()
     if which == "env":
         yield [f"kafka.bootstrap={os.environ['KAFKA_BOOTSTRAP_SERVERS']}"]
     elif which == "kafka":
+        from services.transport.apache_kafka import KafkaBroker, KafkaUnavailable
+
+        try:
+            broker = KafkaBroker(tmp_path_factory.mktemp("kafka")).start()
+        except KafkaUnavailable as exc:
+            pytest.fail(f"Apache Kafka cannot run here: {exc}", pytrace=False)
+        try:
+            yield [f"kafka.bootstrap={broker.bootstrap}"]
+        finally:
+            broker.stop()
+    elif which == "container":
         from testcontainers.kafka import KafkaContainer
 
         with KafkaContainer(KAFKA_IMAGE) as kafka:
             yield [f"kafka.bootstrap={kafka.get_bootstrap_server()}"]
     else:
-        from services.transport.local_broker import LocalBroker
+        yield from _local_broker(tmp_path_factory.mktemp("broker") / "broker.log")
 
-        with LocalBroker(log_path=tmp_path_factory.mktemp("broker") / "broker.log") as broker:
-            yield [f"kafka.bootstrap={broker.bootstrap}", "kafka.idempotent_producer=false"]
+
+def _local_broker(log_path: Path):
+    from services.transport.local_broker import LocalBroker
+
+    with LocalBroker(log_path=log_path) as broker:
+        yield [f"kafka.bootstrap={broker.bootstrap}", "kafka.idempotent_producer=false"]
+
+
+@pytest.fixture(scope="session")
+def memory_broker(tmp_path_factory):
+    """The local memory broker (tansu), the no-Java fallback of `streamppo up`: the transport contract runs on it
+    too while it remains one."""
+    yield from _local_broker(tmp_path_factory.mktemp("memory-broker") / "broker.log")
 
 
 @pytest.fixture
@@ -171,10 +198,7 @@ def own_broker(kafka_broker, tmp_path):
     if not is_local_broker(kafka_broker):
         yield kafka_broker
         return
-    from services.transport.local_broker import LocalBroker
-
-    with LocalBroker(log_path=tmp_path / "own-broker.log") as broker:
-        yield [f"kafka.bootstrap={broker.bootstrap}", "kafka.idempotent_producer=false"]
+    yield from _local_broker(tmp_path / "own-broker.log")
 
 
 @pytest.fixture

@@ -35,16 +35,31 @@ class Contract:
         return f"g-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.slow)])
+@pytest.fixture(
+    params=["memory", pytest.param("kafka", marks=pytest.mark.slow), pytest.param("local", marks=pytest.mark.slow)]
+)
 def contract(request):
+    """The in-memory bus; the suite's broker (Apache Kafka); the local memory broker, `up`'s fallback without Java."""
     if request.param == "memory":
         yield Contract(MemoryBus(), settle_s=0.0)
         return
     from services.run_bus import kafka_bus
 
-    bus = kafka_bus(request.getfixturevalue("make_config")(*request.getfixturevalue("kafka_broker")))
+    broker = request.getfixturevalue("kafka_broker" if request.param == "kafka" else "memory_broker")
+    bus = kafka_bus(request.getfixturevalue("make_config")(*broker))
     yield Contract(bus, settle_s=2.0)
     bus.close()
+
+
+def joined(*consumers, timeout_s: float = 60.0):
+    """``consumers`` of one group, once each holds partitions: a group deals its partitions out as members join, and
+    on Apache Kafka (no initial rebalance delay) the first to join reads everything before the second is in."""
+    deadline = time.monotonic() + timeout_s
+    while not all(consumer.assigned() for consumer in consumers):
+        assert time.monotonic() < deadline, "the group never dealt partitions to every member"
+        for consumer in consumers:
+            assert not consumer.poll(0.1, max_records=100), "joined() is for members of a group with nothing to read"
+    return consumers
 
 
 def drain(consumers, expected: int, timeout_s: float = 60.0, commit: bool = True) -> list[list[bytes]]:
@@ -75,9 +90,9 @@ def values(count: int, first: int = 0) -> list[bytes]:
 
 def test_every_group_sees_every_record_and_members_share_the_partitions(contract):
     topic = contract.topic(4)
-    contract.fill(topic, 40)
     group = contract.group()
-    first, second = contract.bus.consumer(topic, group, "first"), contract.bus.consumer(topic, group, "second")
+    first, second = joined(contract.bus.consumer(topic, group, "first"), contract.bus.consumer(topic, group, "second"))
+    contract.fill(topic, 40)
     one, two = drain([first, second], 40)
     assert sorted(one + two) == sorted(values(40)) and one and two, "split between the members, each record once"
     (other,) = drain([contract.bus.consumer(topic, contract.group(), "other")], 40)
@@ -126,7 +141,9 @@ def test_uncommitted_records_are_redelivered_to_the_next_member(contract):
 
 def test_a_members_partitions_move_to_the_survivor_when_it_leaves(contract):
     topic, group = contract.topic(2), contract.group()
-    leaving, staying = contract.bus.consumer(topic, group, "leaving"), contract.bus.consumer(topic, group, "staying")
+    leaving, staying = joined(
+        contract.bus.consumer(topic, group, "leaving"), contract.bus.consumer(topic, group, "staying")
+    )
     contract.fill(topic, 10)
     got_leaving, got_staying = drain([leaving, staying], 10, commit=False)
     assert got_leaving, "the leaver had partitions"

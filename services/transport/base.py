@@ -39,6 +39,7 @@ class TopicSpec:
     verify: bool = False  # refuse an existing topic whose partitions or compaction differ from these
     retention_ms: int | None = None  # None: the broker's default; -1: for good
     retention_bytes: int | None = None  # per partition
+    settings: tuple[tuple[str, str], ...] = ()  # more topic configs, as Kafka names them (segment.ms, ...)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,10 @@ class Consumer(ABC):
     def log_ends(self) -> dict[int, int]:
         """The end offset last seen of each assigned partition (those seen so far)."""
         return {}
+
+    def assigned(self) -> set[int]:
+        """The partitions this member holds now (every partition for a reader without a group)."""
+        return set()
 
     def at_end(self) -> bool:
         """Whether every assigned partition has been read to the end the broker last told of (False while an end is

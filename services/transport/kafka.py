@@ -131,6 +131,7 @@ class KafkaBus(Bus):
                         configs["retention.ms"] = str(spec.retention_ms)
                     if spec.retention_bytes is not None:
                         configs["retention.bytes"] = str(spec.retention_bytes)
+                configs.update(spec.settings)
                 topic = NewTopic(spec.name, spec.partitions, self.settings.replication_factor, topic_configs=configs)
                 try:
                     admin.create_topics([topic])
@@ -497,6 +498,9 @@ class _KafkaConsumer(Consumer):
     def log_ends(self) -> dict[int, int]:
         ends = {tp.partition: self.consumer.highwater(tp) for tp in self.consumer.assignment()}
         return {partition: end for partition, end in ends.items() if end is not None}
+
+    def assigned(self) -> set[int]:
+        return {tp.partition for tp in self.consumer.assignment()}
 
     def at_end(self) -> bool:
         # An end offset is known once a fetch of the partition was answered; until then nothing says it is read.

@@ -174,6 +174,11 @@ class _MemoryConsumer(Consumer):
             logs = self.bus.topic(self.topic).partitions
             return {p: len(logs[p]) for p in self.positions}
 
+    def assigned(self) -> set[int]:
+        with self.bus._lock:
+            self._sync_assignment()
+            return set(self.positions)
+
     def lag(self) -> int:
         with self.bus._lock:
             self._sync_assignment()

@@ -87,5 +87,8 @@ class _Consumer(Consumer):
     def log_ends(self) -> dict[int, int]:
         return self.consumer.log_ends()
 
+    def assigned(self) -> set[int]:
+        return self.consumer.assigned()
+
     def close(self) -> None:
         self.consumer.close()

@@ -1,0 +1,336 @@
+"""What only a real Apache Kafka can show: a broker killed and started again on its log, a cluster of three that
+loses brokers, the compacted weights topic compacted, records at the size limit, a group rebalanced as scorers come and
+go. Each test starts brokers of its own (services/transport/apache_kafka.py) from Maven Central's jars."""
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLE, REPO
+from helpers import assert_each_group_once, run_settings
+
+from common.schema import encode
+from services.run_bus import kafka_bus
+from services.transport import TopicSpec
+from services.transport.apache_kafka import KafkaBroker, KafkaCluster
+
+pytestmark = pytest.mark.slow  # brokers and services as processes
+
+# Short sessions, as `up` gives the broker it starts: a killed replica's partitions move on in seconds.
+KAFKA_SETTINGS = ("kafka.session_timeout_ms=1000", "kafka.heartbeat_interval_ms=250", "kafka.connect_timeout_s=180")
+STREAMING = ("generation.streaming=true", "generation.groups_per_record=4", "learner.groups_per_update=8")
+
+
+def unique(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def command(*args: str, settings=()) -> list[str]:
+    line = [sys.executable, "-m", "services.cli", "-v", *args, "--config", str(EXAMPLE / "config.yaml")]
+    return line + [a for s in settings for a in ("--set", s)]
+
+
+class Run:
+    """`streamppo -v up` in the background on a broker the test owns, its output in a file, its metrics read."""
+
+    def __init__(self, tmp_path: Path, model_cache, bootstrap: str, steps: int, *up_args, settings=()):
+        self.tmp_path, self.steps, self.bootstrap = tmp_path, steps, bootstrap
+        self.run_id = unique("kafka")
+        self.settings = [
+            *run_settings(tmp_path, model_cache, steps, self.run_id),
+            "generation.backend=transformers",
+            *KAFKA_SETTINGS,
+            *settings,
+        ]
+        self.output = tmp_path / "up.log"
+        self.metrics = tmp_path / "run" / "metrics.jsonl"
+        with open(self.output, "w") as log:
+            self.process = subprocess.Popen(
+                command("up", "--bootstrap", bootstrap, *up_args, settings=self.settings),
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def updates(self) -> int:
+        return len(self.metrics.read_text().splitlines()) if self.metrics.exists() else 0
+
+    def log(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def wait_updates(self, count: int, timeout_s: float = 300.0) -> float:
+        """Wait until ``count`` updates are done; returns when (time.monotonic())."""
+        deadline = time.monotonic() + timeout_s
+        while self.updates() < count:
+            assert time.monotonic() < deadline and self.process.poll() is None, self.log()[-4000:]
+            time.sleep(0.1)
+        return time.monotonic()
+
+    def finish(self, timeout_s: float = 600.0) -> list[dict]:
+        try:
+            code = self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            status = subprocess.run(
+                [sys.executable, "-m", "services.cli", "status", "--run-dir", str(self.tmp_path / "run")],
+                cwd=REPO, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            pytest.fail(f"the run stalled; streamppo status:\n{status.stdout}{status.stderr}\n{self.log()[-3000:]}")
+        assert code == 0, self.log()[-4000:]
+        return [json.loads(line) for line in self.metrics.open()]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    def assert_every_version_and_group_once(self, records: list[dict]) -> None:
+        assert [r["step"] for r in records] == list(range(1, self.steps + 1)), "every version applied exactly once"
+        assert_each_group_once(records, self.run_id, self.steps * 8 // 16)
+        text = self.log()
+        assert "going on on the new log" not in text and "again in resume mode" not in text, "the log is the same one"
+        assert "has given no partition" not in text, "the wedge workaround (the memory broker's group bug) never fired"
+
+
+def test_kill_9_of_the_broker_mid_run_loses_nothing_and_the_log_is_the_same(tmp_path, model_cache):
+    """Apache Kafka killed (-9) mid-run and started again on its log folder: the services wait for it, then go on on
+    the same log (no new-log recovery), every version and group exactly once. Prints the time from the broker's
+    return to the next update."""
+    broker = KafkaBroker(tmp_path / "kafka").start()
+    run = Run(tmp_path, model_cache, broker.bootstrap, 16, settings=STREAMING)
+    try:
+        run.wait_updates(4)
+        broker.kill()
+        time.sleep(3)  # away: sends and fetches fail meanwhile
+        at = run.updates()
+        broker.start()
+        back = time.monotonic()
+        resumed = run.wait_updates(at + 1)
+        print(f"\nbroker killed at update {at}; next update {resumed - back:.1f} s after it served again")
+        records = run.finish()
+    finally:
+        run.stop()
+        broker.stop()
+    run.assert_every_version_and_group_once(records)
+
+
+def quorum_leader(cluster: KafkaCluster) -> int:
+    """The node id of the active controller, as the metadata quorum's state file of a live node says it."""
+    for node in cluster.nodes:
+        state = node.directory / "data" / "__cluster_metadata-0" / "quorum-state"
+        if node.running and state.exists():
+            leader = json.loads(state.read_text()).get("leaderId", -1)
+            if leader > 0:
+                return leader
+    raise AssertionError("no node knows the quorum's leader")
+
+
+def partition_leaders(bootstrap: str, topic: str) -> set[int]:
+    from kafka import KafkaAdminClient
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), client_id="test-leaders")
+    try:
+        (described,) = admin.describe_topics([topic])
+        return {partition["leader"] for partition in described["partitions"]}
+    finally:
+        admin.close()
+
+
+def test_a_three_broker_cluster_loses_a_broker_then_its_controller_then_two_and_nothing_else(tmp_path, model_cache):
+    """Replication 3, min.insync.replicas 2, acks=all. The leader of the experience partitions is killed mid-run,
+    then the active controller, each started again: every version once, the pause per kill measured. Then two brokers
+    at once: writes stop (no quorum, too few in sync) and the services say what they wait for; one comes back and
+    the run finishes, nothing lost."""
+    cluster = KafkaCluster(tmp_path / "cluster", 3).start()
+    run = Run(tmp_path, model_cache, cluster.bootstrap, 24, settings=(*STREAMING, "kafka.replication_factor=3"))
+    pauses = []
+    try:
+        run.wait_updates(3)
+        topic = f"{run.run_id}.experience"
+        for what in ("leader of the experience partitions", "active controller"):
+            victim = (
+                min(partition_leaders(cluster.bootstrap, topic))
+                if what.startswith("leader")
+                else quorum_leader(cluster)
+            )
+            at = run.updates()
+            killed = time.monotonic()
+            cluster.node(victim).kill()
+            pauses.append((what, victim, run.wait_updates(at + 1) - killed))
+            cluster.node(victim).start()
+        at = run.updates()
+        away = [node for node in cluster.nodes if node.node_id != quorum_leader(cluster)][:1] + [
+            cluster.node(quorum_leader(cluster))
+        ]
+        for node in away:
+            node.kill()
+        time.sleep(20)
+        stalled = run.updates()
+        assert stalled <= at + 1, "with two of three brokers away nothing more is written"
+        said = run.log()
+        away[0].start()
+        run.wait_updates(stalled + 1)
+        away[1].start()
+        records = run.finish()
+    finally:
+        run.stop()
+        cluster.stop()
+    for what, victim, pause in pauses:
+        print(f"\nkilled node {victim}, the {what}: next update {pause:.1f} s later")
+    assert re.search(r"not reachable|unavailable|NotEnoughReplicas|waiting|retry", said[-20000:], re.I), said[-3000:]
+    run.assert_every_version_and_group_once(records)
+
+
+def test_the_weights_topic_is_compacted_and_a_late_replica_reads_only_the_newest(tmp_path, make_config):
+    """After many updates on small segments, Kafka's cleaner leaves each model's newest announcements: a replica that
+    starts late reads a handful of records, not every version's, and loads the newest weights."""
+    from test_runtime import announce_v1
+
+    from services.generator import GeneratorService
+    from services.roles import WEIGHTS_TOPIC, pipeline_topics
+    from services.runtime import ServiceRunner
+
+    with KafkaBroker(tmp_path / "kafka") as broker:
+        config = make_config(
+            f"kafka.bootstrap={broker.bootstrap}", "data.batch_size=2", "generation.n=2", "learner.mini_batch_size=4"
+        )
+        bus = kafka_bus(config, make=False)
+        # The run's weights topic made first, on segments that roll every 100 ms and a cleaner that takes any dirt.
+        small = {"segment.ms": "100", "min.cleanable.dirty.ratio": "0.01", "delete.retention.ms": "0"}
+        weights = next(spec for spec in pipeline_topics(1) if spec.name == WEIGHTS_TOPIC)
+        bus.create_topics([dataclasses.replace(weights, settings=tuple(small.items()))])
+        bus.create_topics(pipeline_topics(1))
+        producer, versions = bus.producer("learner"), 30
+        for version in range(1, versions + 1):
+            newest = announce_v1(config, version)
+            for announcement in newest:
+                producer.send(WEIGHTS_TOPIC, encode(announcement), key=announcement.model.encode())
+            producer.flush()
+            time.sleep(0.15)  # a segment per version
+
+        def read_back() -> int:
+            reader, records = bus.consumer(WEIGHTS_TOPIC, None, f"count-{uuid.uuid4().hex[:6]}"), []
+            while batch := reader.poll(2.0, max_records=1000):
+                records += batch
+            reader.close()
+            return len(records)
+
+        deadline = time.monotonic() + 120
+        while (left := read_back()) > 8:  # 2 models × 30 versions written
+            assert time.monotonic() < deadline, f"the cleaner left {left} of {2 * versions} announcements"
+            for announcement in newest:  # a write rolls the active segment, which the cleaner does not touch
+                producer.send(WEIGHTS_TOPIC, encode(announcement), key=announcement.model.encode())
+            producer.flush()
+            time.sleep(2)
+        late = ServiceRunner(GeneratorService(config, "generator-late"), bus)
+        deadline = time.monotonic() + 60
+        while late.weights.loaded.get("actor") != versions:
+            assert time.monotonic() < deadline, late.weights.loaded
+            late.poll_once(0.2)
+        late.close()
+    print(f"\n{left} announcements left of {2 * versions} written; the late replica loaded v{versions}")
+
+
+def test_a_record_at_the_size_limit_goes_through_kafka(make_config, kafka_broker):
+    """A 60 MiB record (kafka.max_message_bytes is 64 MiB): the topic, the broker (message.max.bytes) and the
+    clients' fetch limits all take it."""
+    bus = kafka_bus(make_config(*kafka_broker), make=False)
+    topic = f"big-{uuid.uuid4().hex[:8]}"
+    bus.create_topics([TopicSpec(topic, 1)])
+    payload = os.urandom(60 * 1024 * 1024)
+    producer = bus.producer("big")
+    producer.send(topic, payload)
+    producer.flush()
+    reader, got, deadline = bus.consumer(topic, None, "big-reader"), [], time.monotonic() + 120
+    while not got and time.monotonic() < deadline:
+        got = reader.poll(1.0)
+    assert len(got) == 1 and got[0].value == payload
+
+
+def test_scorers_three_then_one_then_three_rebalance_on_kafka_and_every_record_goes_once(tmp_path, model_cache):
+    """Scorer replicas come and go during a run (3 → 1 → 3): the group rebalances on Kafka each time, every record is
+    scored once (each group trained once, every version once), and the memory broker's wedge workaround never
+    fires."""
+    broker = KafkaBroker(tmp_path / "kafka").start()
+    run = Run(tmp_path, model_cache, broker.bootstrap, 24, settings=STREAMING)
+    extra: dict[str, subprocess.Popen] = {}
+
+    def scorer(name: str) -> subprocess.Popen:
+        with open(tmp_path / f"{name}.log", "w") as log:
+            return subprocess.Popen(
+                # As up's own replicas are given it: the run's key (a scorer without it is refused downstream).
+                command("scorer", "--replica-id", name, "--bootstrap", broker.bootstrap,
+                        settings=[*run.settings, "pipeline.run_key=true"]),
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    try:
+        extra = {name: scorer(name) for name in ("scorer-x", "scorer-y")}  # with up's scorer-0: three
+        run.wait_updates(4)
+        for name in list(extra):  # down to one
+            extra.pop(name).send_signal(signal.SIGTERM)
+        at = run.updates()
+        run.wait_updates(at + 4)
+        extra = {name: scorer(name) for name in ("scorer-z", "scorer-w")}  # three again
+        records = run.finish()
+    finally:
+        run.stop()
+        for process in extra.values():
+            process.kill()
+        broker.stop()
+    run.assert_every_version_and_group_once(records)
+    for log in tmp_path.glob("scorer-*.log"):
+        assert "has given no partition" not in log.read_text(), log.name
+
+
+def test_up_runs_on_apache_kafka_and_its_log_outlives_a_killed_up_and_broker(tmp_path, model_cache):
+    """`streamppo up` names the broker it started in its first line: Apache Kafka, the run's log in the run
+    directory. `up` killed (-9) mid-run takes its services and its broker down (as a machine's restart would);
+    `up --resume` starts Kafka again on that log, and the run finishes with every version and group once."""
+    steps, run_id = 12, unique("up")
+    settings = [*run_settings(tmp_path, model_cache, steps, run_id), "generation.backend=transformers", *STREAMING]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+
+    def up(*args: str, log_name: str) -> subprocess.Popen:
+        with open(tmp_path / log_name, "w") as log:
+            return subprocess.Popen(command("up", *args, settings=settings), cwd=REPO, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    first = up(log_name="up-1.log")
+    try:
+        deadline = time.monotonic() + 300
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 4:
+            assert time.monotonic() < deadline and first.poll() is None, (tmp_path / "up-1.log").read_text()[-3000:]
+            time.sleep(0.2)
+        os.killpg(first.pid, signal.SIGKILL)  # up and its services; its broker follows (parent-death signal)
+        first.wait(timeout=30)
+        broker_dir = tmp_path / "run" / "kafka"
+        deadline = time.monotonic() + 60
+        while any(str(broker_dir) in _text(p) for p in Path("/proc").glob("[0-9]*/cmdline")):
+            assert time.monotonic() < deadline, "the broker outlived the up that started it"
+            time.sleep(0.5)
+        second = up("--resume", log_name="up-2.log")
+        assert second.wait(timeout=600) == 0, (tmp_path / "up-2.log").read_text()[-3000:]
+    finally:
+        for process in (first, locals().get("second")):
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    for name, kept in (("up-1.log", "(new)"), ("up-2.log", "(taken up again)")):
+        said = [line for line in (tmp_path / name).read_text().splitlines() if not re.match(r"\d{4}-\d\d-\d\d ", line)]
+        head = said[0]  # up's own first line (log records of the preflight, a model built once, aside)
+        assert head.startswith("Apache Kafka 4.4.0 serving on") and kept in head, head
+    records = [json.loads(line) for line in metrics.open()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
+    assert_each_group_once(records, run_id, steps * 8 // 16)
+    assert "going on on the new log" not in (tmp_path / "up-2.log").read_text(), "the same log, taken up again"
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode(errors="replace")
+    except OSError:  # a process that ended meanwhile
+        return ""
