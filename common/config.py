@@ -612,7 +612,12 @@ class LearnerSection(_Section):
         "first; default: data.batch_size (one prompt batch per update).",
     )
     ppo_epochs: int = Field(2, gt=0, description="Passes over each update's experience.")
-    mini_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step.")
+    mini_batch_size: int = Field(
+        16,
+        gt=0,
+        description="Sequences per optimizer step. Left unset, at most the responses per update (a smaller batch "
+        "is then one mini-batch).",
+    )
     micro_batch_size: int | None = Field(None, gt=0, description="Sequences per forward pass; default: the mini-batch.")
     actor_lr: float = Field(1e-5, gt=0, description="The actor's learning rate (AdamW).")
     critic_lr: float = Field(1e-5, gt=0, description="The critic's learning rate (AdamW).")
@@ -989,6 +994,10 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _batch_sizes_fit(self):
         rollouts = self.groups_per_update * self.generation.n
+        if self.learner.mini_batch_size > rollouts and "mini_batch_size" not in self.learner.model_fields_set:
+            # The default does not stop a config that only made the batch smaller: the update is one mini-batch.
+            # (Sections are frozen once made; this is their making. Left unset, a dump leaves it out again.)
+            object.__setattr__(self.learner, "mini_batch_size", rollouts)
         if self.learner.mini_batch_size > rollouts:
             raise ValueError(
                 f"learner.mini_batch_size ({self.learner.mini_batch_size}) exceeds the responses per update "
@@ -1220,19 +1229,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(_format_errors(exc)) from None
 
 
+# Settings that name a file or folder, and settings that name a function by its file (``path/to/file.py:name``).
+_PATHS = (("data", "prompts"), ("model", "actor"), ("model", "reference"), ("model", "critic"), ("reward", "model"))
+_NAMED_BY_FILE = (("reward", "function"), ("gateway", "agent", "function"), ("environment", "name"))
+
+
 def _resolve_relative(tree: dict, base: Path) -> None:
-    for section, key in (
-        ("data", "prompts"),
-        ("model", "actor"),
-        ("model", "reference"),
-        ("model", "critic"),
-        ("reward", "model"),
-    ):
-        value = tree.get(section, {}).get(key) if isinstance(tree.get(section), dict) else None
+    """One rule for every relative path a config file names, a function's file included: from the config's folder,
+    where that is there (else as given, from the working directory)."""
+
+    def at(keys: tuple[str, ...]) -> tuple[dict | None, object]:
+        node = tree
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        return (node, node.get(keys[-1])) if isinstance(node, dict) else (None, None)
+
+    for keys in _PATHS:
+        node, value = at(keys)
         if isinstance(value, str) and not value.startswith("builtin:") and not Path(value).is_absolute():
             candidate = base / value
             if candidate.exists():
-                tree[section][key] = str(candidate)
+                node[keys[-1]] = str(candidate)
+    for keys in _NAMED_BY_FILE:
+        node, value = at(keys)
+        where, sep, name = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+        by_file = sep and (where.endswith(".py") or "/" in where)
+        if by_file and not Path(where).expanduser().is_absolute() and (base / where).is_file():
+            node[keys[-1]] = f"{base / where}:{name}"
 
 
 def reference() -> str:

@@ -21,8 +21,10 @@ __all__ = ["build_parser", "main"]
 def _run(args) -> int:
     from common.config import load_config
     from services.embedded import run_embedded
+    from services.preflight import check_run_inputs
 
     config = load_config(args.config, args.set)
+    check_run_inputs(config)  # the prompts, the reward, the models' folders: found wrong before any model loads
     # SIGTERM ends the run as Ctrl-C does, through the runner's cleanup: by default it would end the process at
     # once and leave the vLLM engine's processes running, orphaned, with the model in memory.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -87,6 +89,11 @@ def _status(args) -> int:
     from services.run_bus import kafka_bus, run_of
     from services.status import format_status, read_status
 
+    if args.run_dir is not None and args.bootstrap is None:
+        finished = _finished_run(Path(args.run_dir))
+        if finished is not None:  # its broker is gone with it (up stops it): the run directory says it all
+            print(finished)
+            return 0
     config, bootstrap = run_of(args.config, args.set, args.run_dir, args.bootstrap)
     bus = kafka_bus(config, bootstrap, make=False)  # a reader: it makes no topics
     try:
@@ -101,6 +108,32 @@ def _status(args) -> int:
     finally:
         bus.close()
     return 0
+
+
+def _first_sentence(doc: str) -> str:
+    """A docstring's first sentence as plain text (Sphinx roles and literals unwrapped)."""
+    import re
+
+    text = " ".join(doc.split())
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text).replace("``", "")
+    end = re.search(r"\.(\s|$)", text)
+    return text[: end.start() + 1] if end else text
+
+
+def _finished_run(run_dir: Path) -> str | None:
+    """``finished: done ...`` for a run directory whose run is over (its summary.json written at the end), else None."""
+    import json
+
+    from services.summary import RunSummary
+
+    written, metrics = run_dir / "summary.json", run_dir / "metrics.jsonl"
+    try:
+        summary = RunSummary(**json.loads(written.read_text()))
+        if metrics.exists() and metrics.stat().st_mtime > written.stat().st_mtime:
+            return None  # updates since it was written: a run resumed after it ended
+    except (OSError, ValueError, TypeError):
+        return None
+    return "finished: " + summary.done_line()
 
 
 def _wait(args) -> int:
@@ -142,30 +175,67 @@ def _agents(args) -> int:
     urls = args.gateway or [gateway.public_url or f"http://{gateway.host}:{gateway.port.partition('-')[0]}"]
     pool = AgentPool(function, urls, workers, name=args.name)
     print(f"{workers} agents running {function} on the episodes of {', '.join(urls)} (Ctrl-C stops them)", flush=True)
+    ended = _end_with_the_run(config, pool)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         pool.run()
     except KeyboardInterrupt:
         pass
-    print(f"{pool.done} episodes run", flush=True)
+    print(f"{pool.done} episodes run; {ended.get('why', 'stopped')}", flush=True)
     return 0
 
 
+def _end_with_the_run(config, pool) -> dict:
+    """Stop ``pool`` once the run is done, as `streamppo wait` sees it on the run's broker (the learner's report),
+    so that a remote agents job completes; returns what says why it ended (filled in then)."""
+    import threading
+
+    from services.roles import ROLES, roles_of
+    from services.run_bus import kafka_bus
+    from services.status import wait_for_run
+
+    ended: dict = {}
+    if not config.kafka.bootstrap:
+        return ended
+
+    def follow() -> None:
+        try:
+            bus = kafka_bus(config, make=False)
+            ending = {role.name for role in roles_of(config) if ROLES[role.name].ends_run}
+            status = wait_for_run(bus, config.run.run_id, ending, config.run.steps, say=lambda *a, **k: None)
+        except Exception as exc:  # the run's broker gone too: the pool goes on until stopped by hand
+            logging.getLogger(__name__).info("agents: cannot follow the run on its broker: %s", exc)
+            return
+        if status is not None:
+            version = status.weights.get("actor")
+            ended["why"] = f"the run is done (actor v{version} of {config.run.steps})"
+            pool.stopping.set()
+
+    threading.Thread(target=follow, name="agents-follow-run", daemon=True).start()
+    return ended
+
+
 def _up(args) -> int:
-    from common.config import load_config
-    from services.cluster import parse_replicas, up
+    from common.config import ConfigError, load_config
+    from services.cluster import parse_replicas, resumed_run, up
     from services.preflight import check_run_inputs
 
     overrides = [*args.set, *(["run.resume=true"] if args.resume else [])]
-    config = load_config(args.config, overrides)
+    config_path, replica_specs = args.config, args.replicas
+    if config_path is None:
+        if not (args.resume and args.run_dir is not None):
+            raise ConfigError("name the run: --config FILE, or --resume --run-dir DIR of a run up ran before")
+        config_path, saved = resumed_run(args.run_dir)  # its settings and replicas, as up ran it
+        replica_specs = [*saved, *replica_specs]
+    config = load_config(config_path, overrides)
     check_run_inputs(config)  # fail here, once, rather than in every child
     try:
-        replicas = parse_replicas(args.replicas, config)
+        replicas = parse_replicas(replica_specs, config)
     except ValueError as exc:
         print(f"streamppo: {exc}", file=sys.stderr)
         return exit_codes.CONFIG
     return up(
-        args.config,
+        config_path,
         overrides,
         args.bootstrap,
         replicas,
@@ -182,7 +252,7 @@ def _models(args) -> int:
 
     if args.action == "list":
         for name, (build, _revision) in BUILTIN_MODELS.items():
-            print(f"builtin:{name:<24} {(build.__doc__ or '').strip().splitlines()[0]}")
+            print(f"builtin:{name:<24} {_first_sentence(build.__doc__ or '')}")
         return 0
     names = list(BUILTIN_MODELS) if args.name == "all" else [args.name.removeprefix("builtin:")]
     for name in names:
@@ -359,7 +429,11 @@ def _add_pipeline_commands(sub) -> None:
     agents.set_defaults(handler=_agents)
 
     cluster = sub.add_parser("up", help="run every service as its own process over a local (or given) broker")
-    _config_options(cluster)
+    _config_options(cluster, required=False)
+    cluster.add_argument(
+        "--run-dir", type=Path, default=None,
+        help="with --resume and no --config: the run as up ran it there (its settings and replicas)",
+    )  # fmt: skip
     cluster.add_argument("--bootstrap", default=None, help="use this broker instead of starting a local one")
     cluster.add_argument(
         "--broker",

@@ -37,9 +37,30 @@ from services.run_bus import RUN_BROKER, RUN_CONFIG
 from services.transport.apache_kafka import KafkaBroker
 from services.transport.local_broker import LocalBroker
 
-__all__ = ["parse_replicas", "stop_all", "up"]
+__all__ = ["parse_replicas", "resumed_run", "stop_all", "up"]
+
+RUN_UP = "up.json"  # <run.dir>/up.json: how up ran the run (replicas, seconds so far), for `up --resume --run-dir`
 
 QUIET_SAY_S = 60.0  # no update for this long: say where to look
+
+
+def resumed_run(run_dir: Path) -> tuple[Path, list[str]]:
+    """The config file and ``--replicas`` of the run up ran in ``run_dir``: ``up --resume --run-dir DIR`` takes the
+    run up again as it ran (its settings with every --set given then, its replicas)."""
+    from common.config import ConfigError
+
+    run_dir = Path(run_dir)
+    if not (run_dir / RUN_CONFIG).is_file():
+        raise ConfigError(f"{run_dir} holds no {RUN_CONFIG}: is it the run directory of a run `streamppo up` ran?")
+    replicas = _up_record(run_dir).get("replicas", {})
+    return run_dir / RUN_CONFIG, [f"{role}={count}" for role, count in replicas.items() if count != 1]
+
+
+def _up_record(run_dir: Path) -> dict:
+    try:
+        return json.loads((Path(run_dir) / RUN_UP).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def parse_replicas(specs: list[str], config=None) -> dict[str, int]:
@@ -133,7 +154,7 @@ def up(
     or ``memory``).
     """
     which, broker = broker, None
-    started = time.time()
+    started, before = time.time(), 0.0  # before: the seconds of the run's earlier ups (a resumed run's)
     if bootstrap is None:
         broker, said = _start_broker(config, which)
         bootstrap = broker.bootstrap
@@ -170,6 +191,8 @@ def up(
         (run_dir / RUN_CONFIG).write_text(children_config.model_dump_json(indent=2, exclude_unset=True))
         (run_dir / RUN_BROKER).write_text(bootstrap + "\n")
         updates = _Updates(run_dir / "metrics.jsonl", config.run.steps, f"streamppo status --run-dir {run_dir}")
+        before = _up_record(run_dir).get("seconds", 0.0) if config.run.resume else 0.0
+        (run_dir / RUN_UP).write_text(json.dumps({"replicas": replicas, "seconds": before}))
     flags = ["-v"] if verbose else []
     env = child_environment(sum(replicas.values()))
     children = {
@@ -212,7 +235,7 @@ def up(
             if all(child.process.poll() == 0 for child in ending):
                 if updates is not None:
                     updates.poll()
-                    _summarise(config, bootstrap, time.time() - started)
+                    _summarise(config, bootstrap, before + time.time() - started)  # every up of the run
                 return 0
             time.sleep(0.5)
         return exit_codes.INTERRUPTED
@@ -222,6 +245,17 @@ def up(
         stop_all([child.process for child in children.values() if child.process is not None], hurry=lambda: signals > 1)
         if broker is not None:
             broker.stop()
+        if config is not None:
+            run_dir = Path(config.run.dir)
+            (run_dir / RUN_UP).write_text(json.dumps({"replicas": replicas, "seconds": before + time.time() - started}))
+            if signals:
+                metrics = run_dir / "metrics.jsonl"
+                done = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+                print(
+                    f"stopped after update {done} of {config.run.steps}; resume with "
+                    f"`streamppo up --resume --run-dir {run_dir}`",
+                    flush=True,
+                )
 
 
 def _start_broker(config, which: str = "kafka") -> tuple[KafkaBroker | LocalBroker, str]:

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 __all__ = ["default_replica_id", "serve", "serve_fleet", "serve_service"]
 
 STATUS_EVERY_S = 30.0
+# The status topic is also told within this of a change of the counters (status and wait lagged by up to 30 s: the
+# learner said "processed 0" at actor v27); the log line stays at STATUS_EVERY_S.
+STATUS_CHANGED_S = 2.0
 STALL_WARNING_S = 120.0
 STOP_BROKER_S = 5.0  # what a stopping replica waits for the broker, at most
 RESCAN_S = 5.0  # how often a fleet looks for runs added to or removed from its folder
@@ -236,15 +239,21 @@ def _report_fleet_status(fleet: Fleet, run_id: str, state: str | None = None) ->
 
 
 def _report_status(
-    runner: ServiceRunner, state: str | None = None, name: str | None = None, counters: dict | None = None
+    runner: ServiceRunner,
+    state: str | None = None,
+    name: str | None = None,
+    counters: dict | None = None,
+    say: bool = True,
 ) -> None:
-    """The status line, the status topic, and, while input is held, a warning that says what it waits for; ``name``:
-    who the lines are of (the replica's id by default); ``counters``: more to report."""
+    """The status topic, and (with ``say``) the status line and, while input is held, a warning that says what it
+    waits for; ``name``: who the lines are of (the replica's id by default); ``counters``: more to report."""
     name = name or runner.replica_id
     try:
         status = runner.publish_status(state, counters)
     except KafkaError as exc:  # a report is not worth failing over; the next one comes in STATUS_EVERY_S
         log.warning("%s: status not published (%s)", name, exc)
+        return
+    if not say:
         return
     log.info("%s: status %s", name, runner.status())
     if status.held:
@@ -257,12 +266,18 @@ def _loop(runner: ServiceRunner, stop: _StopFlag) -> None:
     """Poll until the service is done or a signal asks to stop; broker errors are retried with back-off."""
     backoff = 0.5
     next_status = time.monotonic()
+    reported, reported_at = dict(runner.counters), time.monotonic()
     stop.waiting = lambda: not runner.processing  # from here a signal cuts a wait short
     try:
         while not stop.set and not runner.service.done():
-            if time.monotonic() >= next_status:
-                next_status = time.monotonic() + STATUS_EVERY_S
+            now = time.monotonic()
+            if now >= next_status:
+                next_status = now + STATUS_EVERY_S
                 _report_status(runner)
+                reported, reported_at = dict(runner.counters), now
+            elif runner.counters != reported and now - reported_at >= STATUS_CHANGED_S:
+                _report_status(runner, say=False)
+                reported, reported_at = dict(runner.counters), now
             try:
                 runner.poll_once(timeout_s=0.5)
                 backoff = 0.5

@@ -559,12 +559,19 @@ class ServiceRunner:
             return f"reading {WEIGHTS_TOPIC} to its end: the newest weights are loaded before any input is taken"
         if not self.held:
             return "waiting for input"
+        # The next one in full; those behind it, which wait for the same and more, counted (a generator's normal
+        # on-policy wait held 14 batches, and said each in full on one line).
         now = time.monotonic()
-        return "; ".join(
-            f"{self.service.input_topic}[{held.record.partition}] for {now - held.since:.0f} s: "
-            f"{self.service.waiting_for(held.message) or 'holding a message'}"
-            for held in sorted(self.held, key=lambda held: (held.record.partition, held.record.offset))
+        held = sorted(self.held, key=lambda held: (held.message.step, held.record.partition, held.record.offset))
+        first = held[0]
+        said = (
+            f"{self.service.input_topic}[{first.record.partition}] for {now - first.since:.0f} s: "
+            f"{self.service.waiting_for(first.message) or 'holding a message'}"
         )
+        if len(held) > 1:
+            steps = sorted({h.message.step for h in held[1:]})
+            said += f" ({len(held) - 1} more held behind it, of steps {steps[0]}..{steps[-1]})"
+        return said
 
     def held_seconds(self) -> float:
         """How long the oldest held record has waited (0 if none)."""

@@ -141,7 +141,7 @@ def pytest_report_header(config):
     return [f"streamppo: broker: {broker}", f"streamppo: container tests: {containers}"]
 
 
-CONTAINER_IMAGES = ("streamppo:cpu", "streamppo-broker:local", "streamppo-prometheus:local")
+CONTAINER_IMAGES = ("streamppo:cpu", "streamppo-kafka:local", "streamppo-broker:local", "streamppo-prometheus:local")
 
 
 @pytest.fixture(scope="session")

@@ -334,3 +334,40 @@ def _text(path: Path) -> str:
         return path.read_bytes().decode(errors="replace")
     except OSError:  # a process that ended meanwhile
         return ""
+
+
+def test_a_stopped_up_says_how_to_resume_and_resumes_from_its_run_directory_alone(tmp_path, model_cache):
+    """Ctrl-C of `up`: it says after which update it stopped and the command that resumes it; `up --resume --run-dir
+    DIR`, with no config, no --set and no --replicas, takes the run up as it ran (two scorers, its settings) and ends
+    it, its time counted across both."""
+    steps, run_id = 10, unique("stop")
+    settings = [*run_settings(tmp_path, model_cache, steps, run_id), "generation.backend=transformers"]
+    run_dir, metrics = tmp_path / "run", tmp_path / "run" / "metrics.jsonl"
+    with open(tmp_path / "up-1.log", "w") as log:
+        first = subprocess.Popen(command("up", "--replicas", "scorer=2", settings=settings), cwd=REPO, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+            assert time.monotonic() < deadline and first.poll() is None, (tmp_path / "up-1.log").read_text()[-3000:]
+            time.sleep(0.2)
+        first.send_signal(signal.SIGINT)
+        first.wait(timeout=180)
+        stopped_at = len(metrics.read_text().splitlines())
+        first_seconds = json.loads((run_dir / "up.json").read_text())["seconds"]
+        resumed = subprocess.run(
+            [sys.executable, "-m", "services.cli", "-v", "up", "--resume", "--run-dir", str(run_dir)],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    said = (tmp_path / "up-1.log").read_text()
+    assert f"stopped after update {stopped_at} of {steps}; resume with `streamppo up --resume --run-dir {run_dir}`" in (
+        said
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "scorer-1 |" in resumed.stdout, "the replicas it ran with, two scorers"
+    records = [json.loads(line) for line in metrics.open()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
+    assert json.loads((run_dir / "summary.json").read_text())["wall_seconds"] > first_seconds, "both ups counted"

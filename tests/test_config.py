@@ -55,6 +55,24 @@ def test_a_run_key_is_made_once_for_the_run_and_shared_by_its_services(tmp_path)
     assert load_config(EXAMPLE / "config.yaml", named).signing_key() == b"mine"
 
 
+def test_a_function_named_by_its_file_is_found_from_the_config_s_folder_as_the_prompts_are(tmp_path, monkeypatch):
+    """One rule for relative paths: `reward.function: my_reward.py:score` beside the config is found from any working
+    directory, as `data.prompts: prompts.jsonl` is."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "my_reward.py").write_text("def score(prompt, response, label):\n    return 1.0\n")
+    (folder / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    config_text = (EXAMPLE / "config.yaml").read_text().replace("recipes.rewards:vowel_fraction", "my_reward.py:score")
+    (folder / "run.yaml").write_text(config_text)
+    monkeypatch.chdir(tmp_path)  # elsewhere
+    config = load_config(folder / "run.yaml")
+    assert config.reward.function == f"{folder / 'my_reward.py'}:score"
+    assert str(config.data.prompts) == str(folder / "prompts.jsonl")
+    from common.rewards import load_reward_function
+
+    assert load_reward_function(config.reward.function) is not None
+
+
 def test_malformed_override_and_missing_file():
     with pytest.raises(ConfigError, match="section.key=value"):
         load_config(EXAMPLE / "config.yaml", ["nonsense"])
@@ -460,3 +478,6 @@ def test_the_shortest_config_of_the_own_model_page_is_a_config(tmp_path):
     assert config.algorithm.estimator == "grpo" and config.reward.function == "my_reward.py:score"
     assert (config.run.steps, config.data.batch_size, config.generation.n) == (20, 8, 4)
     assert config.generation.max_new_tokens == 32 and config.pipeline.max_staleness == 0
+    # Made smaller, it still loads: an unset mini-batch is at most the responses per update.
+    smaller = load_config(tmp_path / "run.yaml", ["data.batch_size=2"])
+    assert smaller.learner.mini_batch_size == 2 * 4

@@ -71,11 +71,12 @@ def _scrape_targets(prometheus_port: int) -> list[tuple[str, str]]:
 
 
 def test_compose_trains_vowels_with_three_scorers_through_a_restart_and_a_kill(monkeypatch, tmp_path):
-    """`docker compose up` of deploy/compose (with the local broker override) and `--scale scorer=3`: Prometheus
-    finds and scrapes all six service replicas; `docker compose restart learner` mid-run, then `docker kill` of a
-    random service container (started again, as an operator would: Docker's restart policy leaves a killed
-    container down); `docker compose run --rm wait` follows the run to its end and prints its summary. From the
-    learner's metrics in the shared volume: every version applied exactly once, every group trained once."""
+    """`docker compose up` of deploy/compose (with the local override: Apache Kafka from the streamppo-kafka image)
+    and `--scale scorer=3`: Prometheus finds and scrapes all six service replicas; `docker compose restart learner`
+    mid-run, then `docker kill` of Kafka's container (started again on its volume), then of a random service
+    container (started again, as an operator would: Docker's restart policy leaves a killed container down); `docker
+    compose run --rm wait` follows the run to its end and prints its summary. From the learner's metrics in the
+    shared volume: every version applied exactly once, every group trained once."""
     from testcontainers.compose import DockerCompose
 
     steps, prometheus_port = 16, free_port()
@@ -101,6 +102,13 @@ def test_compose_trains_vowels_with_three_scorers_through_a_restart_and_a_kill(m
         subprocess.run([*command, "restart", "learner"], check=True, capture_output=True, timeout=120)
         _until(lambda: _learner_version() >= 6, "the learner's version 6 after its restart", timeout_s=600)
 
+        # Apache Kafka's container killed mid-run and started again: its log is on the kafka-data volume.
+        at = _learner_version()
+        subprocess.run(["docker", "kill", containers["kafka"].ID], check=True, capture_output=True)
+        time.sleep(2)
+        subprocess.run(["docker", "start", containers["kafka"].ID], check=True, capture_output=True)
+        _until(lambda: _learner_version() >= at + 2, "two more versions after Kafka's restart", timeout_s=600)
+
         services = [c for c in compose.get_containers() if c.Service in ("generator", "scorer", "advantage", "learner")]
         victim = random.Random(project).choice(services)
         subprocess.run(["docker", "kill", victim.ID], check=True, capture_output=True)
@@ -121,23 +129,29 @@ def test_compose_trains_vowels_with_three_scorers_through_a_restart_and_a_kill(m
     print(f"killed {victim.Service} ({victim.Name})")
 
 
-def test_the_broker_image_serves_a_run_of_processes(tmp_path, model_cache):
-    """The local broker image in a container (testcontainers' DockerContainer, host network, a free port), ready
-    once it answers on its port; `streamppo up` over it trains every version once."""
+@pytest.mark.parametrize("image", ["streamppo-kafka:local", "streamppo-broker:local"])
+def test_the_broker_images_serve_a_run_of_processes(tmp_path, model_cache, image):
+    """Each broker image in a container (testcontainers' DockerContainer, host network, a free port): Apache Kafka's,
+    ready once it answers an ApiVersions request, and the memory broker's, once it answers on its port; `streamppo
+    up` over it trains every version once."""
     from test_kafka import run_up, unique
     from testcontainers.core.container import DockerContainer
 
+    from services.transport.apache_kafka import _answers as kafka_answers
+
     port, steps, run_id = free_port(), 4, unique("broker-image")
     url = f"tcp://127.0.0.1:{port}"
-    broker = (
-        DockerContainer("streamppo-broker:local")
-        .with_kwargs(network_mode="host")
-        .with_env("LISTENER_URL", url)
-        .with_env("ADVERTISED_LISTENER_URL", url)
-    )
+    broker = DockerContainer(image).with_kwargs(network_mode="host")
+    if image.startswith("streamppo-kafka"):
+        broker = broker.with_env("KAFKA_PORT", str(port))
+    else:
+        broker = broker.with_env("LISTENER_URL", url).with_env("ADVERTISED_LISTENER_URL", url)
+    ready = kafka_answers if image.startswith("streamppo-kafka") else _answers
     with broker:
-        _until(lambda: _answers(port), f"the broker container on 127.0.0.1:{port}", timeout_s=30, every_s=0.1)
-        overrides = [f"kafka.bootstrap=127.0.0.1:{port}", "kafka.idempotent_producer=false"]
+        _until(lambda: ready(port), f"the broker container on 127.0.0.1:{port}", timeout_s=120, every_s=0.2)
+        overrides = [f"kafka.bootstrap=127.0.0.1:{port}"]
+        if not image.startswith("streamppo-kafka"):
+            overrides.append("kafka.idempotent_producer=false")
         run_up(overrides, tmp_path, model_cache, steps, run_id)
         container = broker.get_wrapped_container()
         container.reload()

@@ -221,6 +221,17 @@ def test_the_configmap_is_a_config_the_services_accept(values, tmp_path, monkeyp
         assert config.kafka.client_options()["sasl_plain_password"] == "from-the-secret"
 
 
+def test_the_three_broker_values_give_the_services_replication_three(tmp_path):
+    """values-three-brokers.yaml: the services make their topics with three copies, over three brokers."""
+    three = yaml.safe_load((CHART / "values-three-brokers.yaml").read_text())
+    assert helm.lint(CHART, three, strict=True, kube_version=f"v{KUBERNETES_VERSION}")["errors"] == []
+    (configmap,) = [d for d in by_kind(manifests(three), "ConfigMap") if "run.yaml" in d["data"]]
+    (tmp_path / "run.yaml").write_text(configmap["data"]["run.yaml"])
+    config = load_config(tmp_path / "run.yaml")
+    assert config.kafka.replication_factor == 3 and len(config.kafka.bootstrap.split(",")) == 3
+    assert config.kafka.partitions == 4, "the default values merged, not replaced"
+
+
 def test_the_values_schema_rejects_bad_values():
     chart = helm.Chart.load(CHART)
     for bad in (
@@ -282,14 +293,17 @@ def test_the_compose_file_is_valid_and_runs_every_service():
 
 
 def test_the_local_override_swaps_in_the_images_built_here():
-    """With docker-compose.local.yml: the local broker image and Debian's Prometheus, the settings `streamppo up`
-    uses for that broker given to every streamppo service, Grafana (a registry's image) off by default."""
+    """With docker-compose.local.yml: Apache Kafka from the image built here (its log on the kafka-data volume) and
+    Debian's Prometheus, the settings `streamppo up` uses for the broker it starts given to every streamppo service
+    (short sessions; the idempotent producer on), Grafana (a registry's image) off by default."""
     services = compose("docker-compose.yml", "docker-compose.local.yml")["services"]
-    assert services["kafka"]["image"] == "streamppo-broker:local"
+    assert services["kafka"]["image"] == "streamppo-kafka:local"
+    assert any(v["source"] == "kafka-data" and v["target"] == "/var/lib/kafka/data" for v in services["kafka"]["volumes"])
     assert services["prometheus"]["image"] == "streamppo-prometheus:local"
     assert "grafana" not in services
     for name in ("generator", "scorer", "advantage", "learner", "feed"):
-        assert "kafka.idempotent_producer=false" in services[name]["environment"]["STREAMPPO_SET"].split()
+        settings = services[name]["environment"]["STREAMPPO_SET"].split()
+        assert "kafka.session_timeout_ms=1000" in settings and "kafka.idempotent_producer=false" not in settings
 
 
 def test_the_fleet_override_serves_every_run_in_its_folder_and_each_run_brings_its_learner():
@@ -306,7 +320,7 @@ def test_the_fleet_override_serves_every_run_in_its_folder_and_each_run_brings_i
         assert command[:4] == [c.replace("ROLE", role) for c in contract["fleet_command"]], command
         mounts = {v["target"]: v for v in services[role]["volumes"]}
         assert mounts[contract["runs"]]["read_only"] and contract["shared"] in mounts
-        assert "kafka.idempotent_producer=false" in services[role]["environment"]["STREAMPPO_SET"], "local override"
+        assert "kafka.session_timeout_ms=1000" in services[role]["environment"]["STREAMPPO_SET"], "local override"
     assert "learner" not in services and "feed" not in services, "a run's own services: not the fleet's `up`"
     run_project = compose(*files, "--profile", "run", env={"RUN": "run-b", "FLEET_VOLUME": "fleet-x"})["services"]
     for name in ("learner", "feed"):
@@ -387,14 +401,26 @@ def test_the_gpu_override_reserves_a_gpu_for_each_model_service():
     assert command[0] == "learner" and "learner.parallel.processes=4" in command
 
 
+def test_every_kafka_a_deployment_runs_keeps_the_contract_s_broker_settings(tmp_path):
+    """deploy/contract.yaml's kafka_broker: the broker `up` and the tests start (and the streamppo-kafka image) and the
+    compose file's apache/kafka are set alike."""
+    from services.transport.apache_kafka import KafkaBroker
+
+    settings = yaml.safe_load((DEPLOY / "contract.yaml").read_text())["kafka_broker"]
+    ours = KafkaBroker(tmp_path).properties()
+    assert {key: ours[key] for key in settings} == settings
+    kafka = compose("docker-compose.yml")["services"]["kafka"]["environment"]
+    assert {key: str(kafka["KAFKA_" + key.upper().replace(".", "_")]) for key in settings} == settings
+
+
 def test_the_dockerfile_passes_hadolint():
     result = subprocess.run(
         [str(BIN / "hadolint"), str(DEPLOY / "docker" / "Dockerfile")], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    stages = re.findall(r"^FROM \S+ AS (\w+)$", (DEPLOY / "docker" / "Dockerfile").read_text(), re.M)
+    stages = re.findall(r"^FROM \S+ AS ([\w-]+)$", (DEPLOY / "docker" / "Dockerfile").read_text(), re.M)
     # The classic builder (Debian's Docker 20.10) builds every stage above the target: the small ones first, gpu last.
-    assert stages == ["requirements", "build", "broker", "prometheus", "cpu", "gpu"]
+    assert stages == ["requirements", "build", "broker", "kafka-jars", "kafka", "prometheus", "cpu", "gpu"]
 
 
 def exported_series() -> set[str]:

@@ -88,6 +88,12 @@ def test_the_readme_command_runs_the_example_and_raises_the_reward(tmp_path, mod
     assert not noise, output[-3000:]
     keep_snapshots = load_config(EXAMPLE / "config.yaml").pipeline.keep_snapshots
     assert_the_example_learned(tmp_path / "run", 24, keep_snapshots)
+    # `streamppo status` of the finished run answers from its run directory (no broker to ask: it asked for one).
+    status = subprocess.run(
+        [sys.executable, "-m", "services.cli", "status", "--run-dir", str(tmp_path / "run")],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert status.returncode == 0 and status.stdout.startswith("finished: done: 24 steps"), status.stdout
 
 
 def test_a_seeded_run_is_reproducible(make_config, tmp_path):

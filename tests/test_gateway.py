@@ -440,7 +440,8 @@ def test_hostile_requests_get_openai_errors_and_lose_nothing(make_config):
     wrong = url.replace(task["key"], "e9-9-9")
     assert error_of(http.post(f"{wrong}/chat/completions", json=good), 404)["code"] == "episode_not_found"
     bad_key = url.replace(task["key"], "nonsense")
-    assert error_of(http.post(f"{bad_key}/chat/completions", json=good), 401)["code"] == "invalid_api_key"
+    refused = error_of(http.post(f"{bad_key}/chat/completions", json=good), 401)
+    assert refused["code"] == "invalid_api_key" and "nonsense" not in refused["message"], "a rejected key not echoed"
     error_of(http.post(f"{agent.url}/v1/chat/completions", json=good), 401)  # no key at all
     error_of(http.get(f"{agent.url}/v2/anything"), 404)
     error_of(http.post(f"{agent.url}/episodes/{task['key']}/reward", json={"reward": "lots"}), 400)
@@ -908,6 +909,9 @@ def test_killing_the_gateway_and_the_generator_mid_call_loses_and_repeats_nothin
         cluster.wait_for_updates(4)
         kill_mid_call("generator-0", "generator")  # a call at the generator is answered by its successor instead
         cluster.wait_for_updates(steps)
+        # `streamppo agents` ends by itself once the run is done, with a summary (a remote agents job completes).
+        assert cluster.processes["agents"].wait(timeout=120) == 0, f"agents never ended; logs in {tmp_path}"
+        assert "the run is done" in (tmp_path / "agents.log").read_text()
     finally:
         cluster.close()
     updates = cluster.updates()

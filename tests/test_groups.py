@@ -304,3 +304,26 @@ def test_a_group_that_never_comes_is_waited_for_only_hold_timeout_s(make_config)
     announced = [m for m in read_messages(bus, "weights") if m.policy_version == 2]
     assert {a.model for a in announced} == {"actor", "critic"}
     assert latest_checkpoint_version(config.checkpoint_dir) == 2, "checkpointed before it was announced"
+
+
+def test_a_relabelled_record_of_a_later_step_is_dead_lettered_and_never_moves_the_bound(make_config):
+    """An outside audit's forgery: another run's record relabelled with this run's id and a later step. Dropped as
+    stale, it counted its groups as used up, which moved the staleness bound for good (a run ended at 24 of its 40
+    updates). Its version cannot have sampled that step (no announcement let a generator take it): it is set aside
+    with why, and the groups used up are only the real ones."""
+    config = make_config(
+        "data.batch_size=2", "generation.n=2", "learner.mini_batch_size=4", "pipeline.max_staleness=0",
+        "run.steps=12", "data.eval_prompts=0",
+    )  # fmt: skip
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics())
+    learner = LearnerService(config)
+    runner = ServiceRunner(learner, bus)
+    (real,) = experience_of_steps(config, 1)
+    forged = dataclasses.replace(real, step=11, batch_id=f"{config.run.run_id}-00000011")  # sampled by v0
+    publish(bus, "experience", encode(real), encode(forged))
+    runner.poll_once(), runner.poll_once()
+    assert learner.updates == 1 and learner.groups_done == 2, "the real batch trained; the forgery used up nothing"
+    (letter,) = read_messages(bus, "experience.dlq")
+    assert "group 11/0 cannot have been sampled by v0" in letter.error
+    assert learner.dropped_stale == 0 and runner.counters["dead_letters"] == 1

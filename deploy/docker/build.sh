@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build streamppo's images with Docker's classic builder, on a base that base-image.sh gives (or makes).
 #
-#   deploy/docker/build.sh                  streamppo:cpu, streamppo-broker:local and streamppo-prometheus:local
+#   deploy/docker/build.sh                  streamppo:cpu, streamppo-kafka:local, streamppo-broker:local and
+#                                           streamppo-prometheus:local
 #   deploy/docker/build.sh cpu broker       only those targets
 #
 # The images install their Python packages as a user's machine does (deploy/install.py, on the host network). One line
@@ -10,8 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(cpu broker prometheus)
-declare -A TAGS=([cpu]=streamppo:cpu [gpu]=streamppo:gpu [broker]=streamppo-broker:local [prometheus]=streamppo-prometheus:local)
+[ ${#targets[@]} -gt 0 ] || targets=(cpu kafka broker prometheus)
+declare -A TAGS=([cpu]=streamppo:cpu [gpu]=streamppo:gpu [kafka]=streamppo-kafka:local [broker]=streamppo-broker:local
+                 [prometheus]=streamppo-prometheus:local)
 
 if ! docker info >/dev/null 2>&1; then
   echo "build: no Docker engine answers (deploy/docker/engine.sh start): no image built" >&2
@@ -21,7 +23,7 @@ base=$(deploy/docker/base-image.sh)
 args=(--network host --build-arg "PYTHON_IMAGE=$base")
 
 for target in "${targets[@]}"; do
-  tag=${TAGS[$target]:?unknown target $target (cpu, gpu, broker, prometheus)}
+  tag=${TAGS[$target]:?unknown target $target (cpu, gpu, kafka, broker, prometheus)}
   started=$(date +%s.%N)
   log="${TMPDIR:-/tmp}/streamppo-build-$target.log"
   if ! DOCKER_BUILDKIT=0 docker build "${args[@]}" -f deploy/docker/Dockerfile --target "$target" -t "$tag" . >"$log" 2>&1; then

@@ -70,7 +70,8 @@ def episode_of_key(key: str, secret: bytes | None) -> str:
     """The episode a key names; :class:`KeyError_` for one that is not a key (or, with a signing key, is forged)."""
     found = _KEY.match(key or "")
     if found is None:
-        raise KeyError_(f"{key[:64]!r} is not an episode key (e<step>-<row>-<index>, as an episode's claim gives it)")
+        # The key is not echoed back: it may be a secret the client sent here by mistake (another service's API key).
+        raise KeyError_("the API key is not an episode key (e<step>-<row>-<index>, as an episode's claim gives it)")
     episode = episode_id(int(found[1]), int(found[2]), int(found[3]))
     if secret and not (found[4] and hmac.compare_digest(found[4], _mac(secret, episode))):
         raise KeyError_(f"the key of episode {episode} is not one this run made")

@@ -144,7 +144,8 @@ class GatewayService(Service):
             self._health,
         )
         self.server.start()
-        log.info("%s: serving the OpenAI API on %s (model %r)", self.replica_id, self.url, self.model_name)
+        # Said on stdout, not as a log record: the address is what a user needs first (`up` shows it without -v).
+        print(f"{self.replica_id} serving the OpenAI API on {self.url} (model {self.model_name!r})", flush=True)
         agent = self.gateway.agent
         if agent is not None and agent.placement == "local":
             from services.gateway.agents import AgentPool

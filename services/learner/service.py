@@ -258,6 +258,11 @@ class LearnerService(Service):
                 f"sampled by v{message.newest_version()}, learner at v{self.trainer.version}: newer than this learner "
                 "(or one it took over from) can have published"
             )
+        impossible = self._never_admitted(message)
+        if impossible:
+            # A record that lies (another run's, relabelled with this run's id and a later step): dropped and
+            # counted, it once moved the staleness bound for good and cost the run a third of its updates.
+            raise InputError(impossible)
         check_token_ids(message, self.trainer.actor, "actor")
         self.changed = True
         no_signal = [int(g) for g in message.no_signal_groups]
@@ -272,6 +277,34 @@ class LearnerService(Service):
         if self.updates > updates:
             return self.announce()
         return self._progress_announcement() if dropped or no_signal or dead else []
+
+    def _never_admitted(self, message: ExperienceBatch) -> str:
+        """Why a group of ``message`` cannot have been sampled by the version it says ('' when all can): a generator
+        takes the group at feed position p only once an announcement of version u allowed it, p < groups used up at
+        u + (max_staleness + 1) updates' worth, and its oldest token is of u or later. Checked against the versions
+        whose announced progress this learner still knows (a rolled-back predecessor's, above its own, are not), with
+        a margin for what a predecessor may have announced of the same version after the checkpoint this one took up
+        (the groups of the records since: at most checkpoint_every updates' and prompt batches' worth)."""
+        k, per_update, batch = (
+            self.config.pipeline.max_staleness,
+            self.config.groups_per_update,
+            self.config.data.batch_size,
+        )
+        margin = (self.config.learner.checkpoint_every + 1) * (per_update + batch)
+        versions = message.row_versions()
+        for index in message.groups():
+            version = int(versions[message.group_index == index].min())
+            done = self.done_at.get(version)
+            if done is None or version > self.trainer.version:
+                continue
+            position = message.step * batch + int(index)
+            if position >= done + (k + 1) * per_update + margin:
+                return (
+                    f"group {message.step}/{index} cannot have been sampled by v{version}: its announcements let "
+                    f"generators take feed positions below {done + (k + 1) * per_update + margin}, and it is at "
+                    f"{position}"
+                )
+        return ""
 
     def tick(self) -> list[WeightAnnouncement]:
         # Waiting for a group in flight ends after pipeline.hold_timeout_s (it may never come: dead-lettered on

@@ -2,6 +2,10 @@
 
     python -m services.transport.apache_kafka fetch         the jars, once, into the cache (``make setup`` runs it)
     python -m services.transport.apache_kafka run DIR       one broker on DIR, in the foreground (try it; Ctrl-C)
+    python -m services.transport.apache_kafka probe PORT    exit 0 when a Kafka broker serves on PORT
+
+The module imports nothing of streamppo: the Kafka image (deploy/docker/Dockerfile, target kafka) runs it as a file,
+its jars in ``$STREAMPPO_KAFKA_HOME``.
 
 The jars are ``org.apache.kafka:kafka_2.13`` and its dependencies, plus log4j2's SLF4J 1.x binding, which Kafka's POM
 leaves out on purpose (``deploy/kafka/pom.xml``, the one list, fetched with Maven's ``dependency:copy-dependencies``)
@@ -30,8 +34,6 @@ import time
 import uuid
 from pathlib import Path
 
-from services.transport.local_broker import free_port
-
 __all__ = ["KAFKA_VERSION", "KafkaBroker", "KafkaCluster", "KafkaUnavailable", "jars", "kafka_available"]
 
 KAFKA_VERSION = "4.4.0"
@@ -42,6 +44,12 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the largest record (kafka.max_message_by
 JVM_OPTIONS = ["-Xms96m", "-Xmx320m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-XX:CICompilerCount=1",
                "-XX:MaxMetaspaceSize=160m", "-Xss512k", "-Djava.awt.headless=true"]  # fmt: skip
 READY_TIMEOUT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class KafkaUnavailable(RuntimeError):
@@ -405,20 +413,27 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="one broker in the foreground, its log in DIR")
     run.add_argument("dir", type=Path)
     run.add_argument("--port", type=int, default=9092)
+    run.add_argument("--controller-port", type=int, default=None)
+    probe = sub.add_parser("probe", help="exit 0 when a Kafka broker serves on PORT (a container's health check)")
+    probe.add_argument("port", type=int)
     args = parser.parse_args(argv)
+    if args.command == "probe":
+        return 0 if _answers(args.port) else 1
     try:
         if args.command == "fetch":
             found = jars()
             print(f"Apache Kafka {KAFKA_VERSION}: {len(found)} jars in {found[0].parent}")
             java()
             return 0
-        broker = KafkaBroker(args.dir, args.port).start()
+        broker = KafkaBroker(args.dir, args.port, args.controller_port or args.port + 1).start()
     except KafkaUnavailable as exc:
         print(f"kafka: {exc}", file=sys.stderr)
         return 1
-    print(f"Apache Kafka {KAFKA_VERSION} serving on {broker.bootstrap} (its log: {broker.log_path}); Ctrl-C stops it")
+    print(f"Apache Kafka {KAFKA_VERSION} serving on {broker.bootstrap} (its log: {broker.log_path}); Ctrl-C stops it",
+          flush=True)  # fmt: skip
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `docker stop`: a clean shutdown, as Ctrl-C
     try:
-        broker.process.wait()
+        return broker.process.wait()
     except KeyboardInterrupt:
         broker.stop()
     return 0
