@@ -298,7 +298,8 @@ def test_the_local_override_swaps_in_the_images_built_here():
     (short sessions; the idempotent producer on), Grafana (a registry's image) off by default."""
     services = compose("docker-compose.yml", "docker-compose.local.yml")["services"]
     assert services["kafka"]["image"] == "streamppo-kafka:local"
-    assert any(v["source"] == "kafka-data" and v["target"] == "/var/lib/kafka/data" for v in services["kafka"]["volumes"])
+    volumes = services["kafka"]["volumes"]
+    assert any(v["source"] == "kafka-data" and v["target"] == "/var/lib/kafka/data" for v in volumes)
     assert services["prometheus"]["image"] == "streamppo-prometheus:local"
     assert "grafana" not in services
     for name in ("generator", "scorer", "advantage", "learner", "feed"):
