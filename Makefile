@@ -6,7 +6,9 @@
 #   make run         the README's first run: the venv without the test extras, then the vowels example
 #   make lint        ruff, as configured in pyproject.toml
 #   make test-fast   the fast tier: no processes, no engine, no broker (docs/testing.md)
-#   make test        every test, with a Docker engine for the container tests, stopped again whatever happens
+#   make test        every test (of the recipes' quick modes, today's: one a day in turn), with a Docker engine for
+#                    the container tests, stopped again whatever happens
+#   make test-recipes   every recipe's quick mode (what `make test` runs one of a day)
 #   make ci          setup, lint, test
 #
 # A stamp in the venv makes `setup` return at once when pyproject.toml and the installer have not changed.
@@ -19,7 +21,7 @@ PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadgroup
 
-.PHONY: setup system venv kafka run lint test-fast test ci
+.PHONY: setup system venv kafka run lint test-fast test test-recipes ci
 
 setup: system venv kafka
 
@@ -51,5 +53,8 @@ test:
 	@trap 'deploy/docker/engine.sh stop' EXIT; \
 	  deploy/docker/engine.sh start && deploy/docker/build.sh && \
 	  $(PYTEST) --durations=25 $(PYTEST_ARGS)
+
+test-recipes:
+	STREAMPPO_RECIPES=all $(PYTEST) -m recipe $(PYTEST_ARGS)
 
 ci: setup lint test

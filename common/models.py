@@ -99,14 +99,23 @@ def _looks_like_a_hub_id(spec: str) -> bool:
     return len(parts) == 2 and all(part and not part.startswith(".") for part in parts) and "\\" not in spec
 
 
+def _devices_here() -> str:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        return " (this machine has no CUDA device: model.device cpu)"
+    return f" (this machine has {count} CUDA device(s): model.device cpu, or cuda:0 to cuda:{count - 1})"
+
+
 def _load(auto_class, path: Path, role: str, dtype: str, trust_remote_code: bool, device: str = "cpu", **kwargs):
     try:
         model = auto_class.from_pretrained(
             path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, local_files_only=True, **kwargs
         ).to(device)
     except (OSError, ValueError, KeyError, RuntimeError, AssertionError) as exc:
-        # AssertionError: torch's "not compiled with CUDA enabled" when model.device asks for a GPU it lacks.
-        raise ModelLoadError(f"cannot load the {role} from {path} onto {device}: {exc}") from exc
+        # AssertionError: torch's "not compiled with CUDA enabled" when model.device asks for a GPU it lacks (a
+        # CUDA build of torch says "no NVIDIA driver" instead, RuntimeError): either way, say what there is.
+        there = _devices_here() if device != "cpu" else ""
+        raise ModelLoadError(f"cannot load the {role} from {path} onto {device}: {exc}{there}") from exc
     # Dropout would make π_old and π_new differ on identical weights; RLHF trains with it off.
     model.eval()
     return model

@@ -322,6 +322,11 @@ def test_an_openai_client_s_episodes_are_trained_once_with_the_tokens_it_sampled
     rewards = {e.episode: e.reward for e in events if e.kind == "reward"}
     rollouts = read_messages(bus, "rollouts")
     assert sorted(float(r) for m in rollouts for r in m.environment_reward) == pytest.approx(sorted(rewards.values()))
+    # generations.md shows the agents' conversations, the model's turns marked, not plain completions of the prompts.
+    shown = (config.run.dir / "generations.md").read_text()
+    assert "## Episodes of the first update (trained into v1)" in shown and "## Episodes of the last update" in shown
+    first_row = shown.split("|---|---|---|\n")[1].splitlines()[0]
+    assert first_row.count("**") >= 4, f"two model turns in bold: {first_row}"
 
 
 @pytest.mark.slow

@@ -53,6 +53,12 @@ def test_smollm2_converted_from_the_gguf_wheel_computes_what_the_gguf_does(model
     assert len(tokenizer.decode(answer, skip_special_tokens=True).split()) >= 3, "an instruct model that answers"
 
 
+def test_the_suite_s_rotation_names_every_recipe():
+    from conftest import RECIPES
+
+    assert sorted(RECIPES) == sorted(QUICK)
+
+
 def test_bradley_terry_loss_on_worked_numbers():
     from recipes.reward_model import bradley_terry_loss
 
@@ -252,7 +258,7 @@ def test_tools_problems_are_labelled_by_their_expression_and_held_out(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ recipes, --quick
 
-QUICK = {  # recipe: its training runs, and the evaluations it writes (eval/NAME.json)
+QUICK = {  # recipe: its training runs, and the evaluations it writes (eval/NAME.json); conftest.RECIPES names them
     "arithmetic": (["ppo", "distill", "grpo", "grpo-dynamic"], ["base", "ppo", "distill", "grpo", "grpo-dynamic"]),
     "tools": (["grpo"], ["base-plain", "base-tools", "grpo-plain", "grpo-tools"]),
     "agent": (["grpo"], ["base", "grpo"]),
@@ -273,6 +279,7 @@ QUICK = {  # recipe: its training runs, and the evaluations it writes (eval/NAME
         for name in sorted(QUICK)
     ],
 )
+@pytest.mark.recipe
 def test_each_recipe_runs_every_step_in_quick_mode_outside_the_clone(recipe, tmp_path):
     """`run.sh --quick --run-dir DIR`: every step of the recipe (problems, evaluations before and after, each
     training of 2 updates, the report, the comparison) in minutes, all of it in DIR and nothing in the clone."""

@@ -274,3 +274,20 @@ def test_the_code_sees_the_system_s_files_and_its_scratch_folder_only():
     assert set(ast.literal_eval(listing.output)) <= system
     etc = sandbox.run_python("import os; print(os.listdir('/etc'))")
     assert etc.output.strip() in ("['ld.so.cache']", "[]")
+
+
+@pytest.mark.skipif(bwrap_available() is not None, reason=f"no bwrap: {bwrap_available()}")
+def test_processes_that_probe_bwrap_at_once_all_find_it():
+    """Each probe runs as a user of its own process: with one user between them, two processes probing at once (two
+    environment replicas on one host, two test workers) killed each other's probe, and one found bwrap not working,
+    which now stops its service."""
+    code = (
+        "from services.environment.sandbox import bwrap_available\n"
+        "import sys\n"
+        "results = [bwrap_available.__wrapped__() for _ in range(5)]\n"
+        "sys.exit(0 if all(r is None for r in results) else print(results) or 1)\n"
+    )
+    probes = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent) for _ in range(4)
+    ]
+    assert [p.wait(timeout=300) for p in probes] == [0, 0, 0, 0]

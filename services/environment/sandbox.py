@@ -193,8 +193,14 @@ class _RunUsers:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.free = list(range(self.BLOCK))
+        self.free = list(range(self.BLOCK - 1))  # the block's last is the probe's (probe_uid)
         self.first = self.BASE + (os.getpid() % 1000) * self.BLOCK
+
+    @classmethod
+    def probe_uid(cls) -> int:
+        """The user bwrap_available's probe runs as: this process's own (two processes probing at once, with one
+        user between them, each killed the other's probe as it ended its own, and one found bwrap not working)."""
+        return cls.BASE + (os.getpid() % 1000) * cls.BLOCK + cls.BLOCK - 1
 
     def take(self) -> int | None:
         with self.lock:
@@ -248,7 +254,7 @@ def bwrap_available() -> str | None:
         scratch.chmod(0o755)
         script.chmod(0o644)
         probe = SandboxSection(isolation="bwrap", cpu_seconds=5, wall_seconds=20)
-        uid = _RunUsers.BASE - 1 if os.geteuid() == 0 else None  # a user of its own, as runs have
+        uid = _RunUsers.probe_uid() if os.geteuid() == 0 else None  # a user of its own, as runs have
         try:
             done = subprocess.run(
                 _bwrap_command(scratch, _python(None), str(script)),

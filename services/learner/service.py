@@ -57,7 +57,7 @@ from common.schema import (
     new_header,
 )
 from common.weights import Snapshot, WeightStore
-from services.learner.evaluation import answer_eval_prompts, write_generations
+from services.learner.evaluation import answer_eval_prompts, episode_rows, write_generations
 from services.learner.export import export_final_models
 from services.learner.groups import GroupBuffer, StepLedger, groups_of
 from services.learner.metrics_log import MetricsLog
@@ -122,6 +122,8 @@ class LearnerService(Service):
         self.sender: WeightSender | None = None  # the broadcast path, opened in start() when configured
         self.on_new_log = False  # goes on on a log that replaced a lost one (take_up_new_log)
         self.trackers = Trackers()  # run.trackers: rank 0's alone
+        # A run of episodes: the conversations of the first update since this start and of the last (generations.md).
+        self.episodes: list[list[dict]] = [[], []]
         if self.ranks.leads:  # the other ranks load the checkpoint when rank 0 leads them to
             restored = self._resume()
             self.trackers = Trackers.open(config, self.run_dir, resumed=restored is not None)
@@ -212,11 +214,15 @@ class LearnerService(Service):
         return self.ledger.below >= self.config.prompt_batches and len(self.buffer) < self.config.groups_per_update
 
     def finish(self) -> None:
-        """The trained actor and critic under ``final/``, and the eval answers before and after training."""
+        """The trained actor and critic under ``final/``, and the eval answers before and after training (a run of
+        episodes: its agents' or environment's conversations of the first and last updates first)."""
+        before = after = []
         if self.config.data.eval_prompts and self.before_path.exists():
             before = [json.loads(line) for line in self.before_path.read_text().splitlines()]
             after = self.trainer.answer(answer_eval_prompts, self.tokenizer, self.config, self.trainer.version)
-            write_generations(self.run_dir, before, after)
+        episodes = tuple(self.episodes) if self.config.episodes and all(self.episodes) else None
+        if (before and after) or episodes:
+            write_generations(self.run_dir, before, after, episodes)
         if self.updates < self.config.run.steps:
             log.error(
                 "%s: the run ends after %d of its %d updates: all %d prompt batches are used (%d groups had no "
@@ -391,8 +397,13 @@ class LearnerService(Service):
         groups = self.buffer.take(self.config.groups_per_update)
         started = time.perf_counter()
         staleness = [self.trainer.version - g.version for g in groups]
-        stats = self.trainer.train(Experience.concat([g.experience for g in groups]))
+        experience = Experience.concat([g.experience for g in groups])
+        stats = self.trainer.train(experience)
         self.updates += 1
+        if self.config.episodes:
+            shown = max(self.config.data.eval_prompts, 4)
+            rows = episode_rows(experience, self.tokenizer, self.trainer.version, shown)
+            self.episodes = [self.episodes[0] or rows, rows]
         self.groups_done += len(groups)
         seconds: dict[str, float] = {}
         for group in groups:
