@@ -19,7 +19,7 @@ class Admission:
         self.batch_size = config.data.batch_size
         self.per_update = config.groups_per_update
         self.max_staleness = config.pipeline.max_staleness
-        self.prompt_batches = config.prompt_batches
+        self.prompt_batches = config.steps_possible  # the run's own, and those that replace groups too stale
         self.groups_done = 0  # groups the learner had used up when it announced the newest weights seen
 
     def admits(self, step: int, row: int) -> bool:

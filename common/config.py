@@ -668,6 +668,13 @@ class LearnerSection(_Section):
 
 class PipelineSection(_Section):
     max_staleness: int = Field(0, ge=0, description="0: strictly on-policy; k: generation may run k versions ahead.")
+    stale_reserve: float = Field(
+        0.5,
+        ge=0,
+        description="Groups dropped as too stale (an agent's episode that outlasted updates, a learner rolled back "
+        "by a crash) are replaced by prompt batches past the run's own, published as the drops happen, up to this "
+        "fraction of the run's prompt batches: a run still makes run.steps updates. 0: none (the run ends short).",
+    )
     keep_snapshots: int = Field(3, gt=0, description="Weight snapshots kept per model in the weight store.")
     weight_store: Path | None = Field(None, description="Shared weight directory; default: <run.dir>/weights.")
     inline_max_bytes: int = Field(
@@ -1134,6 +1141,21 @@ class RunConfig(_Section):
         if self.algorithm.dynamic_sampling:
             groups = math.ceil(groups * self.algorithm.max_sampling_factor)
         return -(-groups // self.data.batch_size)
+
+    @property
+    def replacement_batches(self) -> int:
+        """The most prompt batches published past :attr:`prompt_batches` to replace groups dropped as too stale."""
+        return math.ceil(self.prompt_batches * self.pipeline.stale_reserve)
+
+    def replacements_for(self, dropped_stale: int) -> int:
+        """Prompt batches that replace ``dropped_stale`` groups (each batch holds ``data.batch_size``), within the
+        reserve."""
+        return min(self.replacement_batches, -(-dropped_stale // self.data.batch_size))
+
+    @property
+    def steps_possible(self) -> int:
+        """Steps a real prompt batch of the run can have: its own and the replacements'."""
+        return self.prompt_batches + self.replacement_batches
 
     @property
     def namespace(self) -> str:

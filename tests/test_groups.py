@@ -327,3 +327,32 @@ def test_a_relabelled_record_of_a_later_step_is_dead_lettered_and_never_moves_th
     (letter,) = read_messages(bus, "experience.dlq")
     assert "group 11/0 cannot have been sampled by v0" in letter.error
     assert learner.dropped_stale == 0 and runner.counters["dead_letters"] == 1
+
+
+def test_groups_dropped_as_too_stale_are_replaced_and_the_run_makes_all_its_updates(make_config):
+    """Groups that waited past max_staleness (an agent's long episode, a learner rolled back by a crash) are dropped,
+    and the run once ended short by as many (13 of 16 updates). The learner's announcement now asks for replacements
+    (learner.replacements, within pipeline.stale_reserve); the feeder publishes the next prompts as a batch past the
+    run's own; the learner takes it and makes every update."""
+    from common.schema import LEARNER_REPLACEMENTS
+
+    config = make_config(
+        "data.batch_size=2", "generation.n=2", "learner.mini_batch_size=4", "pipeline.max_staleness=0",
+        "run.steps=2", "data.eval_prompts=0",
+    )  # fmt: skip
+    assert (config.prompt_batches, config.replacement_batches) == (2, 1)
+    learner, feeder = LearnerService(config), FeederService(config)
+    first, second = experience_of_steps(config, 2)
+    learner.process(first)  # update 1: the learner is at v1
+    (announcement,) = [a for a in learner.process(second) if a.model == "actor"]  # sampled by v0: too stale now
+    assert learner.dropped_stale == 2 and learner.updates == 1
+    assert announcement.lineage[LEARNER_REPLACEMENTS] == 1 and not learner.done()
+    feeder.start()
+    feeder.on_weights(announcement)
+    (replacement,) = feeder.tick()
+    assert replacement.step == 2 and feeder.tick() == [] and not feeder.done()
+    groups = GeneratorService(config).process(replacement)
+    scored = ScorerService(config).process(groups[0])
+    (experience,) = AdvantageService(config).process(sampled_by(scored[0], 1))
+    learner.process(experience)
+    assert learner.updates == 2 and learner.done(), "every update made, of the replacement's groups"

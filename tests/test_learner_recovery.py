@@ -206,7 +206,7 @@ def test_experience_of_a_rolled_back_version_is_trained_off_policy_and_impossibl
     def batch(step: int, version: int):
         return dataclasses.replace(sampled_by(experience[step if 0 <= step < 4 else 0], version), step=step)
 
-    for impossible in (-1, config.prompt_batches):
+    for impossible in (-1, config.steps_possible):  # the run's prompt batches and those that may replace stale ones
         assert learner.ready_for(batch(impossible, 0)), "let through, so that it does not block its partition"
         with pytest.raises(InputError, match=f"step {impossible} cannot be real"):
             learner.process(batch(impossible, 0))

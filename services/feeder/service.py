@@ -7,7 +7,9 @@ settled (every group trained, waiting in the checkpoint or dropped), as after th
 that saw the log lost (:meth:`take_up_new_log`) waits for the learner's first announcement on the new log, which the
 learner makes after checkpointing, and publishes again from the first prompt batch it says is not settled.
 Batch ids are a function of the run id and the step, so re-publishing after a restart produces duplicates that
-every consumer recognises.
+every consumer recognises. Groups the learner drops as too stale are replaced: its announcements say how many prompt
+batches past the run's own it needs (``learner.replacements``, within ``pipeline.stale_reserve``), and the feeder
+publishes them, the next prompts of the schedule, as they are asked for; the run still makes ``run.steps`` updates.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from common.checkpoint import load_latest_checkpoint
 from common.config import RunConfig
 from common.data import PromptSchedule, load_prompts, tokenize_prompts
 from common.models import load_tokenizer, resolve_model
-from common.schema import LEARNER_SETTLED, RUN_ID, PromptBatch, WeightAnnouncement, new_header
+from common.schema import LEARNER_REPLACEMENTS, LEARNER_SETTLED, RUN_ID, PromptBatch, WeightAnnouncement, new_header
 from services.service import Service
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,9 @@ class FeederService(Service):
         self.learner_done = False  # its announcements say it needs no more prompt batches
         self.new_log = False  # on a log that replaced a lost one, before publishing on it
         self.republish_from: int | None = None  # there: the first prompt batch the learner has not settled
+        self.replacements = 0  # prompt batches past the run's own the learner asked for (groups dropped as stale)
+        self.replaced = 0  # of them, those published by this process
+        self.first = 0  # the first prompt batch this process published (the ones before it are settled)
 
     def batch(self, step: int) -> PromptBatch:
         index = self.schedule.indices(step)
@@ -69,24 +74,40 @@ class FeederService(Service):
     def _publish(self, first: int) -> list[PromptBatch]:
         last = self.config.prompt_batches - 1
         batches = [self.batch(step) for step in range(first, last + 1)]
-        self.published = True
+        self.published, self.first, self.replaced = True, first, 0
         log.info("%s: publishing prompt batches %d..%d", self.replica_id, first, last)
-        return batches
+        return batches + self._replacements()
+
+    def _replacements(self) -> list[PromptBatch]:
+        """The prompt batches past the run's own that the learner asked for and this process has not published (those
+        a predecessor published and the learner settled excepted): groups dropped as too stale, replaced by the next
+        prompts of the schedule (pipeline.stale_reserve)."""
+        start = self.config.prompt_batches
+        steps = [s for s in range(start + self.replaced, start + self.replacements) if s >= self.first]
+        self.replaced = self.replacements
+        if steps:
+            log.info("%s: publishing prompt batches %d..%d in place of groups dropped as too stale", self.replica_id,
+                     steps[0], steps[-1])  # fmt: skip
+        return [self.batch(step) for step in steps]
 
     def on_weights(self, announcement: WeightAnnouncement) -> bool:
         settled = int(announcement.lineage.get(LEARNER_SETTLED, 0))
+        self.replacements = max(self.replacements, int(announcement.lineage.get(LEARNER_REPLACEMENTS, 0)))
         self.learner_done = (
-            announcement.policy_version >= self.config.run.steps or settled >= self.config.prompt_batches
+            announcement.policy_version >= self.config.run.steps
+            or settled >= self.config.prompt_batches + self.replacements
         )
         if self.new_log:
             self.republish_from = settled
         return True
 
     def tick(self) -> list[PromptBatch]:
-        if not self.new_log or self.republish_from is None:
-            return []
-        self.new_log = False
-        return self._publish(self.republish_from)
+        if self.new_log:
+            if self.republish_from is None:
+                return []
+            self.new_log = False
+            return self._publish(self.republish_from)
+        return self._replacements() if self.published and self.replacements > self.replaced else []
 
     def take_up_new_log(self) -> bool:
         # The learner announces on the new log once it has checkpointed: what it settled then is what stays settled.

@@ -206,9 +206,9 @@ class GatewayService(Service):
         return int(few and not any(batch.unoffered for batch in self.batches.values()))
 
     def admit(self, message: PromptBatch) -> None:
-        if not 0 <= message.step < self.config.prompt_batches:
+        if not 0 <= message.step < self.config.steps_possible:
             raise InputError(
-                f"step {message.step} is outside the run's prompt batches 0..{self.config.prompt_batches - 1}"
+                f"step {message.step} is outside the run's prompt batches 0..{self.config.steps_possible - 1}"
             )
         self.batches[message.batch_id] = _Batch(message, set(range(message.rows)), deque(range(message.rows)))
 

@@ -338,9 +338,9 @@ class GeneratorService(Service):
     # ------------------------------------------------------------------ internals
 
     def _check(self, message: PromptBatch | CompletionRequest) -> None:
-        if not 0 <= message.step < self.config.prompt_batches:
+        if not 0 <= message.step < self.config.steps_possible:
             raise InputError(
-                f"step {message.step} is outside the run's prompt batches 0..{self.config.prompt_batches - 1}"
+                f"step {message.step} is outside the run's prompt batches 0..{self.config.steps_possible - 1}"
             )
         check_token_ids(message, self.sampler.skeleton, "actor")
 

@@ -50,6 +50,7 @@ from common.schema import (
     ADAPTER_BASE,
     LEARNER_EPOCH,
     LEARNER_GROUPS_DONE,
+    LEARNER_REPLACEMENTS,
     LEARNER_SETTLED,
     RUN_ID,
     ExperienceBatch,
@@ -105,6 +106,7 @@ class LearnerService(Service):
         self.before_path = self.run_dir / "generations_before.jsonl"
         self.updates = 0
         self.dropped_stale = 0  # groups
+        self.too_stale = 0  # of them, those that waited too long (replaced: pipeline.stale_reserve), not forged ones
         self.no_signal = 0  # groups the advantage stage dropped (dynamic sampling)
         self.dead_lettered = 0  # groups every episode of which a gateway dead-lettered
         self.groups_done = 0  # groups used up: trained, or dropped (stale, no signal)
@@ -159,6 +161,7 @@ class LearnerService(Service):
         self.buffer.load(folder)
         self.updates, self.dropped_stale = meta["updates"], meta["dropped_stale"]
         self.no_signal = meta.get("no_signal", 0)
+        self.too_stale = meta.get("too_stale", 0)
         self.dead_lettered = meta.get("dead_lettered", 0)
         # Checkpoints from before groups: one update trained one whole prompt batch.
         self.groups_done = meta.get("groups_done", self.updates * self.config.data.batch_size)
@@ -211,7 +214,8 @@ class LearnerService(Service):
     def _used_up(self) -> bool:
         """Whether every prompt batch the run may use is settled and too few groups are left for an update (with
         dynamic sampling, when too many groups had no signal)."""
-        return self.ledger.below >= self.config.prompt_batches and len(self.buffer) < self.config.groups_per_update
+        published = self.config.prompt_batches + self.config.replacements_for(self.too_stale)
+        return self.ledger.below >= published and len(self.buffer) < self.config.groups_per_update
 
     def finish(self) -> None:
         """The trained actor and critic under ``final/``, and the eval answers before and after training (a run of
@@ -251,9 +255,9 @@ class LearnerService(Service):
 
     def process(self, message: ExperienceBatch) -> list[WeightAnnouncement]:
         cfg = self.config
-        if not 0 <= message.step < cfg.prompt_batches:
+        if not 0 <= message.step < cfg.steps_possible:
             raise InputError(
-                f"step {message.step} cannot be real: the run has prompt batches 0..{cfg.prompt_batches - 1}"
+                f"step {message.step} cannot be real: the run has prompt batches 0..{cfg.steps_possible - 1}"
             )
         if not self._possible_version(message.newest_version()):
             # Sampled by a policy this learner never published: a learner that lost its checkpoint, or weights from
@@ -389,6 +393,7 @@ class LearnerService(Service):
                 self.config.pipeline.max_staleness,
             )
         self.dropped_stale += len(stale)
+        self.too_stale += len(stale)
         self.groups_done += len(stale)
         return len(stale)
 
@@ -447,6 +452,7 @@ class LearnerService(Service):
             {
                 "updates": self.updates,
                 "dropped_stale": self.dropped_stale,
+                "too_stale": self.too_stale,
                 "no_signal": self.no_signal,
                 "dead_lettered": self.dead_lettered,
                 "groups_done": self.groups_done,
@@ -509,6 +515,7 @@ class LearnerService(Service):
                 LEARNER_EPOCH: self.epoch,
                 LEARNER_GROUPS_DONE: self.groups_done,
                 LEARNER_SETTLED: self.ledger.below,
+                LEARNER_REPLACEMENTS: self.config.replacements_for(self.too_stale),
             }
             if name == "actor" and self.config.model.lora is not None:  # the snapshot is adapters for this base
                 lineage |= {ADAPTER: "lora", ADAPTER_BASE: self.config.model.actor}
@@ -544,7 +551,11 @@ class LearnerService(Service):
         actor = next((a for a in self.published if a.model == "actor"), None)
         if actor is None or actor.policy_version != self.trainer.version:
             return [a for a in self.announce() if a.model == "actor"]
-        lineage = {**actor.lineage, LEARNER_GROUPS_DONE: self.groups_done}
+        lineage = {
+            **actor.lineage,
+            LEARNER_GROUPS_DONE: self.groups_done,
+            LEARNER_REPLACEMENTS: self.config.replacements_for(self.too_stale),
+        }
         batch_id = f"{actor.batch_id}-g{self.groups_done}"
         self._announced_progress()
         return [dataclasses.replace(actor, batch_id=batch_id, lineage=lineage, created_at=time.time())]
