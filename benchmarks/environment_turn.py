@@ -24,10 +24,10 @@ from common.config import load_config  # noqa: E402
 from common.schema import EpisodeTurn, new_header  # noqa: E402
 from services.environment import EnvironmentService  # noqa: E402
 from services.environment.tools import calculate  # noqa: E402
-from services.run_bus import kafka_bus  # noqa: E402
-from services.runtime import ServiceRunner  # noqa: E402
+from services.runtime import Replica  # noqa: E402
 from services.service import Service  # noqa: E402
 from services.transport.local_broker import LocalBroker  # noqa: E402
+from services.transport.run_bus import kafka_bus  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ def main() -> None:
                 f"run.dir={REPO / 'runs' / 'turn-bench'}",
             ],
         )
-        environment = ServiceRunner(EnvironmentService(config, "environment-0"), kafka_bus(config))
+        environment = Replica(EnvironmentService(config, "environment-0"), lambda: kafka_bus(config)).start().runner
         stop = threading.Event()
 
         def serve() -> None:
@@ -73,7 +73,7 @@ def main() -> None:
         server = threading.Thread(target=serve, daemon=True)
         server.start()
         asker = _Asker(config, "generator-0")
-        runner = ServiceRunner(asker, kafka_bus(config))
+        runner = Replica(asker, lambda: kafka_bus(config)).start().runner
         lineage = {"run.id": config.run.run_id}
         seconds = []
         for i in range(args.turns + 10):  # the first 10 warm the clients up

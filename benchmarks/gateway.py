@@ -145,9 +145,9 @@ class Run:
         raise RuntimeError(f"the gateway did not start: {self.folder}")
 
     def read(self, topic: str) -> list:
+        from services.ops.runlog.reader import BusReader
         from services.roles import pipeline_topics
-        from services.run_bus import kafka_bus
-        from services.runlog.reader import BusReader
+        from services.transport.run_bus import kafka_bus
 
         config = load_config(self.config_path)
         bus = kafka_bus(config, make=False)
@@ -158,7 +158,7 @@ class Run:
             bus.close()
 
     def close(self) -> None:
-        from services.cluster import stop_all
+        from services.launch.cluster import stop_all
 
         stop_all(list(self.processes.values()), timeout_s=30)
         self.broker.stop()

@@ -474,7 +474,7 @@ def _change_rates(steps: int = 6) -> list[dict]:
 
     from common.config import load_config
     from common.weights import delta_state
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
 
     rows = []
     for lr in (1e-5, 1e-6):
@@ -551,7 +551,7 @@ def bench_scaling(batches: int = 24) -> dict:
     from common.config import load_config
     from services.feeder import FeederService
     from services.generator import GeneratorService
-    from services.run_bus import kafka_bus
+    from services.transport.run_bus import kafka_bus
 
     model = smollm2_sized_model()
     rows = {}

@@ -37,7 +37,7 @@ from common.schema import (  # noqa: E402
     new_header,
 )
 from services.roles import pipeline_topics  # noqa: E402
-from services.runtime import ServiceRunner  # noqa: E402
+from services.runtime import Replica  # noqa: E402
 from services.service import Service  # noqa: E402
 from services.transport import TopicSpec  # noqa: E402
 from services.transport.kafka import KafkaBus, KafkaSettings  # noqa: E402
@@ -116,7 +116,7 @@ def pipeline_latency(
     bus.create_topics(pipeline_topics(4))
     stages = [("generator", rollouts), ("scorer", scored), ("advantage", experience), ("learner", weights)]
     stop = threading.Event()
-    runners = [ServiceRunner(NoOp(*stage), bus) for stage in stages]
+    runners = [Replica(NoOp(*stage), lambda: bus).start().runner for stage in stages]
 
     def loop(runner):
         while not stop.is_set():

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import yaml
 
-from services import exit_codes
+from services.launch import exit_codes
+from services.ops.runlog.commands import add_log_commands
 from services.roles import ROLES
-from services.runlog.commands import add_log_commands
 
 __all__ = ["build_parser", "main"]
 
 
 def _run(args) -> int:
     from common.config import load_config
-    from services.embedded import run_embedded
-    from services.preflight import check_run_inputs
+    from services.launch.embedded import run_embedded
+    from services.launch.preflight import check_run_inputs
 
     config = load_config(args.config, args.set)
     check_run_inputs(config)  # the prompts, the reward, the models' folders: found wrong before any model loads
@@ -35,7 +35,7 @@ def _run(args) -> int:
 
 def _serve(args) -> int:
     from common.config import load_config
-    from services.process import serve
+    from services.launch.process import serve
 
     config = load_config(args.config, [*args.set, *(["run.resume=true"] if args.resume else [])])
     return serve(
@@ -51,8 +51,8 @@ def _serve(args) -> int:
 
 def _fleet(args) -> int:
     from common.config import ConfigError
-    from services.fleet import RunsFolder, parse_quotas, parse_shares
-    from services.process import serve_fleet
+    from services.launch.fleet import RunsFolder, parse_quotas, parse_shares
+    from services.launch.process import serve_fleet
 
     if not args.runs.is_dir():
         raise ConfigError(f"--runs {args.runs}: not a folder")
@@ -75,7 +75,7 @@ def _fleet(args) -> int:
 
 def _topics(args) -> int:
     from common.config import load_config
-    from services.run_bus import kafka_bus
+    from services.transport.run_bus import kafka_bus
 
     config = load_config(args.config, args.set)
     bus = kafka_bus(config, args.bootstrap, replace_wrong_topics=True)  # creates (or replaces) what is missing
@@ -85,9 +85,9 @@ def _topics(args) -> int:
 
 
 def _status(args) -> int:
+    from services.ops.status import format_status, read_status
     from services.roles import LOG_TOPIC
-    from services.run_bus import kafka_bus, run_of
-    from services.status import format_status, read_status
+    from services.transport.run_bus import kafka_bus, run_of
 
     if args.run_dir is not None and args.bootstrap is None:
         finished = _finished_run(Path(args.run_dir))
@@ -124,7 +124,7 @@ def _finished_run(run_dir: Path) -> str | None:
     """``finished: done ...`` for a run directory whose run is over (its summary.json written at the end), else None."""
     import json
 
-    from services.summary import RunSummary
+    from services.ops.summary import RunSummary
 
     written, metrics = run_dir / "summary.json", run_dir / "metrics.jsonl"
     try:
@@ -138,10 +138,10 @@ def _finished_run(run_dir: Path) -> str | None:
 
 def _wait(args) -> int:
     from common.config import load_config
+    from services.ops.status import wait_for_run
+    from services.ops.summary import summarise_run
     from services.roles import roles_of
-    from services.run_bus import kafka_bus
-    from services.status import wait_for_run
-    from services.summary import summarise_run
+    from services.transport.run_bus import kafka_bus
 
     config = load_config(args.config, args.set)
     ending = {role.name for role in roles_of(config) if role.ends_run}
@@ -190,9 +190,9 @@ def _end_with_the_run(config, pool) -> dict:
     so that a remote agents job completes; returns what says why it ended (filled in then)."""
     import threading
 
+    from services.ops.status import wait_for_run
     from services.roles import ROLES, roles_of
-    from services.run_bus import kafka_bus
-    from services.status import wait_for_run
+    from services.transport.run_bus import kafka_bus
 
     ended: dict = {}
     if not config.kafka.bootstrap:
@@ -217,8 +217,8 @@ def _end_with_the_run(config, pool) -> dict:
 
 def _up(args) -> int:
     from common.config import ConfigError, load_config
-    from services.cluster import parse_replicas, resumed_run, up
-    from services.preflight import check_run_inputs
+    from services.launch.cluster import parse_replicas, resumed_run, up
+    from services.launch.preflight import check_run_inputs
 
     overrides = [*args.set, *(["run.resume=true"] if args.resume else [])]
     config_path, replica_specs = args.config, args.replicas

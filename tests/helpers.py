@@ -116,3 +116,11 @@ def image_available(image: str, pull: bool = False) -> bool:
     if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode == 0:
         return True
     return pull and subprocess.run(["docker", "pull", "-q", image], capture_output=True, timeout=600).returncode == 0
+
+
+def started(service, bus, metrics=None):
+    """The runner of ``service`` on ``bus``, started as its replica starts it (services/runtime/replica.py): its
+    channels connected and what its ``start()`` returns produced."""
+    from services.runtime import Replica
+
+    return Replica(service, lambda: bus, metrics).start().runner

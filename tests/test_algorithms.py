@@ -61,7 +61,7 @@ def test_the_config_takes_its_choices_and_checks_from_the_declarations(make_conf
 
 @pytest.mark.parametrize("loss", ["gspo", "cispo"])
 def test_the_learner_trains_with_the_chosen_policy_loss_and_its_settings(loss, make_config, monkeypatch):
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
 
     calls = []
     chosen = ppo.POLICY_LOSSES[loss]
@@ -105,7 +105,7 @@ def sign_estimator(monkeypatch):
 
 def test_a_new_estimator_is_its_function_and_its_declaration(sign_estimator, make_config):
     """The config accepts it, applies the checks its declaration implies, and a run trains with it."""
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
 
     with pytest.raises(ConfigError, match="learner.critic_lr.* which runs without a critic"):
         make_config("algorithm.estimator=sign")  # the PPO example sets critic settings
@@ -163,7 +163,7 @@ def test_on_policy_distillation_moves_the_student_toward_its_teacher(make_config
     weights × 6, so logits × 6: a much sharper distribution (reverse KL about 2.4 nats a token at the start) that
     the student can reach."""
     from common.models import load_actor, load_tokenizer
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
 
     teacher = load_actor(tiny_model)
     with torch.no_grad():

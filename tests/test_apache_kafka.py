@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 from conftest import EXAMPLE, REPO
-from helpers import assert_each_group_once, run_settings
+from helpers import assert_each_group_once, run_settings, started
 
 from common.schema import encode
-from services.run_bus import kafka_bus
 from services.transport import TopicSpec
 from services.transport.apache_kafka import KafkaBroker, KafkaCluster
+from services.transport.run_bus import kafka_bus
 
 pytestmark = pytest.mark.slow  # brokers and services as processes
 
@@ -192,7 +192,6 @@ def test_the_weights_topic_is_compacted_and_a_late_replica_reads_only_the_newest
 
     from services.generator import GeneratorService
     from services.roles import WEIGHTS_TOPIC, pipeline_topics
-    from services.runtime import ServiceRunner
 
     with KafkaBroker(tmp_path / "kafka") as broker:
         config = make_config(
@@ -226,7 +225,7 @@ def test_the_weights_topic_is_compacted_and_a_late_replica_reads_only_the_newest
                 producer.send(WEIGHTS_TOPIC, encode(announcement), key=announcement.model.encode())
             producer.flush()
             time.sleep(2)
-        late = ServiceRunner(GeneratorService(config, "generator-late"), bus)
+        late = started(GeneratorService(config, "generator-late"), bus)
         deadline = time.monotonic() + 60
         while late.weights.loaded.get("actor") != versions:
             assert time.monotonic() < deadline, late.weights.loaded

@@ -414,7 +414,7 @@ def test_a_setting_that_names_what_cannot_be_had_fails_fast_with_exit_2(command,
 
 def test_a_service_started_alone_exits_2_on_a_setting_that_names_what_cannot_be_had(tmp_path, model_cache):
     """What `up` (or Kubernetes) sees of a service whose configuration cannot work: exit 2, not restarted."""
-    from services import exit_codes
+    from services.launch import exit_codes
 
     result = streamppo(
         "scorer",

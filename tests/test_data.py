@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+from helpers import started
 
 from common.data import DatasetError, load_prompts
 from common.rewards import RewardError, RewardFunction
@@ -12,7 +13,6 @@ from recipes.rewards import final_number_matches
 from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.roles import pipeline_topics
-from services.runtime import ServiceRunner
 from services.scorer import ScorerService
 from services.transport import MemoryBus
 
@@ -105,7 +105,7 @@ def test_a_batch_whose_labels_cannot_be_checked_is_a_dead_letter_where_the_run_s
     producer = bus.producer("test")
     producer.send("rollouts", encode(unlabelled), key=b"a")
     producer.send("rollouts", encode(rollouts), key=b"a")
-    runner = ServiceRunner(ScorerService(config, "scorer"), bus)
+    runner = started(ScorerService(config, "scorer"), bus)
     while runner.poll_once():
         pass
     dead = [decode(r.value) for r in bus.consumer("rollouts.dlq", None, "reader").poll(0.0, max_records=10)]

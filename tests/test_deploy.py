@@ -427,7 +427,7 @@ def test_the_dockerfile_passes_hadolint():
 def exported_series() -> set[str]:
     """Every series name the services export, from a metrics registry that has seen each kind of event."""
     from common.statistics import gauges
-    from services.metrics import ServiceMetrics
+    from services.runtime.metrics import ServiceMetrics
 
     metrics = ServiceMetrics("learner")
     for outcome in ("processed", "dead_letter", "duplicate", "other_run"):

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from services.embedded import run_embedded
+from services.launch.embedded import run_embedded
 
 
 def assert_the_example_learned(run_dir, steps: int, keep_snapshots: int) -> None:
@@ -111,7 +111,7 @@ def test_a_reused_run_directory_is_cleared_out_loud_and_summarised_like_the_repo
     config = make_config("run.steps=4", "data.eval_prompts=0")
     run_embedded(config, progress=False)
     assert (config.checkpoint_dir / "LATEST").is_file()
-    with caplog.at_level(logging.WARNING, logger="services.embedded"):
+    with caplog.at_level(logging.WARNING, logger="services.launch.embedded"):
         summary = run_embedded(config, progress=False)
     assert any("clearing the checkpoints" in r.getMessage() for r in caplog.records)
     assert summary.steps == 4, "started from scratch, not resumed from the old checkpoint"

@@ -369,7 +369,7 @@ def test_the_scorer_adds_the_environments_reward(make_config):
 
 
 def test_an_embedded_run_trains_on_episodes(make_config):
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
 
     config = episode_config(make_config, "Counter", "run.steps=3", "environment.max_turns=3")
     run_embedded(config, progress=False)
@@ -385,7 +385,7 @@ def test_an_embedded_run_trains_on_episodes(make_config):
 def test_an_embedded_run_with_the_environment_as_a_role_on_the_bus(make_config):
     from helpers import read_messages
 
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
     from services.transport.memory import MemoryBus
 
     config = episode_config(

@@ -13,8 +13,8 @@ from conftest import EXAMPLE, REPO
 from helpers import assert_each_group_once, run_settings
 
 from common.schema import decode
-from services.cluster import stop_all
-from services.run_bus import kafka_bus
+from services.launch.cluster import stop_all
+from services.transport.run_bus import kafka_bus
 
 pytestmark = pytest.mark.slow
 

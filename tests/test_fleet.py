@@ -12,8 +12,8 @@ from helpers import publish, read_messages
 from common.models import FrozenModels
 from common.schema import ScoredBatch, decode, encode
 from services.feeder import FeederService
-from services.fleet import Fleet, RunsFolder, parse_shares
 from services.generator import GeneratorService
+from services.launch.fleet import Fleet, RunsFolder, parse_shares
 from services.roles import pipeline_topics
 from services.transport import MemoryBus
 from services.transport.namespaced import NamespacedBus
@@ -126,8 +126,8 @@ def test_a_fleets_metrics_and_status_say_each_runs_share(make_config, tmp_path):
     from prometheus_client import generate_latest
 
     from common.schema import ReplicaStatus
-    from services.metrics import FleetMetrics
-    from services.status import PipelineStatus, format_status
+    from services.ops.status import PipelineStatus, format_status
+    from services.runtime.metrics import FleetMetrics
 
     a, b = (run_config(make_config, tmp_path, run_id) for run_id in ("a", "b"))
     broker = MemoryBus()
@@ -246,7 +246,7 @@ def test_three_runs_on_shared_fleets_survive_kill_9_of_a_fleet_replica_and_of_on
     from helpers import assert_each_group_once, run_settings
 
     from common.config import load_config
-    from services.cluster import stop_all
+    from services.launch.cluster import stop_all
     from services.transport.local_broker import free_port
 
     steps, runs = 6, tmp_path / "runs"
@@ -338,7 +338,7 @@ def test_a_fleet_replica_stopped_while_its_broker_is_away_exits_in_seconds(make_
 
     from conftest import REPO
 
-    from services.process import STOP_BROKER_S
+    from services.launch.process import STOP_BROKER_S
     from services.transport.local_broker import LocalBroker, free_port
 
     port = free_port()

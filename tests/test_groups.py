@@ -9,17 +9,16 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from helpers import assert_each_group_once, experience_of_steps, publish, read_messages, sampled_by
+from helpers import assert_each_group_once, experience_of_steps, publish, read_messages, sampled_by, started
 
 from common.checkpoint import latest_checkpoint_version
 from common.schema import LEARNER_GROUPS_DONE, ExperienceBatch, WeightAnnouncement, encode
 from services.advantage import AdvantageService
-from services.embedded import run_embedded
 from services.feeder import FeederService
 from services.generator import GeneratorService
+from services.launch.embedded import run_embedded
 from services.learner import LearnerService
 from services.roles import pipeline_topics
-from services.runtime import ServiceRunner
 from services.scorer import ScorerService
 from services.service import Progress
 from services.transport import MemoryBus
@@ -296,7 +295,7 @@ def test_a_group_that_never_comes_is_waited_for_only_hold_timeout_s(make_config)
     bus = MemoryBus()
     bus.create_topics(pipeline_topics(partitions=1))
     publish(bus, "experience", encode(experience[1]), encode(experience[2]))  # step 0 never comes (dead-lettered)
-    runner = ServiceRunner(LearnerService(config), bus)
+    runner = started(LearnerService(config), bus)
     runner.poll_once(), runner.poll_once()
     assert runner.service.trainer.version == 1 and not runner.poll_once(), "waiting for step 0"
     time.sleep(0.4)
@@ -318,7 +317,7 @@ def test_a_relabelled_record_of_a_later_step_is_dead_lettered_and_never_moves_th
     bus = MemoryBus()
     bus.create_topics(pipeline_topics())
     learner = LearnerService(config)
-    runner = ServiceRunner(learner, bus)
+    runner = started(learner, bus)
     (real,) = experience_of_steps(config, 1)
     forged = dataclasses.replace(real, step=11, batch_id=f"{config.run.run_id}-00000011")  # sampled by v0
     publish(bus, "experience", encode(real), encode(forged))

@@ -20,15 +20,15 @@ from helpers import (
     is_local_broker,
     run_settings,
     sampled_by,
+    started,
 )
 from kafka.errors import KafkaError
 
 from common.schema import DeadLetter, SchemaError, decode
-from services.run_bus import kafka_bus
-from services.runtime import ServiceRunner
 from services.transport import TopicSpec
 from services.transport.kafka import BrokerUnavailable, KafkaBus, KafkaSettings
 from services.transport.local_broker import free_port
+from services.transport.run_bus import kafka_bus
 
 pytestmark = pytest.mark.slow  # services as processes and a broker per test where it needs one
 
@@ -141,7 +141,7 @@ def fill(bus, topic, count):
 def test_a_malformed_record_lands_in_the_dlq_over_kafka(bus, kafka_config):
     from services.scorer import ScorerService
 
-    runner = ServiceRunner(ScorerService(kafka_config, unique("scorer")), bus)
+    runner = started(ScorerService(kafka_config, unique("scorer")), bus)
     marker = uuid.uuid4().bytes
     producer = bus.producer("test")
     producer.send("rollouts", b"\xc1not msgpack" + marker)
@@ -464,7 +464,7 @@ def test_a_refused_weight_announcement_does_not_block_the_real_one(make_config, 
     producer.flush()
 
     advantage = AdvantageService(config, unique("advantage"))
-    runner = ServiceRunner(advantage, bus)
+    runner = started(advantage, bus)
 
     def poll_until(version):
         deadline = time.monotonic() + 30
@@ -523,7 +523,7 @@ def test_the_learner_trains_groups_as_they_arrive_across_partitions_within_the_s
     producer.flush()
 
     learner = LearnerService(config, unique("learner"))
-    runner = ServiceRunner(learner, bus)
+    runner = started(learner, bus)
     deadline = time.monotonic() + 60
     while learner.groups_done < 6 and time.monotonic() < deadline:
         runner.poll_once(0.2)
@@ -568,7 +568,7 @@ def test_forged_and_replayed_experience_neither_takes_a_real_batch_s_place_nor_c
     producer.flush()
 
     learner = LearnerService(config, unique("learner"))
-    runner = ServiceRunner(learner, bus)
+    runner = started(learner, bus)
     deadline = time.monotonic() + 60
     while not (learner.done() and runner.counters["dead_letters"]) and time.monotonic() < deadline:
         runner.poll_once(0.2)
@@ -616,7 +616,7 @@ def test_prompt_batches_that_can_never_be_sampled_do_not_block_their_partitions(
 
     generator = GeneratorService(config, unique("generator"))
     bus = kafka_bus(config)
-    runner = ServiceRunner(generator, bus)
+    runner = started(generator, bus)
     rollouts = bus.consumer("rollouts", None, unique("audit"))
     sampled, deadline = [], time.monotonic() + 60
     while not sampled and time.monotonic() < deadline:
@@ -668,7 +668,7 @@ def test_streamppo_status_shows_what_each_replica_waits_for(make_config, kafka_b
     producer.send("prompts.dlq", b"a rejected record")
     producer.flush()
     replica = unique("generator")
-    runner = ServiceRunner(GeneratorService(config, replica), bus)
+    runner = started(GeneratorService(config, replica), bus)
     deadline = time.monotonic() + 60
     while not (runner.counters["processed"] == 1 and runner.held) and time.monotonic() < deadline:
         runner.poll_once(0.2)
@@ -725,7 +725,7 @@ def test_announcements_of_a_replaced_learner_are_ignored_and_a_newer_epoch_rolls
         producer.flush()
 
     advantage = AdvantageService(config, unique("advantage"))
-    runner = ServiceRunner(advantage, bus)
+    runner = started(advantage, bus)
 
     def poll(until):
         deadline = time.monotonic() + 30
@@ -867,7 +867,7 @@ def test_a_service_stops_on_a_replaced_log_and_makes_nothing_on_the_new_broker(m
     take it for a lost log, and a replica stopped then exits in seconds (it does not wait for the broker's timeouts).
     On the empty one a running replica sends, commits and creates nothing (clients never make topics), and stops
     with LogReplaced once it sees the log's identity gone."""
-    from services.process import STOP_BROKER_S
+    from services.launch.process import STOP_BROKER_S
     from services.runtime import LOG_CHECK_S
     from services.scorer import ScorerService
     from services.transport import LogReplaced
@@ -885,7 +885,7 @@ def test_a_service_stops_on_a_replaced_log_and_makes_nothing_on_the_new_broker(m
     with open(stopped_by_signal, "w") as out:
         process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     try:
-        runner = ServiceRunner(ScorerService(config, unique("scorer")), kafka_bus(config))
+        runner = started(ScorerService(config, unique("scorer")), kafka_bus(config))
         runner.poll_once(0.2)
         deadline = time.monotonic() + 120
         while "serving rollouts" not in stopped_by_signal.read_text():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import publish, read_messages, sampled_by
+from helpers import publish, read_messages, sampled_by, started
 
 from common.schema import encode
 from common.storage import NoSpaceError, write_or_explain
@@ -15,7 +15,6 @@ from services.generator import GeneratorService
 from services.learner import LearnerService
 from services.learner.trainer import Experience
 from services.roles import pipeline_topics
-from services.runtime import ServiceRunner
 from services.scorer import ScorerService
 from services.service import Dropped, InputError, Progress
 from services.transport import MemoryBus
@@ -53,7 +52,7 @@ def apply(learner, message, offset, handled=()):
 
 def served(config, bus):
     """A learner served by the runner over ``bus`` (its experience topic of one partition)."""
-    return ServiceRunner(LearnerService(config), bus)
+    return started(LearnerService(config), bus)
 
 
 def send(bus, messages):
@@ -109,7 +108,7 @@ def test_on_a_new_log_the_learner_checkpoints_first_and_the_feeder_publishes_aga
     old, new = MemoryBus(), MemoryBus()
     for log in (old, new):
         log.create_topics(pipeline_topics(partitions=1))
-    feeder = ServiceRunner(FeederService(config), old)
+    feeder = started(FeederService(config), old)
     assert [m.step for m in read_messages(old, "prompts")] == [0, 1, 2, 3]
     send(old, experience[:2])
     learner = served(config, old)
@@ -124,9 +123,9 @@ def test_on_a_new_log_the_learner_checkpoints_first_and_the_feeder_publishes_aga
         (config.checkpoint_dir / (config.checkpoint_dir / "LATEST").read_text() / "learner.json").read_text()
     )
     assert meta["updates"] == 2 and meta["ledger"]["below"] == 2, "what it applied was checkpointed first"
-    feeder = ServiceRunner(feeder.service, new)
+    feeder = started(feeder.service, new)
     assert feeder.poll_once() is False and read_messages(new, "prompts") == [], "the feeder waits for the learner"
-    learner = ServiceRunner(learner.service, new)
+    learner = started(learner.service, new)
     announced = read_messages(new, "weights")
     assert {a.policy_version for a in announced} == {2} and {a.lineage["learner.settled"] for a in announced} == {2}
     assert feeder.poll_once() and [m.step for m in read_messages(new, "prompts")] == [2, 3]

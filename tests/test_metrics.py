@@ -3,14 +3,14 @@
 import urllib.request
 
 import pytest
+from helpers import started
 
 from common.schema import decode, encode
 from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
-from services.metrics import ServiceMetrics
 from services.roles import pipeline_topics
-from services.runtime import ServiceRunner
+from services.runtime.metrics import ServiceMetrics
 from services.transport import MemoryBus
 from services.transport.local_broker import free_port
 
@@ -31,7 +31,7 @@ def generator_with_metrics(config):
     bus = MemoryBus()
     bus.create_topics(pipeline_topics())
     metrics = ServiceMetrics("generator")
-    return bus, metrics, ServiceRunner(GeneratorService(config, "generator"), bus, metrics=metrics)
+    return bus, metrics, started(GeneratorService(config, "generator"), bus, metrics=metrics)
 
 
 def test_counters_latency_lag_and_dead_letters_move(config):
@@ -98,7 +98,7 @@ def test_a_port_range_takes_the_first_free_port():
     """Replicas on one host network share one command: each takes the next free port of the range."""
     import socket
 
-    from services.metrics import parse_ports
+    from services.runtime.metrics import parse_ports
 
     assert parse_ports("9100") == range(9100, 9101) and parse_ports("9110-9129") == range(9110, 9130)
     with socket.socket() as taken:
@@ -117,7 +117,7 @@ def test_a_port_range_takes_the_first_free_port():
 def test_a_scrape_target_file_is_what_prometheus_file_discovery_reads(tmp_path):
     import json
 
-    from services.metrics import ScrapeTarget
+    from services.runtime.metrics import ScrapeTarget
 
     target = ScrapeTarget(tmp_path / "targets", "scorer-abc", "scorer", "127.0.0.1", 9111)
     assert json.loads(target.path.read_text()) == [
@@ -131,7 +131,7 @@ def test_a_scrape_target_file_is_what_prometheus_file_discovery_reads(tmp_path):
 def test_a_replica_in_a_container_is_named_after_the_container(tmp_path):
     """On the host network every container has the host's name and its service is PID 1: the container's id names
     the replica (it survives the container's restarts); outside one, host and PID do."""
-    from services.process import _container_id
+    from services.launch.process import _container_id
 
     cid = "5f09115f5931ca968e1eddbb3eb9e6627ccfe17a5f554682b1f96417dabfd2e6"
     mountinfo = tmp_path / "mountinfo"

@@ -122,7 +122,7 @@ def test_train_rm_rejects_a_malformed_pairs_file(tmp_path, model_cache):
 
 def test_report_draws_every_plot_for_a_short_run(make_config, tmp_path):
     from common.statistics import PLOTS
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
 
     config = make_config("run.steps=3", "data.eval_prompts=2")
     run_embedded(config, progress=False)

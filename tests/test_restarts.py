@@ -1,6 +1,6 @@
-"""One restart policy for `streamppo up`'s children and the learner's ranks (services/restarts.py)."""
+"""One restart policy for `streamppo up`'s children and the learner's ranks (services/launch/restarts.py)."""
 
-from services.restarts import RestartPolicy, Restarts
+from services.launch.restarts import RestartPolicy, Restarts
 
 
 def test_quick_failures_in_a_row_give_up_and_the_pause_grows():
@@ -23,7 +23,7 @@ def test_a_process_killed_by_a_signal_is_restarted_however_often():
 
 
 def test_up_and_the_learner_ranks_share_the_policy(make_config):
-    from services.cluster import _Child
+    from services.launch.cluster import _Child
     from services.learner.ranks import LearnerRanks
 
     ranks = LearnerRanks(make_config("learner.parallel.strategy=fsdp", "learner.parallel.processes=2"))

@@ -15,9 +15,9 @@ import yaml
 from common.batch_store import BatchStore
 from common.log_archive import ArchiveError, LogArchive
 from common.schema import ExperienceBatch, PromptBatch, RolloutBatch, ScoredBatch, decode, encode, group_key
-from services.runlog.archive import batch_reference
-from services.runlog.reader import ArchiveReader
-from services.runlog.rescore import average_ranks, compare_scores
+from services.ops.runlog.archive import batch_reference
+from services.ops.runlog.reader import ArchiveReader
+from services.ops.runlog.rescore import average_ranks, compare_scores
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 3
@@ -33,7 +33,7 @@ def archived_run(tmp_path_factory, model_cache):
     """A 3-update embedded run whose batches all travel by reference, its log archived at its end, then its batch
     store deleted: everything below reads the archive alone."""
     from common.config import load_config
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
 
     root = tmp_path_factory.mktemp("archived")
     config = load_config(
@@ -240,7 +240,7 @@ def test_the_learner_feeds_mlflow_wandb_and_tensorboard_and_they_read_back(make_
     from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
 
     config = make_config("run.steps=2", "run.trackers=[mlflow,wandb,tensorboard]", "data.eval_prompts=0")
     run_embedded(config, progress=False)
@@ -307,7 +307,7 @@ def test_a_tracker_whose_library_is_missing_is_named_before_anything_starts(make
     import importlib.util
 
     from common.config import ConfigError
-    from services.preflight import check_run_inputs
+    from services.launch.preflight import check_run_inputs
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
@@ -370,7 +370,7 @@ def test_a_replay_detects_an_altered_experience_record(archived_run, tmp_path):
 
 
 def test_the_largest_disagreements_come_first_ties_last_and_no_move_is_none():
-    from services.runlog.rescore import largest_disagreements
+    from services.ops.runlog.rescore import largest_disagreements
 
     rows = [
         {"id": "alone", "old": 0.9, "new": 0.1, "rank_shift": -0.5},

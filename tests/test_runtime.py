@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import publish, read_all, sampled_by
+from helpers import publish, read_all, sampled_by, started
 from safetensors import safe_open
 
 from common.batch_store import BatchStore
@@ -16,7 +16,6 @@ from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
 from services.roles import pipeline_topics
-from services.runtime import ServiceRunner
 from services.scorer import ScorerService
 from services.transport import MemoryBus
 
@@ -56,7 +55,7 @@ def test_malformed_input_goes_to_the_dlq_and_the_service_keeps_going(bus, config
         "scored": AdvantageService,
         "experience": LearnerService,
     }[topic](config, f"{topic}-consumer")
-    runner = ServiceRunner(service, bus)
+    runner = started(service, bus)
     upstream = _valid_input(bus, config, topic)
     publish(bus, topic, b"\x93garbage", upstream)
     assert runner.poll_once() and runner.poll_once()
@@ -91,7 +90,7 @@ def test_an_output_that_cannot_be_encoded_sets_its_input_aside_and_the_replica_g
                 outputs[0].scores[:] = np.float32(np.inf)
             return outputs
 
-    runner = ServiceRunner(Overflowing(config, "scorer"), bus)
+    runner = started(Overflowing(config, "scorer"), bus)
     generator = GeneratorService(config)
     feeder = FeederService(config)
     for step in (0, 1):
@@ -102,12 +101,12 @@ def test_an_output_that_cannot_be_encoded_sets_its_input_aside_and_the_replica_g
     (scored,) = [decode(v) for v in read_all(bus, "scored")]
     assert scored.step == 1 and runner.counters["dead_letters"] == 1 and runner.counters["processed"] == 1
     runner.close()  # both were committed past: a successor in the group reads neither again
-    successor = ServiceRunner(ScorerService(config, "scorer-2"), bus)
+    successor = started(ScorerService(config, "scorer-2"), bus)
     assert not successor.poll_once(0.1) and read_all(bus, "scored") == [encode(scored)]
 
 
 def test_a_message_for_another_topic_is_a_dead_letter(bus, config):
-    runner = ServiceRunner(ScorerService(config, "scorer"), bus)
+    runner = started(ScorerService(config, "scorer"), bus)
     publish(bus, "rollouts", encode(FeederService(config).batch(0)))  # a prompts message on the rollouts topic
     runner.poll_once()
     (letter,) = [decode(v) for v in read_all(bus, "rollouts.dlq")]
@@ -115,7 +114,7 @@ def test_a_message_for_another_topic_is_a_dead_letter(bus, config):
 
 
 def test_token_ids_outside_the_vocabulary_are_dead_letters(bus, config):
-    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    runner = started(GeneratorService(config, "generator"), bus)
     batch = FeederService(config).batch(0)
     batch.prompt_tokens[0, 0] = 10_000
     publish(bus, "prompts", encode(batch))
@@ -126,7 +125,7 @@ def test_token_ids_outside_the_vocabulary_are_dead_letters(bus, config):
 
 
 def test_a_redelivered_batch_is_processed_once(bus, config):
-    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    runner = started(GeneratorService(config, "generator"), bus)
     payload = encode(FeederService(config).batch(0))
     publish(bus, "prompts", payload, payload)
     runner.poll_once(), runner.poll_once()
@@ -140,11 +139,11 @@ def test_input_is_committed_only_after_the_output_is_produced(bus, config):
             raise RuntimeError("killed mid-batch")
 
     publish(bus, "prompts", encode(FeederService(config).batch(0)))
-    crashing = ServiceRunner(Exploding(config, "generator-a"), bus)
+    crashing = started(Exploding(config, "generator-a"), bus)
     with pytest.raises(RuntimeError):
         crashing.poll_once()
     crashing.close()  # the replica dies; its uncommitted input goes to the next one
-    survivor = ServiceRunner(GeneratorService(config, "generator-b"), bus)
+    survivor = started(GeneratorService(config, "generator-b"), bus)
     assert survivor.poll_once()
     (rollouts,) = [decode(v) for v in read_all(bus, "rollouts")]
     assert isinstance(rollouts, RolloutBatch) and rollouts.batch_id.endswith("00000000")
@@ -170,7 +169,7 @@ def test_outputs_that_failed_to_go_out_are_sent_again_before_anything_else_and_o
 
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)))
-    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    runner = started(GeneratorService(config, "generator"), bus)
     runner.producer = FailingOnce(runner.producer)
     with pytest.raises(KafkaTimeoutError):
         runner.poll_once()
@@ -178,7 +177,7 @@ def test_outputs_that_failed_to_go_out_are_sent_again_before_anything_else_and_o
     assert runner.poll_once() and len(read_all(bus, "rollouts")) == 1, "the same outputs, sent again"
     runner.poll_once()  # batch 1: kept aside until actor v1
     runner.close()
-    successor = ServiceRunner(GeneratorService(config, "generator-b"), bus)
+    successor = started(GeneratorService(config, "generator-b"), bus)
     successor.poll_once()
     assert [held.message.step for held in successor.held] == [1], "batch 0 was committed once its outputs were out"
     (rollouts,) = [decode(v) for v in read_all(bus, "rollouts")]
@@ -187,7 +186,7 @@ def test_outputs_that_failed_to_go_out_are_sent_again_before_anything_else_and_o
 
 def test_the_generator_holds_a_batch_until_the_weights_allow_it(bus, config):
     generator = GeneratorService(config)  # max_staleness = 0
-    runner = ServiceRunner(generator, bus)
+    runner = started(generator, bus)
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)))
     assert runner.poll_once() is True  # batch 0, sampled by v0
@@ -211,7 +210,7 @@ def test_a_replica_that_starts_late_catches_up_to_the_newest_weights(bus, config
     newest = announce_v1(config, version=2)
     publish(bus, "weights", *[encode(a) for a in newest])
     generator = GeneratorService(config)
-    runner = ServiceRunner(generator, bus)
+    runner = started(generator, bus)
     with caplog.at_level(logging.INFO):
         runner.poll_once()
     assert generator.policy_version == 2
@@ -223,7 +222,7 @@ def test_a_replica_that_starts_late_catches_up_to_the_newest_weights(bus, config
 
 def test_a_corrupted_snapshot_is_rejected_and_the_old_weights_kept(bus, config, caplog):
     generator = GeneratorService(config)
-    runner = ServiceRunner(generator, bus)
+    runner = started(generator, bus)
     announcements = announce_v1(config)
     actor = next(a for a in announcements if a.model == "actor")
     with open(actor.uri, "r+b") as fh:
@@ -240,7 +239,7 @@ def test_a_corrupted_snapshot_is_rejected_and_the_old_weights_kept(bus, config, 
 def test_a_held_batch_does_not_block_other_partitions(bus, config):
     """Kafka orders records per partition only: batch 1 may sit behind a held batch 2 in another partition."""
     generator = GeneratorService(config)
-    runner = ServiceRunner(generator, bus)
+    runner = started(generator, bus)
     feeder = FeederService(config)
     batches = {step: feeder.batch(step) for step in range(6)}
     publish_in_order = sorted(batches, key=lambda step: (step % 2 == 0, step))  # odd steps first, then even
@@ -269,7 +268,7 @@ def _keys_for_each_partition(count):
 
 
 def test_messages_of_another_run_are_skipped(bus, config):
-    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    runner = started(GeneratorService(config, "generator"), bus)
     other = FeederService(
         config.model_copy(update={"run": config.run.model_copy(update={"run_id": "another-run"})})
     ).batch(0)
@@ -290,7 +289,7 @@ def test_the_learner_refuses_experience_from_a_newer_policy(bus, config):
     forged = sampled_by(message, 5)  # sampled by weights this learner never published, under the real batch's id
     lying = dataclasses.replace(message, policy_version=5)  # a header that its tokens' versions contradict
     learner = LearnerService(config)
-    runner = ServiceRunner(learner, bus)
+    runner = started(learner, bus)
     publish(bus, "experience", encode(forged), encode(lying))
     assert runner.poll_once()
     assert learner.trainer.version == 0 and learner.dropped_stale == 2 and not learner.done()  # its two groups
@@ -306,7 +305,7 @@ def test_the_learner_refuses_experience_from_a_newer_policy(bus, config):
 
 
 def test_a_prompt_batch_outside_the_run_goes_to_the_dlq_instead_of_blocking(bus, config):
-    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    runner = started(GeneratorService(config, "generator"), bus)
     feeder = FeederService(config)
     forged = feeder.batch(0)
     forged.step = 10**9  # far in the future: held, it would pause its partition for good
@@ -318,7 +317,7 @@ def test_a_prompt_batch_outside_the_run_goes_to_the_dlq_instead_of_blocking(bus,
 
 
 def test_status_reports_counters_and_lag(bus, config):
-    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    runner = started(GeneratorService(config, "generator"), bus)
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)), encode(feeder.batch(2)), b"junk")
     runner.poll_once()
@@ -384,7 +383,7 @@ def test_a_record_kept_aside_blocks_neither_its_partition_nor_the_run_and_is_nev
         "learner.mini_batch_size=4",
         "pipeline.hold_timeout_s=0.5",
     )
-    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    runner = started(GeneratorService(config, "generator"), bus)
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(30)), encode(feeder.batch(0)))  # one key: one partition, in order
     assert runner.poll_once() and [held.message.step for held in runner.held] == [30], "step 30 waits for actor v30"
@@ -392,7 +391,7 @@ def test_a_record_kept_aside_blocks_neither_its_partition_nor_the_run_and_is_nev
     (rollouts,) = [decode(v) for v in read_all(bus, "rollouts")]
     assert rollouts.step == 0
     runner.close()  # commits what it can: below step 30
-    successor = ServiceRunner(GeneratorService(config, "generator-b"), bus)
+    successor = started(GeneratorService(config, "generator-b"), bus)
     assert successor.poll_once() and [held.message.step for held in successor.held] == [30], "not committed past"
     assert successor.poll_once() and successor.counters["processed"] == 1, "step 0 again: committed below 30"
     assert not successor.poll_once()
@@ -401,7 +400,7 @@ def test_a_record_kept_aside_blocks_neither_its_partition_nor_the_run_and_is_nev
     (letter,) = [decode(v) for v in read_all(bus, "prompts.dlq")]
     assert "held" in letter.error and "to have used up more than 58 groups" in letter.error
     successor.close()
-    last = ServiceRunner(GeneratorService(config, "generator-c"), bus)
+    last = started(GeneratorService(config, "generator-c"), bus)
     assert not last.poll_once() and not last.held, "committed past both"
 
 
@@ -417,7 +416,7 @@ def test_consecutive_steps_go_to_consecutive_partitions(bus, make_config):
         "learner.mini_batch_size=4",
         "pipeline.max_staleness=3",
     )
-    runner = ServiceRunner(GeneratorService(config), bus)
+    runner = started(GeneratorService(config), bus)
     feeder = FeederService(config)
     publish(bus, "prompts", *[encode(feeder.batch(step)) for step in range(4)])
     while runner.poll_once():
@@ -442,7 +441,7 @@ def by_reference(make_config):
 
 def _rollouts_by_reference(bus, config) -> tuple[bytes, BatchReference]:
     publish(bus, "prompts", encode(FeederService(config).batch(0)))
-    ServiceRunner(GeneratorService(config, "generator"), bus).poll_once()
+    started(GeneratorService(config, "generator"), bus).poll_once()
     (record,) = read_all(bus, "rollouts")
     return record, decode(record)
 
@@ -459,7 +458,7 @@ def test_a_batch_over_the_inline_limit_travels_by_reference_and_its_file_stays_a
     path = Path(reference.uri)
     assert path.parent == by_reference.batch_store and path.stat().st_size == reference.num_bytes > 1000
     rollouts = decode(BatchStore.get(reference), expected=RolloutBatch)
-    scorer = ServiceRunner(ScorerService(by_reference, "scorer"), bus)
+    scorer = started(ScorerService(by_reference, "scorer"), bus)
     assert scorer.poll_once() and scorer.counters["processed"] == 1
     (scored_reference,) = [decode(v) for v in read_all(bus, "scored")]
     scored = decode(BatchStore.get(scored_reference))
@@ -485,7 +484,7 @@ def test_a_reference_that_cannot_be_resolved_is_a_dead_letter(bus, by_reference,
         bus = MemoryBus()
         bus.create_topics(pipeline_topics(partitions=2))
         publish(bus, "rollouts", record)
-    scorer = ServiceRunner(ScorerService(by_reference, "scorer"), bus)
+    scorer = started(ScorerService(by_reference, "scorer"), bus)
     assert scorer.poll_once()
     (letter,) = [decode(v) for v in read_all(bus, "rollouts.dlq")]
     assert letter.payload == record, "the dead letter holds the reference as it was read"
@@ -531,9 +530,9 @@ def test_with_a_signing_key_a_forged_prompt_batch_and_a_forged_snapshot_are_refu
     real = feeder.batch(0)
     forged = dataclasses.replace(real, prompt_text=["forged", "forged"], lineage=dict(real.lineage))
     publish(bus, "prompts", encode(forged))  # first in its partition, where the real batch 0 follows
-    ServiceRunner(feeder, bus)  # publishes the run's batches, signed
+    started(feeder, bus)  # publishes the run's batches, signed
     generator = GeneratorService(config)
-    runner = ServiceRunner(generator, bus)
+    runner = started(generator, bus)
     while runner.poll_once():
         pass
     assert runner.counters["unsigned"] == 1 and runner.counters["dead_letters"] == 1
@@ -573,4 +572,4 @@ def test_a_signing_key_that_cannot_be_read_is_a_configuration_error(make_config,
     monkeypatch.delenv("NO_SUCH_KEY", raising=False)
     config = make_config("pipeline.signing_key_env=NO_SUCH_KEY")
     with pytest.raises(ConfigError, match="environment variable NO_SUCH_KEY is not set"):
-        ServiceRunner(FeederService(config), MemoryBus())
+        started(FeederService(config), MemoryBus())

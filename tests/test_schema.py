@@ -9,6 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 import yaml
+from helpers import started
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -437,15 +438,14 @@ def test_a_client_decodes_every_record_of_a_run_s_log_from_the_protos_alone(make
     against protos/ (the log's identity, the one record that is not a map, by protos/log-identity.yaml)."""
     import re
 
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
     from services.roles import STATUS_TOPIC, pipeline_topics
-    from services.runtime import ServiceRunner
     from services.transport import MemoryBus
 
     bus = MemoryBus()
     config = make_config("run.steps=1", "data.eval_prompts=0")
     run_embedded(config, progress=False, bus=bus)
-    ServiceRunner(_StatusOnly(config), bus).publish_status()  # a status record too (the embedded run writes none)
+    started(_StatusOnly(config), bus).publish_status()  # a status record too (the embedded run writes none)
     identity = yaml.safe_load((PROTOS / "log-identity.yaml").read_text())
     files = {p.stem: yaml.safe_load(p.read_text()) for p in PROTOS.glob("*.yaml") if p.stem != "log-identity"}
     by_schema = {spec["schema"]: spec for spec in files.values()}

@@ -4,14 +4,13 @@ weights loaded at that moment; an input committed only once its last group is ou
 import json
 
 import pytest
-from helpers import assert_each_group_once, publish, read_messages
+from helpers import assert_each_group_once, publish, read_messages, started
 from test_runtime import announce_v1
 
 from common.schema import RolloutBatch, encode
-from services.embedded import run_embedded
 from services.feeder import FeederService
 from services.generator import GeneratorService
-from services.runtime import ServiceRunner
+from services.launch.embedded import run_embedded
 from services.scorer import ScorerService
 from services.transport import MemoryBus
 
@@ -51,14 +50,14 @@ def test_a_generator_that_lost_its_log_drops_its_groups_in_flight_and_samples_th
     for log in (old, new):
         log.create_topics(pipeline_topics(partitions=1))
     generator, feeder = GeneratorService(config, "generator"), FeederService(config)
-    runner = ServiceRunner(generator, old)
+    runner = started(generator, old)
     publish(old, "prompts", encode(feeder.batch(0)))
     assert runner.poll_once() and runner.poll_once()  # admits batch 0, sends group 0
     assert [r.groups() for r in rollouts(old)] == [[0]] and generator.under_way(), "group 1 is in flight"
     runner.leave_lost_log()
     assert generator.take_up_new_log()
     assert not generator.under_way() and generator.sampler.in_flight() == 0, "nothing of the old log is in flight"
-    runner = ServiceRunner(generator, new)
+    runner = started(generator, new)
     publish(new, "prompts", encode(feeder.batch(0)))
     while runner.poll_once():
         pass
@@ -67,7 +66,7 @@ def test_a_generator_that_lost_its_log_drops_its_groups_in_flight_and_samples_th
 
 
 def test_each_group_goes_on_as_it_is_sampled_by_the_weights_loaded_then(bus, config):
-    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    runner = started(GeneratorService(config, "generator"), bus)
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)))
     assert runner.poll_once()  # admits batch 0
@@ -106,7 +105,7 @@ def test_a_batch_held_for_newer_weights_does_not_idle_the_groups_in_hand(bus, co
     topic while groups of batch 0 are still being sampled (it did: half a second between engine steps, a streaming
     run's updates 13 times slower over the broker); once batch 0 is out and nothing else can move, it waits there."""
     config = config.model_copy(update={"pipeline": config.pipeline.model_copy(update={"max_staleness": 0})})
-    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    runner = started(GeneratorService(config, "generator"), bus)
     runner.weights.consumer = weights = _PollTimeouts(runner.weights.consumer)
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)))
@@ -149,7 +148,7 @@ def test_groups_start_in_feed_order_whatever_order_their_prompt_batches_came_in(
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(1)), partition=0)  # read first
     publish(bus, "prompts", encode(feeder.batch(0)), partition=1)
-    runner = ServiceRunner(GeneratorService(config, "generator"), bus)
+    runner = started(GeneratorService(config, "generator"), bus)
     for _ in range(40):
         runner.poll_once(0.05)
         if len({g for r in rollouts(bus) for g in r.idempotency_keys()}) == 3:
@@ -162,10 +161,10 @@ def test_groups_start_in_feed_order_whatever_order_their_prompt_batches_came_in(
 def test_a_prompt_batch_half_sent_by_a_generator_that_died_is_sampled_again_and_its_sent_groups_recognised(bus, config):
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(0)))
-    first = ServiceRunner(GeneratorService(config, "generator-a"), bus)
+    first = started(GeneratorService(config, "generator-a"), bus)
     first.poll_once(), first.poll_once()  # admitted, group 0 sent
     first.work.close()  # killed: batch 0 was never committed
-    successor = ServiceRunner(GeneratorService(config, "generator-b"), bus)
+    successor = started(GeneratorService(config, "generator-b"), bus)
     while successor.poll_once():
         pass
     sent = rollouts(bus)
@@ -174,7 +173,7 @@ def test_a_prompt_batch_half_sent_by_a_generator_that_died_is_sampled_again_and_
         ("generator-b", [0]),
         ("generator-b", [1]),
     ]
-    scorer = ServiceRunner(ScorerService(config, "scorer"), bus)
+    scorer = started(ScorerService(config, "scorer"), bus)
     while scorer.poll_once():
         pass
     scored = read_messages(bus, "scored")

@@ -75,14 +75,17 @@ def test_common_imports_no_service_and_no_core_imports_a_transport():
 
     modules = project_modules()
     role_packages = {role.service.partition(":")[0] for role in ROLES.values()}
-    runners = {"services.transport", "services.runtime", "services.process", "services.embedded", "services.cluster"}
+    runners = {"services.transport", "services.runtime", "services.launch"}  # the bus, the runtime, how replicas run
+    # What supervision is made of, which the learner uses for its own ranks (it launches and restarts them): the exit
+    # codes and the restart policy.
+    contract = {"services.launch", "services.launch.exit_codes", "services.launch.restarts"}
     for name, path in modules.items():
         imported = imports_of(path, modules)
         if name.startswith(("common", "recipes")):
             bad = {dep for dep in imported if dep.startswith("services")}
             assert not bad, f"{name} imports {bad}"
         if name.startswith(("common", "recipes")) or any(name.startswith(package) for package in role_packages):
-            bad = {dep for dep in imported if dep.startswith(tuple(runners))} | ({"kafka"} & imported)
+            bad = {dep for dep in imported if dep.startswith(tuple(runners))} - contract | ({"kafka"} & imported)
             assert not bad, f"{name} imports {bad}"
 
 
@@ -126,10 +129,15 @@ def test_simulated_compute_cannot_be_selected_by_a_product_config(make_config):
 
 
 def test_runners_name_no_role_and_no_topic():
-    """Roles and topics are named once (services/roles.py, common/schema.py): runners only read the registry."""
+    """Roles and topics are named once (services/roles.py, common/schema.py): the runtime, the launchers (a fleet's
+    included), the CLI and the service contract only read the registry."""
     names = set(ROLES) | {alias for role in ROLES.values() for alias in role.aliases} | set(TOPIC_MESSAGE)
-    for module in ("runtime", "process", "embedded", "cluster", "cli", "service"):
-        tree = ast.parse((REPO / "services" / f"{module}.py").read_text())
+    paths = [*(REPO / "services" / "runtime").glob("*.py"), *(REPO / "services" / "launch").glob("*.py")]
+    paths += [REPO / "services" / "cli.py", REPO / "services" / "service.py"]
+    assert len(paths) > 12
+    for path in paths:
+        module = path.relative_to(REPO / "services").with_suffix("")
+        tree = ast.parse(path.read_text())
         docstrings = {
             id(node.body[0].value)
             for node in ast.walk(tree)
@@ -142,6 +150,27 @@ def test_runners_name_no_role_and_no_topic():
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
         }
         assert not literals & names, f"services/{module}.py names {literals & names}"
+
+
+def test_only_the_runtime_builds_a_runner():
+    """A replica's life is written once (services/runtime/replica.py): no other product module builds a ServiceRunner
+    or calls what a replica's start and stop do, in some order of its own."""
+    for name, path in project_modules((*PACKAGES, "benchmarks")).items():
+        if name.startswith("services.runtime"):
+            continue
+        text = path.read_text()
+        assert "ServiceRunner(" not in text, f"{name} builds a runner: a Replica does"
+        for call in (".settle()", ".disconnect()", ".leave_for_new_log("):
+            assert call not in text, f"{name} calls {call}: the replica's stop does, in its one order"
+
+
+def test_services_shows_its_rooms():
+    """`ls services`: the role folders, the contract (service.py, roles.py), the CLI, and four rooms: the runtime every
+    role shares, how replicas are launched, the operator's read-only commands, the transports."""
+    entries = {p.name for p in (REPO / "services").iterdir() if p.name != "__pycache__"}
+    roles = {role.service.partition(":")[0].split(".")[1] for role in ROLES.values()}
+    rooms = {"__init__.py", "cli.py", "roles.py", "service.py", "runtime", "launch", "ops", "transport"}
+    assert entries == rooms | roles, entries ^ (rooms | roles)
 
 
 def test_the_registry_is_consistent_with_the_wire_contract():
@@ -209,7 +238,7 @@ class Auditor(Service):
 
 def test_an_added_role_is_a_cli_command_and_a_cluster_role(extra_role):
     from services.cli import build_parser
-    from services.cluster import parse_replicas
+    from services.launch.cluster import parse_replicas
 
     args = build_parser().parse_args(["auditor", "--config", "run.yaml", "--replica-id", "a-1"])
     assert args.role == "auditor" and args.replica_id == "a-1"
@@ -222,7 +251,7 @@ def test_an_added_role_is_a_cli_command_and_a_cluster_role(extra_role):
 def test_up_shares_the_machine_s_cores_among_its_children_unless_the_user_chose(monkeypatch):
     import os
 
-    from services.cluster import child_environment
+    from services.launch.cluster import child_environment
 
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert child_environment(6, {})["OMP_NUM_THREADS"] == "2"
@@ -232,7 +261,7 @@ def test_up_shares_the_machine_s_cores_among_its_children_unless_the_user_chose(
 
 
 def test_an_added_role_runs_in_the_embedded_run_through_the_whole_lifecycle(extra_role, make_config):
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
 
     config = make_config("run.steps=2", "data.eval_prompts=0")
     run_embedded(config, progress=False)
@@ -244,7 +273,7 @@ def test_an_added_role_runs_in_the_embedded_run_through_the_whole_lifecycle(extr
 
 
 def test_a_service_that_skips_the_base_constructor_is_refused(make_config):
-    from services.runtime import ServiceRunner
+    from services.runtime import Replica
     from services.transport import MemoryBus
 
     class Forgetful(Service):
@@ -257,7 +286,7 @@ def test_a_service_that_skips_the_base_constructor_is_refused(make_config):
             return []
 
     with pytest.raises(TypeError, match="not initialised by Service.__init__"):
-        ServiceRunner(Forgetful(make_config()), MemoryBus())
+        Replica(Forgetful(make_config()), MemoryBus).start()
 
 
 def test_the_base_constructor_sets_the_identity(make_config):

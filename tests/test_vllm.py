@@ -395,7 +395,7 @@ def test_sigterm_ends_a_run_with_its_engine(model_cache, tmp_path):
     import psutil
     from conftest import EXAMPLE, REPO
 
-    from services import exit_codes
+    from services.launch import exit_codes
 
     run_dir = tmp_path / "run"
     settings = [f"run.dir={run_dir}", f"model.cache_dir={model_cache}", "generation.backend=vllm", "run.steps=10000"]
@@ -465,7 +465,7 @@ def test_a_streaming_run_on_vllm_trains_every_group_once_with_weights_loaded_in_
     from helpers import assert_each_group_once, read_messages
 
     from common.schema import RolloutBatch
-    from services.embedded import run_embedded
+    from services.launch.embedded import run_embedded
     from services.transport import MemoryBus
 
     config = make_config(

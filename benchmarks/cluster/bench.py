@@ -103,7 +103,7 @@ class Cluster:
         return found
 
     def close(self) -> None:
-        from services.cluster import stop_all
+        from services.launch.cluster import stop_all
 
         stop_all(list(self.processes.values()))
         self.broker.stop()
@@ -230,7 +230,7 @@ def stage_throughput(
     from common.batch_store import BatchStore
     from common.config import load_config
     from common.schema import decode, message_key, message_partition
-    from services.process import kafka_bus
+    from services.launch.process import kafka_bus
     from services.roles import ROLES
 
     profile = PROFILES[profile_name]

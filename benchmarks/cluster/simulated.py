@@ -45,11 +45,11 @@ from common.schema import PromptBatch
 from services.advantage import AdvantageService
 from services.feeder import FeederService
 from services.generator import GeneratorService
+from services.launch.process import serve_service
 from services.learner import LearnerService
 from services.learner.trainer import Experience
-from services.process import serve_service
-from services.run_bus import kafka_bus
 from services.scorer import ScorerService
+from services.transport.run_bus import kafka_bus
 
 VOCAB = 47  # builtin:tiny-char-llama's: stand-in token ids are ones its models can look up
 FIRST_TOKEN = 3  # ids below are pad, bos and eos
@@ -326,8 +326,8 @@ def main(argv=None) -> int:
         return service
 
     if args.runs is not None:  # the fleet's runs share the replica, and so its accelerator: one cost model
-        from services.fleet import RunsFolder
-        from services.process import serve_fleet
+        from services.launch.fleet import RunsFolder
+        from services.launch.process import serve_fleet
 
         runs = RunsFolder(args.runs, args.overrides)
         return serve_fleet(args.role, runs, {}, args.bootstrap, args.replica_id, create=create, rescan_s=0.5)

@@ -1,7 +1,7 @@
 """torch's launcher for the learner's ranks (``python -m services.learner.launcher``, torchrun's arguments), saying
 what failed as the services do: one line per failed rank instead of torchrun's report, and the exit code a
 supervisor acts on. Rank 0's code when it says more than "failed" (the log replaced, a configuration error, a full
-disk: :data:`services.exit_codes`), else 1.
+disk: :data:`services.launch.exit_codes`), else 1.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from services import exit_codes
+from services.launch import exit_codes
 
 __all__ = ["main"]
 

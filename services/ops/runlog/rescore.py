@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from common.schema import ScoredBatch, group_key
-from services.runlog.reader import LogReader
+from services.ops.runlog.reader import LogReader
 
 __all__ = ["average_ranks", "compare_scores", "largest_disagreements", "rescore"]
 

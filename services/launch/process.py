@@ -27,14 +27,14 @@ from pathlib import Path
 from kafka.errors import KafkaError
 
 from common.config import ConfigError, RunConfig
-from services import exit_codes
-from services.fleet import Fleet, RunsFolder
-from services.metrics import FleetMetrics, ScrapeTarget, ServiceMetrics, parse_ports
+from services.launch import exit_codes
+from services.launch.fleet import Fleet, RunsFolder
 from services.roles import ROLES
-from services.run_bus import bootstrap_of, kafka_bus
-from services.runtime import ServiceRunner
+from services.runtime import Replica, ServiceRunner
+from services.runtime.metrics import FleetMetrics, ScrapeTarget, ServiceMetrics, parse_ports
 from services.service import ProcessGroup, Service
-from services.transport import Bus, LogReplaced
+from services.transport import Bus
+from services.transport.run_bus import bootstrap_of, kafka_bus
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def serve(
 ) -> int:
     """Run one replica of ``role``. ``metrics_port``: a port or a range (``9110-9129``: the first free one) for
     ``/metrics`` on ``metrics_address``; ``metrics_targets``: a folder to register that address in for Prometheus'
-    file-based discovery (:class:`~services.metrics.ScrapeTarget`)."""
+    file-based discovery (:class:`~services.runtime.metrics.ScrapeTarget`)."""
     if not ROLES[role].runs_when(config):
         raise ConfigError(f"this run has no {role} role: it needs {ROLES[role].requirement}")
     replica_id = replica_id or default_replica_id(role)
@@ -176,36 +176,29 @@ def serve_service(
     metrics = metrics or ServiceMetrics(role)
     stop = stop or _StopFlag(replica_id)
     service.observe(metrics.observe)
-    runner, code = None, exit_codes.OK
+    given = [bus] if bus is not None else []  # the first log's bus; after a lost log, the new log's
+
+    def bus_of() -> Bus:
+        return given.pop() if given else kafka_bus(config, bootstrap)
+
+    replica, code = Replica(service, bus_of, metrics), exit_codes.OK
     try:
-        while True:
-            runner = ServiceRunner(service, bus or kafka_bus(config, bootstrap), metrics=metrics)
-            log.info("%s: serving %s -> %s", replica_id, service.input_topic or "(nothing)", service.output_topic)
-            try:
-                _loop(runner, stop)
-                break
-            except LogReplaced as exc:
-                going_on = runner.leave_for_new_log(exc, go_on=not stop.set)  # a learner checkpoints first
-                runner = None
-                if not going_on:
-                    code = exit_codes.LOG_REPLACED
-                    break
-                bus = None  # the new log's: the first service to reach the broker makes its topics
-        if code == exit_codes.OK and service.done():
-            service.finish()
+        replica.start()
+        log.info("%s: serving %s -> %s", replica_id, service.input_topic or "(nothing)", service.output_topic)
+        _loop(replica, stop)
+        if replica.ended:
+            code = exit_codes.LOG_REPLACED
     except BaseException:
         code = exit_codes.ERROR  # what the process exits with if the broker's part of closing runs out of time
         raise
     finally:
-        if runner is None:
-            service.close()
-        else:
-            runner.settle()  # the learner's checkpoint, however long the disk takes
-            with _broker_deadline(replica_id, code):
-                _report_status(runner, "done" if service.done() else "stopped")
-                runner.disconnect()
-            # One parseable line: where this replica's time went (benchmarks/ reads it).
-            log.info("%s: time breakdown %s", replica_id, json.dumps({"role": role, **runner.time_breakdown()}))
+        replica.stop(
+            finished=code == exit_codes.OK,
+            report=lambda runner, state: _report_status(runner, state),
+            broker_within=lambda: _broker_deadline(replica_id, code),
+        )
+        if replica.runner is not None:  # one parseable line: where this replica's time went (benchmarks/ reads it)
+            log.info("%s: time breakdown %s", replica_id, json.dumps({"role": role, **replica.runner.time_breakdown()}))
     return code
 
 
@@ -262,15 +255,17 @@ def _report_status(
         log.log(level, "%s: waiting %.0f s: %s", name, status.held_seconds, status.waiting_for)
 
 
-def _loop(runner: ServiceRunner, stop: _StopFlag) -> None:
-    """Poll until the service is done or a signal asks to stop; broker errors are retried with back-off."""
+def _loop(replica: Replica, stop: _StopFlag) -> None:
+    """Step until the service is done, its log is lost for good, or a signal asks to stop; broker errors are retried
+    with back-off; the status topic is told at STATUS_EVERY_S, and soon after the counters change."""
     backoff = 0.5
     next_status = time.monotonic()
-    reported, reported_at = dict(runner.counters), time.monotonic()
-    stop.waiting = lambda: not runner.processing  # from here a signal cuts a wait short
+    reported, reported_at = dict(replica.runner.counters), time.monotonic()
+    # From here a signal cuts a wait short.
+    stop.waiting = lambda: replica.runner is None or not replica.runner.processing
     try:
-        while not stop.set and not runner.service.done():
-            now = time.monotonic()
+        while not stop.set and not replica.service.done() and not replica.ended:
+            runner, now = replica.runner, time.monotonic()
             if now >= next_status:
                 next_status = now + STATUS_EVERY_S
                 _report_status(runner)
@@ -279,7 +274,7 @@ def _loop(runner: ServiceRunner, stop: _StopFlag) -> None:
                 _report_status(runner, say=False)
                 reported, reported_at = dict(runner.counters), now
             try:
-                runner.poll_once(timeout_s=0.5)
+                replica.step(timeout_s=0.5, go_on=not stop.set)
                 backoff = 0.5
             except KafkaError as exc:
                 # The batch in hand was not committed and comes back once the broker does.
@@ -308,11 +303,11 @@ def serve_fleet(
     rescan_s: float = RESCAN_S,
     create: Callable[[RunConfig, str], Service] | None = None,
 ) -> int:
-    """Run one replica of ``role`` for every run whose config is in ``runs`` (:class:`~services.fleet.Fleet`), until
-    a signal stops it (after the turn in hand): runs are taken up and let go as their files come and go, each with
+    """Run one replica of ``role`` for every run whose config is in ``runs`` (:class:`~services.launch.fleet.Fleet`),
+    until a signal stops it (after the turn in hand): runs are taken up and let go as their files come and go, each with
     its share (1 unless in ``shares``) and quota (none unless in ``quotas``). A run that cannot be served (its
     config, its model, its broker) is reported once, until its file changes; the others are served. Metrics, as
-    :func:`serve`'s, carry a ``run`` label (:class:`~services.metrics.FleetMetrics`). ``create(config,
+    :func:`serve`'s, carry a ``run`` label (:class:`~services.runtime.metrics.FleetMetrics`). ``create(config,
     replica_id)``: a run's service (the role's, by default)."""
     replica_id = replica_id or default_replica_id(role)
     stop = _StopFlag(replica_id)
@@ -344,9 +339,7 @@ def serve_fleet(
         pass
     finally:
         with _broker_deadline(replica_id, exit_codes.OK, seconds=STOP_BROKER_S * max(1, len(fleet.runs))):
-            for run_id in list(fleet.runs):
-                _report_fleet_status(fleet, run_id, "stopped")
-            fleet.close()
+            fleet.close()  # each run's replica stopped: settled, its last status reported, disconnected
         if target is not None:
             target.remove()
     return exit_codes.OK
@@ -356,7 +349,6 @@ def _take_runs(fleet: Fleet, runs: RunsFolder, shares: dict[str, float], quotas:
     added, removed = runs.changes()
     for run_id in removed:
         if run_id in fleet.runs:
-            _report_fleet_status(fleet, run_id, "stopped")
             fleet.remove(run_id)
     for config in added:
         try:

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from common.schema import ExperienceBatch, RolloutBatch, ScoredBatch, group_key
-from services.runlog.reader import LogReader
-from services.runlog.updates import trained_in
+from services.ops.runlog.reader import LogReader
+from services.ops.runlog.updates import trained_in
 
 __all__ = ["export_parquet", "response_rows"]
 

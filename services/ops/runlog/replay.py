@@ -20,8 +20,8 @@ from common.config import ConfigError, RunConfig
 from common.schema import LEARNER_EPOCH, ExperienceBatch, WeightAnnouncement
 from services.learner.groups import groups_of
 from services.learner.trainer import Experience
-from services.runlog.reader import LogReader
-from services.runlog.updates import update_lines
+from services.ops.runlog.reader import LogReader
+from services.ops.runlog.updates import update_lines
 
 __all__ = ["ReplayResult", "replay"]
 

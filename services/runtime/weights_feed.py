@@ -21,7 +21,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from common.schema import LEARNER_EPOCH, LEARNER_GROUPS_DONE, WeightAnnouncement
-from services.metrics import ServiceMetrics
+from services.runtime.metrics import ServiceMetrics
 from services.service import Service
 from services.transport import Consumer, Record
 

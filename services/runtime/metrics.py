@@ -114,7 +114,7 @@ class ServiceMetrics(_Served):
 class FleetMetrics(_Served):
     """The ``/metrics`` of a fleet's replica, read at each scrape: every run's :class:`ServiceMetrics` series with a
     ``run`` label, and per run its share of the replica. ``runs()``: each run's metrics; ``shares()``: each run's
-    share (:meth:`services.fleet.Fleet.shares`)."""
+    share (:meth:`services.launch.fleet.Fleet.shares`)."""
 
     def __init__(self, role: str, runs: Callable[[], dict[str, ServiceMetrics]], shares: Callable[[], dict[str, dict]]):
         self.role, self.runs, self.shares = role, runs, shares

@@ -1,7 +1,7 @@
 """A fleet: one replica of a role serving several runs at once (``streamppo fleet ROLE --runs DIR``).
 
-Each run keeps everything that makes its delivery exact. The fleet holds a :class:`~services.runtime.ServiceRunner`
-per run, on that run's bus (its namespace, its log, the role's consumer group there, its signing key), around a
+Each run keeps everything that makes its delivery exact. The fleet holds a :class:`~services.runtime.Replica` per
+run, on that run's bus (its namespace, its log, the role's consumer group there, its signing key), around a
 service of its own (its bound on staleness, its memory of what it handled, its reward): a record of one run is never
 read, counted or committed by another's runner, and a run's resume or lost log touches only its runner. What the runs
 share is the replica: its process, its cores, and the turns it gives them.
@@ -27,11 +27,11 @@ from pathlib import Path
 from kafka.errors import KafkaError
 
 from common.config import ConfigError, RunConfig, load_config
-from services.metrics import ServiceMetrics
 from services.roles import ROLES
-from services.runtime import ServiceRunner
+from services.runtime import Replica, ServiceRunner
+from services.runtime.metrics import ServiceMetrics
 from services.service import Service
-from services.transport import Bus, LogReplaced
+from services.transport import Bus
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ QUOTA_BURST_S = 1.0  # a run under a quota may spend this many seconds' worth of
 class _Run:
     config: RunConfig
     share: float
-    runner: ServiceRunner
+    replica: Replica
     added_at: float
     quota: float | None = None  # response tokens per second, or no quota
     virtual: float = 0.0  # compute seconds / share so far: the least goes first
@@ -54,6 +54,10 @@ class _Run:
     allowance: float = 0.0  # tokens it may still spend under its quota (below 0: it waits)
     refilled_at: float = 0.0
     resume_at: float = 0.0  # after a broker error
+
+    @property
+    def runner(self) -> ServiceRunner:
+        return self.replica.runner
 
     def may_spend(self, now: float) -> bool:
         """Refill the quota's bucket up to ``now``; whether the run may take a turn under its quota."""
@@ -99,23 +103,21 @@ class Fleet:
         service = self.create(config, self.replica_id)
         metrics = ServiceMetrics(self.role)  # the run's own
         service.observe(metrics.observe)
-        try:
-            runner = ServiceRunner(service, self.bus_of(config), metrics=metrics)
-        except BaseException:
-            service.close()
-            raise
+        replica = Replica(service, lambda: self.bus_of(config), metrics).start()
         now = self.now()
         allowance = quota * QUOTA_BURST_S if quota is not None else 0.0
         self.runs[run_id] = _Run(
-            config, share, runner, now, quota, virtual=self.clock, allowance=allowance, refilled_at=now
+            config, share, replica, now, quota, virtual=self.clock, allowance=allowance, refilled_at=now
         )
         limit = f", at most {quota:g} tokens/s" if quota is not None else ""
         log.info("%s: serving run %s (share %g%s)", self.replica_id, run_id, share, limit)
 
     def remove(self, run_id: str) -> None:
-        """Stop serving a run: its state made durable and its input committed as far as it was handled."""
+        """Stop serving a run: its state made durable, its last status reported (with its share of this replica),
+        its input committed as far as it was handled."""
+        counters = self.status_counters(run_id)
         run = self.runs.pop(run_id)
-        run.runner.close()
+        run.replica.stop(finished=False, report=lambda runner, state: runner.publish_status(state, counters))
         log.info("%s: no longer serving run %s", self.replica_id, run_id)
 
     def poll_once(self, timeout_s: float = 0.0) -> bool:
@@ -142,10 +144,7 @@ class Fleet:
 
     def _step(self, run: _Run) -> bool:
         try:
-            return run.runner.poll_once(0.0)
-        except LogReplaced as exc:
-            self._take_up_new_log(run, exc)
-            return True
+            did = run.replica.step(0.0)
         except KafkaError as exc:  # this run's broker; its batch in hand comes back once the broker does
             log.warning(
                 "%s: run %s: broker error (%s); its next turn in %.0f s",
@@ -156,17 +155,13 @@ class Fleet:
             )
             run.resume_at = self.now() + BROKER_BACKOFF_S
             return False
-
-    def _take_up_new_log(self, run: _Run, exc: LogReplaced) -> None:
-        """As a replica of one run does (services/process.py): go on on the new log with the service kept, or stop
-        serving the run if the service cannot."""
-        run_id = run.config.run.run_id
-        if not run.runner.leave_for_new_log(exc):
-            run.runner.service.close()
+        if run.replica.ended:  # its log lost, and its service cannot go on on the new one: the others go on
+            run_id = run.config.run.run_id
             del self.runs[run_id]
+            run.replica.stop(finished=False)
             log.error("%s: run %s is no longer served by this fleet replica", self.replica_id, run_id)
-            return
-        run.runner = ServiceRunner(run.runner.service, self.bus_of(run.config), metrics=run.runner.metrics)
+            return True
+        return did
 
     def shares(self) -> dict[str, dict]:
         """Per run: its share and the fraction of the shares it is, the compute seconds it used and their fraction,

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from services import exit_codes
+from services.launch import exit_codes
 
 __all__ = ["add_log_commands"]
 
@@ -34,7 +34,7 @@ def _log_options(parser: argparse.ArgumentParser, config_required: bool = False)
 def _open(args):
     """``(reader, config or None, run_dir or None)`` for the log the arguments name."""
     from common.config import load_config
-    from services.runlog.reader import ArchiveReader, BusReader
+    from services.ops.runlog.reader import ArchiveReader, BusReader
 
     if args.log is not None:
         config = load_config(args.config, args.set) if args.config else None
@@ -48,7 +48,7 @@ def _open(args):
             "streamppo: name the log: --log DIR (an archive), --config or --run-dir (the run on its broker)"
         )
     from services.roles import pipeline_topics
-    from services.run_bus import kafka_bus, run_of
+    from services.transport.run_bus import kafka_bus, run_of
 
     config, bootstrap = run_of(args.config, args.set, args.run_dir, args.bootstrap)
     run_dir = args.run_dir or config.run.dir
@@ -65,8 +65,8 @@ def _say_unreadable(reader) -> None:
 
 
 def _archive(args) -> int:
-    from services.run_bus import kafka_bus, run_of
-    from services.runlog.archive import archive_bus
+    from services.ops.runlog.archive import archive_bus
+    from services.transport.run_bus import kafka_bus, run_of
 
     config, bootstrap = run_of(args.config, args.set, args.run_dir, args.bootstrap)
     bus = kafka_bus(config, bootstrap, make=False)
@@ -82,7 +82,7 @@ def _archive(args) -> int:
 
 
 def _trace(args) -> int:
-    from services.runlog.trace import LogIndex, format_trace, trace_prompt, trace_update
+    from services.ops.runlog.trace import LogIndex, format_trace, trace_prompt, trace_update
 
     reader, _, run_dir = _open(args)
     index = LogIndex(reader, run_dir)
@@ -97,7 +97,7 @@ def _trace(args) -> int:
 
 
 def _export(args) -> int:
-    from services.runlog.export import export_parquet
+    from services.ops.runlog.export import export_parquet
 
     reader, _, run_dir = _open(args)
     counts = export_parquet(reader, args.out, run_dir)
@@ -136,9 +136,9 @@ def _scoring_config(path: Path, overrides: list[str], base):
 
 
 def _rescore(args) -> int:
-    from services.run_bus import RUN_CONFIG
-    from services.runlog.rescore import rescore
+    from services.ops.runlog.rescore import rescore
     from services.scorer.service import load_reward
+    from services.transport.run_bus import RUN_CONFIG
 
     reader, config, run_dir = _open(args)
     if config is None and run_dir is not None and (Path(run_dir) / RUN_CONFIG).is_file():
@@ -162,7 +162,7 @@ def _rescore(args) -> int:
 
 def _replay(args) -> int:
     from common.config import load_config
-    from services.runlog.replay import replay
+    from services.ops.runlog.replay import replay
 
     reader, config, run_dir = _open(args)
     if run_dir is None:

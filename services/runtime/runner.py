@@ -11,8 +11,8 @@ rules"):
 - a record whose idempotency keys (its batch id, or past the generator its groups' keys) this replica handled
   already is committed past without being processed again, one with some of them is processed without them (one
   memory, which a service that checkpoints keeps with its state: :class:`~services.service.Progress`);
-- weight announcements are read by every replica (no group): :class:`~services.weights_feed.WeightsFeed`;
-- batches too large for a record travel by reference: :class:`~services.referenced_batches.ReferencedBatches`;
+- weight announcements are read by every replica (no group): :class:`~services.runtime.weights_feed.WeightsFeed`;
+- batches too large for a record travel by reference: :class:`~services.runtime.referenced_batches.ReferencedBatches`;
 - a streaming service (``Service.streams``) has several inputs in flight: each is committed once its last outputs are
   out, never past the oldest one in flight.
 """
@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -43,13 +44,14 @@ from common.schema import (
     message_partition,
 )
 from common.signing import Signer
-from services.dedupe import RecentIds
-from services.metrics import ServiceMetrics
-from services.referenced_batches import ReferencedBatches
 from services.roles import LOG_TOPIC, STATUS_TOPIC, WEIGHTS_TOPIC
-from services.service import Channel, Collected, Dropped, InputError, Progress, Service
+from services.runtime.channel import BusChannel
+from services.runtime.dedupe import RecentIds
+from services.runtime.metrics import ServiceMetrics
+from services.runtime.referenced_batches import ReferencedBatches
+from services.runtime.weights_feed import WeightsFeed
+from services.service import Collected, Dropped, InputError, Progress, Service
 from services.transport import Bus, LogReplaced, Record, dlq_topic
-from services.weights_feed import WeightsFeed
 
 log = logging.getLogger(__name__)
 
@@ -59,61 +61,6 @@ LOG_CHECK_S = 2.0  # how often a replica checks that its log is still the one it
 STREAM_POLL_S = 0.01  # how long a streaming service's runner waits, with work in hand, before collecting again
 ADMIT_PER_POLL = 64  # the most inputs a streaming service is given in one poll
 WEIGHTS_CATCH_UP_S = 1.0  # how long one poll reads the weights topic towards its end before a replica's first input
-
-
-class _BusChannel(Channel):
-    """A service's request/reply exchange over two topics: requests produced as its outputs are (signed, partitioned
-    by step), replies read by a reader that joins no group (every partition, from the start; the service picks its
-    own) and checked as input is (:meth:`ServiceRunner._accept`)."""
-
-    def __init__(self, runner: ServiceRunner, requests: str, replies: str):
-        self.runner, self.requests, self.replies = runner, requests, replies
-        self.reader = runner.bus.consumer(replies, group=None, client_id=f"{runner.replica_id}.{replies}")
-        self.read: list[Record] = []  # read by caught_up(), not yet received
-
-    def send(self, message: Message) -> None:
-        self.runner._produce([message], topic=self.requests)
-
-    def receive(self) -> list[Message]:
-        received = []
-        records, self.read = self.read, []
-        while records or (records := self.reader.poll(0.0, max_records=64)):
-            for record in records:
-                message = self.runner._accept(record, TOPIC_MESSAGE[self.replies])
-                if message is not None:
-                    received.append(message)
-            records = []
-        return received
-
-    def caught_up(self) -> bool:
-        records, at_end = self.reader.read_to_end(64)
-        self.read.extend(records)
-        return at_end
-
-    def dead_letter(self, message: Message, error: str) -> None:
-        letter = DeadLetter(
-            error=error,
-            source_topic=self.requests,
-            source_partition=-1,
-            source_offset=-1,
-            payload=encode(message),
-            producer=self.runner.replica_id,
-            created_at=time.time(),
-        )
-        self.runner.producer.send(dlq_topic(self.requests), encode(letter), key=message_key(message))
-        self.runner.producer.flush()
-        self.runner._count("dead_letter")
-        log.warning(
-            "%s: %s %s set aside on %s: %s",
-            self.runner.replica_id,
-            message.SCHEMA,
-            message.batch_id,
-            dlq_topic(self.requests),
-            error,
-        )
-
-    def close(self) -> None:
-        self.reader.close()
 
 
 class OutputError(Exception):
@@ -136,8 +83,9 @@ class _Held:
 
 
 class ServiceRunner:
-    """Moves records for one service. Constructing it starts the service: its :meth:`~Service.start` messages are
-    produced before the first input is read."""
+    """Moves records for one service, on one log: built and started by a :class:`~services.runtime.replica.Replica`,
+    which holds the service's life (``start()`` produces the service's :meth:`~Service.start` messages before the
+    first input is read)."""
 
     def __init__(self, service: Service, bus: Bus, metrics: ServiceMetrics | None = None):
         if not getattr(service, "run_id", None):
@@ -164,7 +112,7 @@ class ServiceRunner:
             WeightsFeed(
                 service,
                 bus.consumer(WEIGHTS_TOPIC, group=None, client_id=self.replica_id),
-                self._accept,
+                self.accept,
                 self.metrics,
                 self.counters,
                 self._timed,
@@ -194,10 +142,17 @@ class ServiceRunner:
         # Outputs whose sending failed, and the input they came from (None: a tick's), see _process.
         self.unsent: tuple[Record | None, list[Message], bool] | None = None
         self.settled: bool | None = None  # see settle()
-        self.channels = {name: _BusChannel(self, *topics) for name, topics in service.channels().items()}
+        self.channels: dict[str, BusChannel] = {}
+
+    def start(self) -> None:
+        """Connect the service's channels, then produce what its ``start()`` returns, before any input is read."""
+        self.channels = {
+            name: BusChannel(self.bus, self.replica_id, requests, replies, self.produce, self.accept, self.dead_letter)
+            for name, (requests, replies) in self.service.channels().items()
+        }
         if self.channels:
-            service.connect(dict(self.channels))
-        self._produce(service.start())
+            self.service.connect(dict(self.channels))
+        self.produce(self.service.start())
 
     # ------------------------------------------------------------------ one step
 
@@ -260,7 +215,7 @@ class ServiceRunner:
             return False
         record = records[0]
         with self._timed("decode"):
-            message = self._accept(record, TOPIC_MESSAGE[record.topic])
+            message = self.accept(record, TOPIC_MESSAGE[record.topic])
         if message is None:
             self._commit(record)
             return True
@@ -312,7 +267,7 @@ class ServiceRunner:
             item = self.uncollected[0]
             try:
                 with self._timed("produce"):
-                    self._produce(item.outputs)  # raises while the broker is away: sent again at the next poll
+                    self.produce(item.outputs)  # raises while the broker is away: sent again at the next poll
             except OutputError as exc:
                 self._dead_letter(self.in_flight[item.batch_id].record, f"batch {item.batch_id}: {exc}")
                 item = dataclasses.replace(item, outputs=[])
@@ -384,27 +339,15 @@ class ServiceRunner:
         if outcome == "processed":  # a dropped record must not make the real batch of its id look re-delivered
             for key in message.idempotency_keys():
                 self.recent.add(key)
-        # Durable state first, then its outputs: a learner's checkpoint precedes the announcement of its weights.
         self._defer_commit(record)
-        with self._timed("checkpoint"), self._uninterrupted():
-            durable = self._durable()
-        try:
-            with self._timed("produce"):
-                self._produce(outputs)
-        except OutputError as exc:  # nothing was sent: the input is set aside with why, and the replica goes on
+
+        def set_aside(exc: OutputError) -> None:  # nothing was sent: the input is dead-lettered with why, and committed
+            nonlocal outcome, outputs
             self._dead_letter(record, f"cannot process batch {message.batch_id}: {exc}")
             outcome, outputs = "dead_letter", []
-        except BaseException:
-            # Not all its outputs may be out (a broker error, a stop): they are sent again before anything else
-            # (_send_unsent), and its input is not committed until they are. Processing it again instead would
-            # apply a learner's update twice: its checkpoint may already hold it.
-            self.unsent = (record, outputs, durable)
-            raise
-        with self._timed("commit"):
-            if durable:
-                self._commit_deferred()
+
+        self._save_send_commit(record, outputs, unencodable=set_aside)
         seconds = time.perf_counter() - started
-        self.counters["produced"] += len(outputs)
         # Response tokens handled: those read downstream, those generated by the generator.
         made = (output.response_tokens_total for output in outputs if isinstance(output, BatchMessage))
         tokens = message.response_tokens_total or sum(made)
@@ -419,32 +362,48 @@ class ServiceRunner:
             outputs = self.service.tick()
         if not outputs:
             return False
-        with self._timed("checkpoint"), self._uninterrupted():
-            durable = self._durable()
+        self._save_send_commit(None, outputs)
+        return True
+
+    def _save_send_commit(
+        self,
+        record: Record | None,
+        outputs: list[Message],
+        durable: bool | None = None,
+        unencodable: Callable[[OutputError], None] | None = None,
+    ) -> None:
+        """The one order of handing on what a service made: its state made durable first (a learner's checkpoint
+        precedes the announcement of its weights), then its outputs sent, then its input (``record``; None: a
+        tick's) committed, as far as the durable state covers. Outputs that did not all go out (a broker error, a
+        stop) are kept (``unsent``) and sent again before anything else, their input committed only then: processing
+        it again instead would apply a learner's update twice, its checkpoint may hold it already. ``durable``:
+        the state was made durable before (outputs sent again). Outputs that cannot be encoded go nowhere:
+        ``unencodable(error)`` sets their input aside, and it is committed as if they had gone."""
+        if durable is None:
+            with self._timed("checkpoint"), self._uninterrupted():
+                durable = self._durable()
         try:
             with self._timed("produce"):
-                self._produce(outputs)
+                self.produce(outputs)
+            self.counters["produced"] += len(outputs)
+        except OutputError as exc:
+            if unencodable is None:
+                raise
+            unencodable(exc)  # nothing was sent
         except BaseException:
-            self.unsent = (None, outputs, durable)  # as for an input's outputs (_process), of no input
+            self.unsent = (record, outputs, durable)
             raise
-        self.counters["produced"] += len(outputs)
         if durable:
             with self._timed("commit"):
                 self._commit_deferred()
-        return True
 
     def _send_unsent(self) -> None:
         """Send the outputs whose sending failed (raises again while the broker is away), then commit their input."""
         record, outputs, durable = self.unsent
-        with self._timed("produce"):
-            self._produce(outputs)
         self.unsent = None
-        self.counters["produced"] += len(outputs)
+        self._save_send_commit(record, outputs, durable)
         of = f"{record.topic}[{record.partition}]@{record.offset}" if record is not None else "a tick"
         log.info("%s: outputs of %s sent again", self.replica_id, of)
-        if durable:
-            with self._timed("commit"):
-                self._commit_deferred()
 
     def _release_stuck(self) -> bool:
         """Dead-letter the held record furthest ahead once nothing could be processed for ``hold_timeout_s``.
@@ -511,7 +470,7 @@ class ServiceRunner:
             self.counters["tokens"] += tokens
         self.metrics.count(outcome, sequences, seconds, tokens)
 
-    def _produce(self, messages: list[Message], topic: str | None = None) -> None:
+    def produce(self, messages: list[Message], topic: str | None = None) -> None:
         """Sign and encode every message, then send them all: one that cannot be encoded raises
         :class:`OutputError` before anything is sent."""
         topic = topic or self.service.output_topic
@@ -708,7 +667,7 @@ class ServiceRunner:
 
     # ------------------------------------------------------------------ internals
 
-    def _accept(self, record: Record, expected: type) -> Message | None:
+    def accept(self, record: Record, expected: type) -> Message | None:
         """``record`` decoded as ``expected`` (a batch sent by reference, fetched), if it is valid and of this run.
 
         What does not decode or validate is dead-lettered, another run's message skipped and counted: None for
@@ -739,25 +698,26 @@ class ServiceRunner:
         return message
 
     def _dead_letter(self, record: Record, error: str) -> None:
+        """Set an input record aside (see :meth:`dead_letter`); a batch it references keeps its file."""
+        self.dead_letter(record.topic, record.value, record.key, error, record.partition, record.offset)
+        self.referenced.keep(record)
+
+    def dead_letter(
+        self, topic: str, payload: bytes, key: bytes | None, error: str, partition: int = -1, offset: int = -1
+    ) -> None:
+        """The one place a record is set aside: ``payload`` of ``topic`` (at ``partition``/``offset``, or -1 for a
+        message that never was a record, such as a channel's) on ``<topic>.dlq`` with why, counted and said."""
         letter = DeadLetter(
             error=error,
-            source_topic=record.topic,
-            source_partition=record.partition,
-            source_offset=record.offset,
-            payload=record.value,
+            source_topic=topic,
+            source_partition=partition,
+            source_offset=offset,
+            payload=payload,
             producer=self.replica_id,
             created_at=time.time(),
         )
-        self.producer.send(dlq_topic(record.topic), encode(letter), key=record.key)
+        self.producer.send(dlq_topic(topic), encode(letter), key=key)
         self.producer.flush()
-        self.referenced.keep(record)
         self._count("dead_letter")
-        log.warning(
-            "%s: %s[%d]@%d sent to %s: %s",
-            self.replica_id,
-            record.topic,
-            record.partition,
-            record.offset,
-            dlq_topic(record.topic),
-            error,
-        )
+        where = f"{topic}[{partition}]@{offset}" if partition >= 0 else f"a record of {topic}"
+        log.warning("%s: %s sent to %s: %s", self.replica_id, where, dlq_topic(topic), error)

@@ -1,6 +1,6 @@
 """The embedded run: one replica of every role in one process over the in-memory bus, the same service classes.
 
-Services take turns in one thread (``poll_once`` each, downstream first), which makes a seeded run reproducible. If
+Services take turns in one thread (a step of each replica, downstream first), which makes a seeded run reproducible. If
 a full round does no work before the run is over, the pipeline is stalled, and the error says what each service
 waits for.
 """
@@ -16,10 +16,10 @@ from tqdm import tqdm
 
 from common.config import RunConfig
 from common.statistics import progress_labels
+from services.ops.runlog.archive import archive_bus
+from services.ops.summary import RunSummary, summarise_run
 from services.roles import pipeline_topics, roles_of
-from services.runlog.archive import archive_bus
-from services.runtime import ServiceRunner
-from services.summary import RunSummary, summarise_run
+from services.runtime import Replica
 from services.transport import MemoryBus
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def run_embedded(config: RunConfig, progress: bool = True, bus: MemoryBus | None
     bus = bus or MemoryBus()
     bus.create_topics(pipeline_topics())
     bar, on_record = _progress_bar(config.run.steps, progress)
-    built, runners = {}, []
+    built, replicas, finished = {}, [], False
     # Downstream first: in one round every stage works on a different batch, as concurrent services would, so
     # max_staleness > 0 really lets generation run ahead of training.
     order = list(reversed(roles_of(config)))
@@ -81,25 +81,20 @@ def run_embedded(config: RunConfig, progress: bool = True, bus: MemoryBus | None
             built[role.name] = role.create(config)
             built[role.name].observe(on_record)
         for role in order:
-            runners.append(ServiceRunner(built[role.name], bus))
-        ending = [runner.service for runner in runners if runner.service.spec.ends_run]
+            replicas.append(Replica(built.pop(role.name), lambda: bus).start())
+        ending = [replica.service for replica in replicas if replica.service.spec.ends_run]
         while not all(service.done() for service in ending):
-            if not any([runner.poll_once() for runner in runners]):
-                raise PipelineStalled("; ".join(f"{r.replica_id}: {r.waiting_for()}" for r in runners))
-        for runner in runners:
-            if runner.service.done():
-                runner.service.finish()
-        if config.run.archive_log:
-            archive_bus(bus, run_dir / LOG_DIR, config.run.run_id)
+            if not any([replica.step() for replica in replicas]):
+                raise PipelineStalled("; ".join(f"{r.replica_id}: {r.runner.waiting_for()}" for r in replicas))
+        finished = True
     finally:
         bar.close()
-        for runner in runners:
-            runner.close()
-        running = [runner.service for runner in runners]
-        for service in built.values():
-            if service not in running:  # created, never given a runner
-                service.close()
-
-    dead_letters = sum(runner.counters["dead_letters"] for runner in runners)
+        for replica in replicas:
+            replica.stop(finished)
+        for service in built.values():  # created, never started
+            service.close()
+    if config.run.archive_log:  # once every service finished: the learner's last announcement is on it
+        archive_bus(bus, run_dir / LOG_DIR, config.run.run_id)
+    dead_letters = sum(replica.runner.counters["dead_letters"] for replica in replicas)
     summary = summarise_run(run_dir, dead_letters, wall_seconds=time.time() - started)
     return summary

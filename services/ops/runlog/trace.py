@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.schema import ExperienceBatch, PromptBatch, RolloutBatch, ScoredBatch, group_key
-from services.runlog.reader import LogReader, topic_of
-from services.runlog.updates import trained_in
+from services.ops.runlog.reader import LogReader, topic_of
+from services.ops.runlog.updates import trained_in
 
 __all__ = ["GroupTrace", "LogIndex", "format_trace", "trace_prompt", "trace_update"]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from common.batch_store import BatchStore, BatchStoreError
 from common.log_archive import LogArchiveWriter
 from common.schema import BatchReference, SchemaError, decode
+from services.ops.runlog.reader import BusReader
 from services.roles import LOG_TOPIC, pipeline_topics
-from services.runlog.reader import BusReader
 from services.transport.base import Bus
 
 __all__ = ["archive_bus", "batch_reference"]

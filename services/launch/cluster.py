@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import load_config
-from services import exit_codes
-from services.restarts import Restarts
+from services.launch import exit_codes
+from services.launch.restarts import Restarts
 from services.roles import ROLES, roles_of
-from services.run_bus import RUN_BROKER, RUN_CONFIG
 from services.transport.apache_kafka import KafkaBroker
 from services.transport.local_broker import LocalBroker
+from services.transport.run_bus import RUN_BROKER, RUN_CONFIG
 
 __all__ = ["parse_replicas", "resumed_run", "stop_all", "up"]
 
@@ -148,7 +148,7 @@ def up(
     """Run the pipeline; returns 0 once every replica of the roles that end the run has finished.
 
     With ``restart="on-failure"`` a child that exits with an error (or is killed) is restarted after a back-off, as
-    :mod:`services.restarts` says; when it gives up, the run stops with that child's exit code. With
+    :mod:`services.launch.restarts` says; when it gives up, the run stops with that child's exit code. With
     ``restart="never"`` the first failure stops the run. ``config``: the run's configuration (``config_path`` with
     ``overrides``), for what ``up`` reports. ``broker``: which to start when ``bootstrap`` names none (``kafka``,
     or ``memory``).
@@ -305,9 +305,9 @@ def _free_port_of(address_file: Path) -> int | None:
 
 def _summarise(config, bootstrap: str, seconds: float) -> None:
     """The run's ``done:`` line and ``summary.json``, its dead letters counted from the broker's topics."""
-    from services.run_bus import kafka_bus
-    from services.status import read_status
-    from services.summary import summarise_run
+    from services.ops.status import read_status
+    from services.ops.summary import summarise_run
+    from services.transport.run_bus import kafka_bus
 
     try:
         bus = kafka_bus(config, bootstrap, make=False)

@@ -1,0 +1,7 @@
+"""The delivery runtime every role shares: a replica's life (:mod:`.replica`), the runner that moves its records
+(:mod:`.runner`) and its parts (the weights feed, batches by reference, the memory of handled keys, metrics)."""
+
+from services.runtime.replica import Replica
+from services.runtime.runner import LOG_CHECK_S, ServiceRunner, consumer_group
+
+__all__ = ["LOG_CHECK_S", "Replica", "ServiceRunner", "consumer_group"]
