@@ -73,6 +73,21 @@ def test_a_function_named_by_its_file_is_found_from_the_config_s_folder_as_the_p
     assert load_reward_function(config.reward.function) is not None
 
 
+def test_the_checks_before_a_run_resolve_a_judge_s_model_as_the_scorer_would(tmp_path):
+    """One reward factory (common/rewards): what the scorer loads is what the checks before a run look for, a judge's
+    model folder included."""
+    from common.models import ModelLoadError
+    from common.rewards import check_reward
+
+    judge = [
+        "reward.function=null", f"reward.judge.model={tmp_path / 'no-judge'}",
+        "reward.judge.template='Rate {response}'", "reward.judge.pattern='Score: (\\d+)'",
+    ]  # fmt: skip
+    with pytest.raises(ModelLoadError, match="no-judge"):
+        check_reward(load_config(EXAMPLE / "config.yaml", judge))
+    check_reward(load_config(EXAMPLE / "config.yaml"))  # the example's function loads
+
+
 def test_malformed_override_and_missing_file():
     with pytest.raises(ConfigError, match="section.key=value"):
         load_config(EXAMPLE / "config.yaml", ["nonsense"])

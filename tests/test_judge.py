@@ -12,7 +12,7 @@ import torch
 
 from common.config import JudgeSection
 from common.rewards import RewardError
-from services.scorer.judge import JudgeScorer, judge_writer, parse_score
+from common.rewards.judge import JudgeScorer, judge_writer, parse_score
 
 pytestmark = pytest.mark.slow  # SmolLM2 is converted once per session (~10 s) and judges on CPU
 

@@ -20,16 +20,15 @@ def check_run_inputs(config: RunConfig) -> None:
     the cache now, once, as the services would."""
     from common.data import PromptSchedule, load_prompts
     from common.models import resolve_model
-    from common.rewards import load_reward_function
+    from common.rewards import check_reward
     from services.learner.trackers import check_trackers
 
     config.signing_key()  # a key named but not there is a ConfigError
     check_trackers(config)
     prompts = load_prompts(config.data.prompts)
     PromptSchedule(len(prompts), config.data.batch_size, config.data.shuffle, config.run.seed)
-    if config.reward.function is not None:
-        load_reward_function(config.reward.function)
+    check_reward(config)  # the function, or the judge's or the reward model's folder: the scorer's own factory
     m = config.model
-    models = [m.actor, m.reference, m.critic if config.algorithm.uses_critic else None, config.reward.model]
+    models = [m.actor, m.reference, m.critic if config.algorithm.uses_critic else None]
     for spec in filter(None, models):
         resolve_model(spec, m.cache_dir)

@@ -5,48 +5,14 @@ Both models are frozen, so scorer replicas are interchangeable and scale on thei
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from common.config import RunConfig
-from common.models import FrozenModels, load_actor, load_reward_model, load_tokenizer, resolve_model
-from common.rewards import RewardError, RewardFunction, RewardModelScorer
+from common.models import FrozenModels, load_actor, load_tokenizer, resolve_model
+from common.rewards import RewardError, load_reward
 from common.schema import RolloutBatch, ScoredBatch, derive
 from common.sequences import batched_response_logprobs, pack
-from services.scorer.judge import JudgeScorer, judge_id, judge_writer
 from services.service import InputError, Service, check_token_ids
-
-
-def load_reward(config: RunConfig) -> tuple[Callable, dict]:
-    """The reward ``config.reward`` names (a function, a judge or a reward model), called with prompts, responses
-    and labels, and the lineage that says which it is."""
-    m = config.model
-    if config.reward.function is not None:
-        return RewardFunction(config.reward.function), {"reward.function": config.reward.function}
-    if config.reward.judge is not None:
-        judge = config.reward.judge
-        judge_path = resolve_model(judge.model, m.cache_dir)
-        write = judge_writer(judge, judge_path, m.dtype_of("reward"), m.device, m.trust_remote_code, config.run.seed)
-        scorer = JudgeScorer(
-            write,
-            judge.template,
-            judge.pattern,
-            judge.on_unparsed,
-            judge.default_score,
-            config.reward.batch_size,
-            name=f"judge {judge_path.name}",
-        )
-        return scorer, {"reward.judge": judge_id(judge_path, judge.template, judge.pattern)}
-    rm_path = resolve_model(config.reward.model, m.cache_dir)
-    key = ("reward model", str(rm_path), m.dtype_of("reward"), m.trust_remote_code, m.device)
-    model = FrozenModels.acquire(
-        key, lambda: load_reward_model(rm_path, m.dtype_of("reward"), m.trust_remote_code, m.device)
-    )
-    tokenizer = load_tokenizer(rm_path, m.trust_remote_code)
-    release = lambda: FrozenModels.release(key)  # noqa: E731
-    scorer = RewardModelScorer(model, tokenizer, batch_size=config.reward.batch_size, release=release)
-    return scorer, {"reward.model": str(rm_path)}
 
 
 class ScorerService(Service):
@@ -71,8 +37,7 @@ class ScorerService(Service):
             self.lineage["reward.environment_weight"] = config.reward.environment_weight
 
     def close(self) -> None:
-        if isinstance(self.reward, JudgeScorer | RewardModelScorer):
-            self.reward.close()
+        self.reward.close()
         if self.reference_key is not None:
             FrozenModels.release(self.reference_key)
             self.reference_key = None
@@ -93,9 +58,7 @@ class ScorerService(Service):
             raise RewardError(f"{failed} (reward.on_error: stop; dead_letter sets such a batch aside)") from exc
         if self.config.episodes:  # an episode's reward (its environment's, or its agent's) goes with its score
             scores = scores + self.config.reward.environment_weight * torch.from_numpy(message.environment_reward)
-        lineage = self.lineage
-        if isinstance(self.reward, JudgeScorer):  # how many of this batch's answers got the default score
-            lineage = {**lineage, "reward.judge.unparsed": self.reward.last_unparsed}
+        lineage = {**self.lineage, **self.reward.last_call()}  # what the reward says of this batch (a judge's misses)
         return [
             derive(
                 message,

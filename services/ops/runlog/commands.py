@@ -136,8 +136,8 @@ def _scoring_config(path: Path, overrides: list[str], base):
 
 
 def _rescore(args) -> int:
+    from common.rewards import load_reward
     from services.ops.runlog.rescore import rescore
-    from services.scorer.service import load_reward
     from services.transport.run_bus import RUN_CONFIG
 
     reader, config, run_dir = _open(args)
@@ -150,8 +150,7 @@ def _rescore(args) -> int:
     try:
         summary = rescore(reader, reward, reward_id, args.out, top=args.top)
     finally:
-        if hasattr(reward, "close"):
-            reward.close()
+        reward.close()
     _say_unreadable(reader)
     print(
         f"{summary['responses']} responses rescored: mean {summary['old_mean']} -> {summary['new_mean']}, "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from common.rewards import RewardError, checked_scores
+from common.rewards.base import RewardError, checked_scores
 
 __all__ = ["JudgeScorer", "TransformersJudge", "VllmJudge", "judge_id", "judge_writer", "parse_score"]
 
@@ -66,6 +66,10 @@ class JudgeScorer:
         close = getattr(self.write, "close", None)
         if close is not None:
             close()
+
+    def last_call(self) -> dict:
+        """What the scored record's lineage says of the last call: how many of its answers got the default score."""
+        return {"reward.judge.unparsed": self.last_unparsed}
 
     def prompts(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[str]) -> list[str]:
         labels = list(labels) or [""] * len(responses)

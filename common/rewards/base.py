@@ -1,4 +1,5 @@
-"""Where scores come from: a reward model, or a reward function named ``module:function``.
+"""The rewards' common parts: a reward function named ``module:function``, a reward model, and what every reward
+shares (its error, the check of its scores, ``close()``).
 
 A reward function takes ``(prompts: list[str], responses: list[str])``, or ``(prompts, responses, labels)`` to be
 given each prompt's label from the dataset (``{"prompt": ..., "label": ...}``; ``""`` where a row has none), and
@@ -70,6 +71,13 @@ class RewardFunction:
         self.fn = load_reward_function(spec)
         self.takes_labels = _takes_labels(self.fn)
 
+    def close(self) -> None:
+        """Nothing to release: a function holds no engine or model."""
+
+    def last_call(self) -> dict:
+        """What the scored record's lineage says of the last call: nothing, for a function."""
+        return {}
+
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[str]) -> torch.Tensor:
         try:
             return self._scores(prompts, responses, labels)
@@ -132,6 +140,10 @@ class RewardModelScorer:
         release, self.release = self.release, None
         if release is not None:
             release()
+
+    def last_call(self) -> dict:
+        """What the scored record's lineage says of the last call: nothing, for a reward model."""
+        return {}
 
     @torch.no_grad()
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[str] = ()) -> torch.Tensor:
