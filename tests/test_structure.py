@@ -164,6 +164,16 @@ def test_only_the_runtime_builds_a_runner():
             assert call not in text, f"{name} calls {call}: the replica's stop does, in its one order"
 
 
+def test_one_function_builds_a_rollouts_record():
+    """The generator's groups and the gateway's episodes become records by one builder (common/rollouts.py): the
+    oldest-token rule and the record's fields are written once."""
+    builders = [
+        name for name, path in project_modules().items()
+        if "RolloutBatch(" in path.read_text() and name not in ("common.schema", "common.rollouts")
+    ]  # fmt: skip
+    assert not builders, builders
+
+
 def test_services_shows_its_rooms():
     """`ls services`: the role folders, the contract (service.py, roles.py), the CLI, and four rooms: the runtime every
     role shares, how replicas are launched, the operator's read-only commands, the transports."""

@@ -30,6 +30,7 @@ import torch
 from common.admission import Admission
 from common.config import RunConfig
 from common.models import load_tokenizer, resolve_model
+from common.rollouts import SampledRows, rollout_batch
 from common.sampling import Samples, SamplingParams
 from common.schema import (
     ADAPTER_BASE,
@@ -384,28 +385,22 @@ class GeneratorService(Service):
     ) -> RolloutBatch:
         """The record of ``samples`` of the groups of ``prompts`` (rows of the prompt batch)."""
         rows = prompts[samples.group_index.numpy()]
-        models = samples.models().numpy()
-        versions = (samples.token_versions if samples.token_versions is not None else samples.labelled(version)).numpy()
-        oldest = int(versions[models].min()) if models.any() else version  # the header's: the oldest token's
-        return RolloutBatch(
-            **new_header(batch_id, self.replica_id, oldest, lineage),
-            step=message.step,
+        versions = samples.token_versions if samples.token_versions is not None else samples.labelled(version)
+        sampled = SampledRows(
             group_index=rows,
-            prompt_text=[message.prompt_text[i] for i in rows],
-            prompt_label=[message.prompt_label[i] for i in rows],
-            response_text=self.tokenizer.batch_decode(samples.response_tokens, skip_special_tokens=True),
             prompt_tokens=message.prompt_tokens[rows],
             prompt_lengths=message.prompt_lengths[rows],
             response_tokens=samples.response_tokens.numpy(),
             response_lengths=samples.response_lengths.numpy(),
+            response_text=self.tokenizer.batch_decode(samples.response_tokens, skip_special_tokens=True),
             finished=samples.finished.numpy(),
             behaviour_logprobs=samples.behaviour_logprobs.numpy(),
-            token_versions=versions.astype(np.int32),
-            response_mask=models,
-            turns=samples.turn_counts().numpy().astype(np.int64),
-            environment_reward=samples.environment_rewards().numpy().astype(np.float32),
-            dead_lettered_groups=np.zeros(0, np.int64),
+            token_versions=versions.numpy(),
+            response_mask=samples.models().numpy(),
+            turns=samples.turn_counts().numpy(),
+            environment_reward=samples.environment_rewards().numpy(),
         )
+        return rollout_batch(message, sampled, batch_id, self.replica_id, lineage, version)
 
     def take_up_new_log(self) -> bool:
         """The groups and calls in flight are dropped (the feeder publishes their prompt batches again; an agent calls
