@@ -40,8 +40,9 @@ from common.models import load_actor, load_critic  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from common.storage import state_nbytes  # noqa: E402
 from common.weights import WeightStore  # noqa: E402
+from services.learner.experience import Experience
 from services.learner.parallel import init_ranks, shard_model  # noqa: E402
-from services.learner.trainer import Experience, PPOTrainer  # noqa: E402
+from services.learner.trainer import PPOTrainer  # noqa: E402
 
 QWEN25_05B = dict(
     vocab_size=151936,

@@ -14,6 +14,7 @@ Schulman et al. 2016 (GAE), Ziegler et al. 2019 (KL-shaped rewards, adaptive KL 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "explained_variance",
     "gae",
     "group_mean_std",
+    "lr_factor",
     "groups_without_signal",
     "cispo_loss",
     "grpo",
@@ -877,3 +879,20 @@ class AdaptiveKLController:
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
+
+
+# ---------------------------------------------------------------------------------------------- learning-rate schedule
+
+
+def lr_factor(update: int, total: int, schedule: str, warmup: int = 0, min_ratio: float = 0.0) -> float:
+    """The learning rate of update ``update`` (0-based) of ``total``, as a share of the configured one: a linear
+    warmup over the first ``warmup`` updates, then constant, linear or cosine down to ``min_ratio`` (linear reaches
+    it one update past the last, as TRL's per-step schedule does)."""
+    if update < warmup:
+        return (update + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min((update - warmup) / max(total - warmup, 1), 1.0)
+    if schedule == "linear":
+        return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -81,7 +81,7 @@ def sampled_experience(
     from common.models import load_actor, load_tokenizer
     from common.sampling import SamplingParams
     from common.sequences import lengths_to_mask
-    from services.learner.trainer import Experience
+    from services.learner.experience import Experience
 
     tokenizer = load_tokenizer(tiny_model)
     enc = tokenizer(texts, padding=True, return_tensors="pt")

@@ -19,7 +19,8 @@ from services.advantage.estimation import estimate_advantages
 from services.environment.base import Environment, Step
 from services.feeder import FeederService
 from services.generator import GeneratorService
-from services.learner.trainer import Experience, PPOTrainer
+from services.learner.experience import Experience
+from services.learner.trainer import PPOTrainer
 from services.scorer import ScorerService
 
 # An episode of 6 response tokens: the model's turn (2 tokens), the environment's answer (2), the model's last turn.

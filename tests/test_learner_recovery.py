@@ -13,7 +13,7 @@ from services.advantage import AdvantageService
 from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.learner import LearnerService
-from services.learner.trainer import Experience
+from services.learner.experience import Experience
 from services.roles import pipeline_topics
 from services.scorer import ScorerService
 from services.service import Dropped, InputError, Progress

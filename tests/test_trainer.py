@@ -187,7 +187,7 @@ def test_every_statistic_the_trainer_reports_is_named_in_the_table(tiny_model, e
 
 
 def test_the_learning_rate_schedule_is_a_function_of_the_update_so_a_restart_continues_it(tiny_model, experience):
-    from services.learner.trainer import lr_factor
+    from common.ppo import lr_factor
 
     tokenizer, exp = experience
     trainer = make_trainer(tiny_model, tokenizer, lr_schedule="linear")

@@ -47,7 +47,7 @@ from services.feeder import FeederService
 from services.generator import GeneratorService
 from services.launch.process import serve_service
 from services.learner import LearnerService
-from services.learner.trainer import Experience
+from services.learner.experience import Experience
 from services.scorer import ScorerService
 from services.transport.run_bus import kafka_bus
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from common.schema import ExperienceBatch, group_key
-from services.learner.trainer import Experience
+from services.learner.experience import Experience
 
 __all__ = ["Group", "GroupBuffer", "StepLedger", "groups_of"]
 

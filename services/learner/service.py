@@ -58,14 +58,16 @@ from common.schema import (
     new_header,
 )
 from common.weights import Snapshot, WeightStore
+from services.learner.checkpoints import checkpoint_nbytes
 from services.learner.evaluation import answer_eval_prompts, episode_rows, write_generations
+from services.learner.experience import Experience
 from services.learner.export import export_final_models
 from services.learner.groups import GroupBuffer, StepLedger, groups_of
 from services.learner.metrics_log import MetricsLog
 from services.learner.parallel import init_ranks, shard_model
 from services.learner.ranks import LearnerRanks
 from services.learner.trackers import Trackers
-from services.learner.trainer import Experience, PPOTrainer
+from services.learner.trainer import PPOTrainer
 from services.service import Dropped, InputError, Progress, Service, check_token_ids
 
 log = logging.getLogger(__name__)
@@ -448,7 +450,7 @@ class LearnerService(Service):
             self.config.checkpoint_dir,
             self.trainer.version,
             self._save_state,
-            self.trainer.checkpoint_nbytes() + sum(g.experience.nbytes() for g in self.buffer.groups),
+            checkpoint_nbytes(self.trainer) + sum(g.experience.nbytes() for g in self.buffer.groups),
             {
                 "updates": self.updates,
                 "dropped_stale": self.dropped_stale,

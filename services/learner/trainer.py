@@ -1,14 +1,13 @@
 """The learner's core: PPO epochs over one batch of experience, for the actor and the critic.
 
 It owns the trainable actor and critic (none with a critic-free estimator), their optimizers, the KL controller and
-the policy version. No I/O:
-the learner service decodes experience into :class:`Experience`, calls :meth:`PPOTrainer.train`, and publishes.
+the policy version. No I/O: the learner service decodes experience into :class:`~.experience.Experience`, calls
+:meth:`PPOTrainer.train`, and publishes; what a checkpoint and a snapshot take of the trainer is written by
+:mod:`.checkpoints` and :mod:`.snapshots`, behind the trainer's thin ``@lead`` methods (every rank runs them).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,10 +16,8 @@ import torch
 from common import ppo
 from common.algorithms import POLICY_LOSSES
 from common.config import AlgorithmSection, LearnerSection
-from common.schema import ExperienceBatch
 from common.sequences import (
     PackedSequences,
-    lengths_to_mask,
     micro_batches,
     microbatch_view,
     pack,
@@ -28,115 +25,12 @@ from common.sequences import (
     response_logprobs,
     response_values,
 )
-from common.storage import fsync_file
-from common.weights import (
-    first_names,
-    is_adapted,
-    load_state_into,
-    part_name,
-    plan_parts,
-    published_tensors,
-    write_part,
-)
-from services.learner.parallel import Ranks, gather_full_state, lead
+from services.learner.checkpoints import load_trainer, load_trainer_state, save_trainer, trainer_state
+from services.learner.experience import Experience, PreparedBatch, experience_statistics
+from services.learner.parallel import Ranks, lead
+from services.learner.snapshots import full_state, write_parts
 
-__all__ = ["Experience", "PPOTrainer"]
-
-
-@dataclass(frozen=True)
-class Experience:
-    """Experience as tensors: ``N`` sequences, prompts ``(N, P)``, responses ``(N, T)``. An update's experience may
-    gather groups sampled by several policy versions."""
-
-    policy_versions: torch.Tensor  # (N,) the oldest actor version that sampled a token of each sequence
-    prompt_tokens: torch.Tensor
-    prompt_lengths: torch.Tensor
-    response_tokens: torch.Tensor
-    response_lengths: torch.Tensor
-    finished: torch.Tensor
-    behaviour_logprobs: torch.Tensor
-    scores: torch.Tensor
-    kl: torch.Tensor
-    values: torch.Tensor
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    ref_logprobs: torch.Tensor | None = None  # (N, T), for the KL term of the loss (algorithm.kl_in: loss)
-    token_versions: torch.Tensor | None = None  # (N, T) the version that sampled each token; None: policy_versions
-    # (N, T) bool, the tokens the model sampled (what trains); None: every real token. An episode's environment
-    # tokens are in the forward passes as context and nowhere else.
-    response_mask: torch.Tensor | None = None
-    turns: torch.Tensor | None = None  # (N,) the model's turns in each response; None: 1 each
-    environment_reward: torch.Tensor | None = None  # (N,) what each episode's environment returned; None: 0
-
-    @classmethod
-    def from_message(cls, msg: ExperienceBatch) -> Experience:
-        t = torch.from_numpy
-        return cls(
-            t(msg.row_versions()),
-            t(msg.prompt_tokens),
-            t(msg.prompt_lengths),
-            t(msg.response_tokens),
-            t(msg.response_lengths),
-            t(msg.finished),
-            t(msg.behaviour_logprobs),
-            t(msg.scores),
-            t(msg.kl),
-            t(msg.values),
-            t(msg.advantages),
-            t(msg.returns),
-            t(msg.ref_logprobs),
-            t(msg.token_versions.astype("int64")),
-            t(msg.response_mask),
-            t(msg.turns),
-            t(msg.environment_reward),
-        )
-
-    def to(self, device) -> Experience:
-        tensors = (getattr(self, f.name) for f in dataclasses.fields(self))
-        return Experience(*(t.to(device) if t is not None else None for t in tensors))
-
-    @property
-    def rows(self) -> int:
-        return len(self.response_lengths)
-
-    def nbytes(self) -> int:
-        tensors = (getattr(self, f.name) for f in dataclasses.fields(self))
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-    def take(self, rows: torch.Tensor) -> Experience:
-        """The sequences at ``rows``."""
-        tensors = (getattr(self, f.name) for f in dataclasses.fields(self))
-        return Experience(*(t[rows] if t is not None else None for t in tensors))
-
-    @staticmethod
-    def concat(parts: list[Experience]) -> Experience:
-        """The sequences of ``parts`` in one batch, each 2-D field right-padded with zeros to the widest part."""
-        fields = []
-        for f in dataclasses.fields(Experience):
-            tensors = [getattr(part, f.name) for part in parts]
-            if any(t is None for t in tensors):
-                fields.append(None)
-                continue
-            if tensors[0].dim() == 2:
-                width = max(t.shape[1] for t in tensors)
-                tensors = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors]
-            fields.append(torch.cat(tensors))
-        return Experience(*fields)
-
-    @property
-    def mask(self) -> torch.Tensor:
-        """``(N, T)`` float, 1 at the tokens that train: the model's."""
-        if self.response_mask is not None:
-            return self.response_mask.to(torch.float32)
-        return lengths_to_mask(self.response_lengths, self.response_tokens.shape[1])
-
-
-def _across_versions(exp: Experience, mask: torch.Tensor) -> torch.Tensor:
-    """``(N,)`` whether more than one version sampled the tokens of each sequence."""
-    if exp.token_versions is None:
-        return torch.zeros(exp.rows, dtype=torch.bool)
-    newest = torch.where(mask.bool(), exp.token_versions, exp.policy_versions.unsqueeze(-1)).amax(-1)
-    return newest > exp.policy_versions
+__all__ = ["PPOTrainer"]
 
 
 def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -149,39 +43,12 @@ def _chunks(index: torch.Tensor, size: int) -> list[torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class _Batch:
-    """One experience batch made ready for the epochs: ``N`` sequences, responses of length ``T``."""
-
-    packed: PackedSequences  # prompt + response, left-aligned, for the forward passes
-    mask: torch.Tensor  # (N, T) 1.0 at response tokens
-    advantages: torch.Tensor  # (N, T) whitened if configured
-    old_logp: torch.Tensor  # (N, T) log π_old, recomputed by the learner before the first step
-    importance: torch.Tensor  # (N, T) the off-policy correction's weights (1 where none applies)
-    staleness: torch.Tensor  # (N,) learner version − the version that sampled each sequence (< 0: rolled back)
-    correction: dict[str, float]  # what the off-policy correction did, for the update's statistics
-
-
-@dataclass(frozen=True)
 class _Pass:
     """One forward/backward pass of a rank: its rows, and 1.0, or 0.0 for a pass a rank runs only to keep in step
     with ranks that have more passes (sharded modules gather their parameters in every rank's forward)."""
 
     rows: torch.Tensor
     weight: float
-
-
-def lr_factor(update: int, total: int, schedule: str, warmup: int = 0, min_ratio: float = 0.0) -> float:
-    """The learning rate of update ``update`` (0-based) of ``total``, as a share of the configured one: a linear
-    warmup over the first ``warmup`` updates, then constant, linear or cosine down to ``min_ratio`` (linear reaches
-    it one update past the last, as TRL's per-step schedule does)."""
-    if update < warmup:
-        return (update + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min((update - warmup) / max(total - warmup, 1), 1.0)
-    if schedule == "linear":
-        return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class PPOTrainer:
@@ -244,12 +111,14 @@ class PPOTrainer:
         kl_per_sequence = (exp.kl * batch.mask).sum(dim=1)
         self.kl_controller.update(float(kl_per_sequence.mean()), len(batch.mask))
         self.version += 1
-        return {**means, **self._batch_statistics(exp, batch, kl_per_sequence), "lr_factor": rate}
+        critic, kl_coef = self.critic is not None, self.kl_controller.value
+        statistics = experience_statistics(exp, batch, kl_per_sequence, kl_coef, critic, self.version)
+        return {**means, **statistics, "lr_factor": rate}
 
     def _set_learning_rates(self) -> float:
         """Each optimizer's rate for the update this version makes: a function of the version alone, so a learner
         back from its checkpoint continues the schedule where it was."""
-        rate = lr_factor(
+        rate = ppo.lr_factor(
             self.version,
             self.total_updates or self.version + 1,
             self.cfg.lr_schedule,
@@ -263,7 +132,7 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the steps of one update
 
-    def _prepare(self, exp: Experience) -> _Batch:
+    def _prepare(self, exp: Experience) -> PreparedBatch:
         """Pack the sequences, whiten the advantages, recompute π_old and the importance weights (off-policy tokens)."""
         mask = exp.mask
         packed = pack(
@@ -305,9 +174,9 @@ class PPOTrainer:
             "off_policy_masked_sequences": float(stats.masked_sequences),
             "off_policy_weight": float(stats.weight_mean),
         }
-        return _Batch(packed, mask, advantages, old_logp, importance, staleness, statistics)
+        return PreparedBatch(packed, mask, advantages, old_logp, importance, staleness, statistics)
 
-    def _run_epochs(self, exp: Experience, batch: _Batch) -> dict[str, float]:
+    def _run_epochs(self, exp: Experience, batch: PreparedBatch) -> dict[str, float]:
         """``ppo_epochs`` passes over shuffled mini-batches, one optimizer step each; the statistics' means."""
         sums: dict[str, float] = {}
 
@@ -352,7 +221,7 @@ class PPOTrainer:
             return packed.rows(rows)
         return microbatch_view(packed, exp.prompt_lengths, exp.response_lengths, rows)
 
-    def _mini_batch_step(self, exp: Experience, batch: _Batch, mini: torch.Tensor, add) -> dict[str, float]:
+    def _mini_batch_step(self, exp: Experience, batch: PreparedBatch, mini: torch.Tensor, add) -> dict[str, float]:
         """Accumulate the gradients of this rank's passes over the mini-batch, then step actor and critic;
         statistics (this rank's part of the mini-batch's) go to ``add(name=value, ...)``; returns the gradient
         norms by model."""
@@ -413,124 +282,25 @@ class PPOTrainer:
                 add(value_loss=vf_loss.detach() * scale, value_clip_frac=vf_stats.clip_frac * share)
         return {name: self._step(model, optimizer) for name, model, optimizer in self.models()}
 
-    def _batch_statistics(self, exp: Experience, batch: _Batch, kl_per_sequence: torch.Tensor) -> dict[str, float]:
-        """What the experience itself says: reward, KL, critic fit, lengths, the sampler/learner log-prob gap."""
-        mask, n = batch.mask, len(batch.mask)
-        gap = (batch.old_logp - exp.behaviour_logprobs).abs()  # the sampler's log-probs against the learner's
-        return {
-            "reward_mean": float(exp.scores.mean()),
-            "reward_std": float(exp.scores.std()) if n > 1 else 0.0,
-            "kl": float(ppo.masked_mean(exp.kl, mask)),
-            "kl_per_sequence": float(kl_per_sequence.mean()),
-            "kl_coef": self.kl_controller.value,
-            **(
-                {"explained_variance": float(ppo.explained_variance(exp.values, exp.returns, mask))}
-                if self.critic is not None
-                else {}
-            ),
-            "advantage_mean": float(ppo.masked_mean(exp.advantages, mask)),
-            "response_length": float(mask.sum(dim=1).mean()) if n else 0.0,  # the model's tokens
-            "finished_frac": float(exp.finished.float().mean()),
-            # Episodes (1 turn and 0 for single answers): the model's turns, and the environment's reward.
-            "turns_mean": float(exp.turns.float().mean()) if exp.turns is not None and n else 1.0,
-            "environment_reward_mean": (
-                float(exp.environment_reward.mean()) if exp.environment_reward is not None and n else 0.0
-            ),
-            "logprob_mismatch": float(ppo.masked_mean(gap, mask)),
-            "logprob_mismatch_max": float((gap * mask).max()) if n else 0.0,
-            **batch.correction,
-            "staleness": float(batch.staleness.float().mean()),
-            # Sequences whose tokens more than one version sampled: new weights landed while they were sampled.
-            "sampled_across_updates": float(_across_versions(exp, mask).float().mean()) if n else 0.0,
-            "policy_version": float(self.version),
-        }
-
     # ------------------------------------------------------------------ state: checkpoints, snapshots, answers
+    # The @lead methods every rank runs (followers dispatch by name): thin, their work in .checkpoints and .snapshots.
 
     def state_dict(self) -> dict:
-        """Everything needed to continue training exactly: weights, optimizers, KL controller, version, RNG.
-        Single process only; sharded trainers checkpoint with :meth:`save`."""
-        state = self._small_state()
-        for name, model, optimizer in self.models():
-            # What trains: a LoRA actor's adapters alone (the base weights are the configured model's).
-            weights = published_tensors(model) if is_adapted(model) else model.state_dict()
-            state[name], state[f"{name}_optimizer"] = weights, optimizer.state_dict()
-        return state
+        """The whole training state, single process (:func:`~services.learner.checkpoints.trainer_state`)."""
+        return trainer_state(self)
 
     def load_state_dict(self, state: dict) -> None:
-        missing = [name for name, _, _ in self.models() if name not in state]
-        if missing:
-            raise RuntimeError(f"the checkpoint holds no {', '.join(missing)}: it was written with another estimator")
-        for name, model, optimizer in self.models():
-            if is_adapted(model):
-                load_state_into(model, state[name], f"checkpoint {name}")
-            else:
-                model.load_state_dict(state[name])
-            optimizer.load_state_dict(state[f"{name}_optimizer"])
-        self._load_small_state(state)
-
-    def _small_state(self) -> dict:
-        return {
-            "kl_controller": self.kl_controller.state_dict(),
-            "version": self.version,
-            "generator": self.generator.get_state(),
-        }
-
-    def _load_small_state(self, state: dict) -> None:
-        self.kl_controller.load_state_dict(state["kl_controller"])
-        self.version = int(state["version"])
-        self.generator.set_state(state["generator"])
+        load_trainer_state(self, state)
 
     @lead
     def save(self, folder: Path) -> None:
-        """Write the trainer's state into ``folder`` (which exists). Sharded: every rank writes its shards with
-        torch.distributed.checkpoint under ``folder/shards`` (re-shardable to any number of ranks), rank 0 the
-        rest; single: one ``trainer.pt``."""
-        folder = Path(folder)
-        if not self.ranks.sharded:
-            torch.save(self.state_dict(), folder / "trainer.pt")
-            fsync_file(folder / "trainer.pt")
-            return
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self._sharded_state(), checkpoint_id=folder / "shards")
-        if self.ranks.leads:
-            torch.save(self._small_state(), folder / "trainer.pt")
-            fsync_file(folder / "trainer.pt")
+        """Write the trainer's state into ``folder`` (:func:`~services.learner.checkpoints.save_trainer`)."""
+        save_trainer(self, Path(folder))
 
     @lead
     def load(self, folder: Path) -> None:
-        """Restore what :meth:`save` wrote, with any number of ranks (a sharded checkpoint is re-sharded)."""
-        folder = Path(folder)
-        sharded_checkpoint = (folder / "shards").is_dir()
-        if sharded_checkpoint != self.ranks.sharded:
-            raise RuntimeError(
-                f"checkpoint {folder} was written by a {'sharded' if sharded_checkpoint else 'single-process'} "
-                f"learner; this one is {'sharded' if self.ranks.sharded else 'single-process'}. Resume it with the "
-                "learner.parallel.strategy that wrote it"
-            )
-        state = torch.load(folder / "trainer.pt", weights_only=True)
-        if not self.ranks.sharded:
-            self.load_state_dict(state)
-            return
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        sharded = self._sharded_state()
-        dcp.load(sharded, checkpoint_id=folder / "shards")
-        for name, model, optimizer in self.models():
-            set_state_dict(
-                model,
-                optimizer,
-                model_state_dict=sharded[name],
-                optim_state_dict=sharded[f"{name}_optimizer"],
-            )
-        self._load_small_state(state)
-
-    def checkpoint_nbytes(self) -> int:
-        """What :meth:`save` writes on this rank, about: weights and two Adam moments of its trained parameters."""
-        local = [getattr(p, "to_local", lambda p=p: p)() for _, m, _ in self.models() for p in _trainable(m)]
-        return sum(3 * t.numel() * t.element_size() for t in local)
+        """Restore what :meth:`save` wrote (:func:`~services.learner.checkpoints.load_trainer`)."""
+        load_trainer(self, Path(folder))
 
     def models(self) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
         """What trains: the actor, and the critic when the estimator uses one."""
@@ -539,59 +309,18 @@ class PPOTrainer:
             models.append(("critic", self.critic, self.critic_optimizer))
         return models
 
-    def _module(self, model: str) -> torch.nn.Module:
+    def module(self, model: str) -> torch.nn.Module:
         return {name: module for name, module, _ in self.models()}[model]
-
-    def _sharded_state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        state = {}
-        for name, model, optimizer in self.models():
-            state[name], state[f"{name}_optimizer"] = get_state_dict(model, optimizer)
-        return state
 
     @lead
     def full_state(self, model: str, dtype: str = "float32") -> dict[str, torch.Tensor] | None:
-        """The whole ``actor`` or ``critic`` state in ``dtype`` on rank 0's CPU (None on the other ranks), each
-        tied tensor once, under its first name (as a transformers checkpoint has it)."""
-        module = self._module(model)
-        target = getattr(torch, dtype)
-        if is_adapted(module):  # one process (config): the adapters are the snapshot
-            return {name: t.detach().cpu().to(target).contiguous() for name, t in published_tensors(module).items()}
-        state = gather_full_state(module, self.ranks)
-        if state is None:
-            return None
-        return {
-            name: (tensor.to(target) if tensor.is_floating_point() else tensor).contiguous()
-            for name, tensor in state.items()
-            if name in first_names(module)
-        }
+        """The whole state of ``model`` on rank 0's CPU (:func:`~services.learner.snapshots.full_state`)."""
+        return full_state(self.module(model), self.ranks, dtype)
 
     @lead
     def write_snapshot_parts(self, model: str, dtype: str, folder: str, digest: str) -> list | None:
-        """Every rank writes its part of a sharded snapshot of ``model`` into ``folder`` (in parallel); rank 0
-        returns ``[(file name, digest, {tensor: shape}), ...]`` of all parts (None on the others).
-
-        Tensors are dealt to the ranks by :func:`common.weights.plan_parts`, the same way on every rank. Each is
-        gathered whole (``full_tensor``, a collective every rank joins, in one order) and
-        kept by its owner only: the traffic of gathering the state to rank 0, and no rank holds more than its part
-        plus the one tensor in flight.
-        """
-        module = self._module(model)
-        state = module.state_dict()
-        names = sorted(first_names(module))  # one order on every rank
-        world, rank = self.ranks.world_size, self.ranks.rank
-        owner = plan_parts({n: state[n].numel() * state[n].element_size() for n in names}, world)
-        target, mine = getattr(torch, dtype), {}
-        for name in names:
-            tensor = state[name]
-            whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            if owner[name] == rank:
-                whole = whole.detach().cpu()
-                mine[name] = (whole.to(target) if whole.is_floating_point() else whole).contiguous()
-        part = part_name(rank, world)
-        written = (part, write_part(folder, part, mine, digest), {n: tuple(t.shape) for n, t in mine.items()})
-        return self.ranks.gather(written)
+        """Every rank's part of a sharded snapshot (:func:`~services.learner.snapshots.write_parts`)."""
+        return write_parts(self.module(model), self.ranks, dtype, folder, digest)
 
     @lead
     def answer(self, fn, *args):

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from common.config import ConfigError, RunConfig
 from common.schema import LEARNER_EPOCH, ExperienceBatch, WeightAnnouncement
+from services.learner.experience import Experience
 from services.learner.groups import groups_of
-from services.learner.trainer import Experience
 from services.ops.runlog.reader import LogReader
 from services.ops.runlog.updates import update_lines
 
