@@ -370,3 +370,45 @@ def test_a_stopped_up_says_how_to_resume_and_resumes_from_its_run_directory_alon
     records = [json.loads(line) for line in metrics.open()]
     assert [r["step"] for r in records] == list(range(1, steps + 1)), "every version applied exactly once"
     assert json.loads((run_dir / "summary.json").read_text())["wall_seconds"] > first_seconds, "both ups counted"
+
+
+def test_kafka_python_speaks_every_api_the_project_uses_to_kafka_4(kafka_broker):
+    """kafka-python 2.3.3 against Apache Kafka 4.4, which dropped old protocol versions (KIP-896; an open report has
+    ListOffsets v0 refused by 4.0, dpkp/kafka-python#2679): admin (create, describe configs, delete topics), the
+    idempotent producer, a group's commit and committed offsets, ListOffsets (earliest, latest, by time)."""
+    from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+    from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
+
+    bootstrap = next(o for o in kafka_broker if o.startswith("kafka.bootstrap=")).split("=", 1)[1].split(",")
+    topic = f"api-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="api-check")
+    try:
+        admin.create_topics([NewTopic(topic, 2, 1, topic_configs={"cleanup.policy": "compact"})])
+        (described,) = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+        entries = {e[0]: e[1] for r in described.resources for e in r[4]}
+        assert entries["cleanup.policy"] == "compact"
+        producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
+        sent_at = int(time.time() * 1000)
+        for i in range(6):
+            producer.send(topic, f"v{i}".encode(), key=f"k{i}".encode(), partition=i % 2)
+        producer.flush()
+        producer.close()
+        partitions = [TopicPartition(topic, p) for p in (0, 1)]
+        consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=f"g-{topic}", enable_auto_commit=False,
+                                 auto_offset_reset="earliest")  # fmt: skip
+        assert consumer.beginning_offsets(partitions) == {tp: 0 for tp in partitions}
+        assert consumer.end_offsets(partitions) == {tp: 3 for tp in partitions}
+        by_time = consumer.offsets_for_times({tp: sent_at - 60_000 for tp in partitions})
+        assert all(found.offset == 0 for found in by_time.values())
+        consumer.subscribe([topic])
+        got, deadline = [], time.monotonic() + 30
+        while len(got) < 6 and time.monotonic() < deadline:
+            for records in consumer.poll(500).values():
+                got += records
+        assert sorted(r.value for r in got) == [f"v{i}".encode() for i in range(6)]
+        consumer.commit()
+        assert {tp: consumer.committed(tp) for tp in partitions} == {tp: 3 for tp in partitions}
+        consumer.close()
+        admin.delete_topics([topic])
+    finally:
+        admin.close()
