@@ -51,6 +51,7 @@ class Replica:
         self.metrics = metrics or ServiceMetrics(service.role)
         self.runner: ServiceRunner | None = None
         self.lost_log: str | None = None  # why it ended on a lost log it could not go on from (None: it did not)
+        self.closed = False  # the service closed (once: its engines and shared models are released once)
 
     @property
     def replica_id(self) -> str:
@@ -63,9 +64,14 @@ class Replica:
             self.runner.start()
         except BaseException:
             if self.runner is None:
-                self.service.close()  # nothing else will: it never had a runner
+                self._close_service()  # no runner will settle it
             raise
         return self
+
+    def _close_service(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.service.close()
 
     @property
     def ended(self) -> bool:
@@ -101,8 +107,9 @@ class Replica:
                 self.service.finish()
         finally:
             if self.runner is None:
-                self.service.close()  # a replica that never started, or one whose lost log it left
-            else:
+                self._close_service()  # a replica that never started, or one whose lost log it left
+            elif not self.closed:
+                self.closed = True  # settle closes the service
                 self.runner.settle()
                 with broker_within():
                     (report or _publish_status)(self.runner, "done" if done else "stopped")
