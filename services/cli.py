@@ -89,12 +89,20 @@ def _status(args) -> int:
     from services.roles import LOG_TOPIC
     from services.transport.run_bus import kafka_bus, run_of
 
-    if args.run_dir is not None and args.bootstrap is None:
-        finished = _finished_run(Path(args.run_dir))
-        if finished is not None:  # its broker is gone with it (up stops it): the run directory says it all
-            print(finished)
-            return 0
+    finished = _finished_run(Path(args.run_dir)) if args.run_dir is not None else None
     config, bootstrap = run_of(args.config, args.set, args.run_dir, args.bootstrap)
+    if finished is not None:
+        # The run directory says how it ended; its broker is usually gone with it (up stops the one it started), so
+        # the replicas' last reports are shown only where it answers at once.
+        print(finished)
+        config = config.model_copy(update={"kafka": config.kafka.model_copy(update={"connect_timeout_s": 2.0})})
+        try:
+            bus = kafka_bus(config, bootstrap, make=False)
+            print(format_status(read_status(bus, config.run.run_id, timeout_s=5.0)))
+            bus.close()
+        except Exception:  # no broker: the line above is the answer
+            pass
+        return 0
     bus = kafka_bus(config, bootstrap, make=False)  # a reader: it makes no topics
     try:
         if bus.log_identity(LOG_TOPIC) is None:

@@ -119,14 +119,41 @@ def test_kill_9_of_the_broker_mid_run_loses_nothing_and_the_log_is_the_same(tmp_
 
 
 def quorum_leader(cluster: KafkaCluster) -> int:
-    """The node id of the active controller, as the metadata quorum's state file of a live node says it."""
+    """The node id of the active controller: the leader of the newest epoch the live nodes' quorum-state files name
+    (one node's file may be a term behind)."""
+    known = []
     for node in cluster.nodes:
         state = node.directory / "data" / "__cluster_metadata-0" / "quorum-state"
         if node.running and state.exists():
-            leader = json.loads(state.read_text()).get("leaderId", -1)
-            if leader > 0:
-                return leader
-    raise AssertionError("no node knows the quorum's leader")
+            data = json.loads(state.read_text())
+            if data.get("leaderId", -1) > 0:
+                known.append((data.get("leaderEpoch", 0), data["leaderId"]))
+    assert known, "no node knows the quorum's leader"
+    return max(known)[1]
+
+
+def wait_in_sync(bootstrap: str, timeout_s: float = 180.0) -> None:
+    """Until every partition of every topic has all its replicas in sync again: a broker started again catches up
+    before it counts, and a broker killed before that would take the only copy of some partitions with it (Kafka
+    then waits for it, rightly, rather than lose what it acknowledged)."""
+    from kafka import KafkaAdminClient
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), client_id="test-isr")
+        try:
+            lagging = [
+                (topic["topic"], p["partition"])
+                for topic in admin.describe_topics()
+                for p in topic["partitions"]
+                if sorted(p["isr"]) != sorted(p["replicas"])
+            ]
+        finally:
+            admin.close()
+        if not lagging:
+            return
+        assert time.monotonic() < deadline, f"replicas not in sync after {timeout_s:.0f} s: {lagging[:5]}"
+        time.sleep(1)
 
 
 def partition_leaders(bootstrap: str, topic: str) -> set[int]:
@@ -162,10 +189,10 @@ def test_a_three_broker_cluster_loses_a_broker_then_its_controller_then_two_and_
             cluster.node(victim).kill()
             pauses.append((what, victim, run.wait_updates(at + 1) - killed))
             cluster.node(victim).start()
+            wait_in_sync(cluster.bootstrap)
         at = run.updates()
-        away = [node for node in cluster.nodes if node.node_id != quorum_leader(cluster)][:1] + [
-            cluster.node(quorum_leader(cluster))
-        ]
+        controller = quorum_leader(cluster)
+        away = [next(node for node in cluster.nodes if node.node_id != controller), cluster.node(controller)]
         for node in away:
             node.kill()
         time.sleep(20)
