@@ -7,8 +7,8 @@
 2. The vowels example under ``streamppo up`` on each broker (``--broker kafka|memory``): wall time and the ``done:``
    line.
 
-Run: ``python -m benchmarks.brokers [--hops N] [--no-up]`` (prints JSON; ``benchmarks.run --only brokers`` writes it
-into RESULTS.md). Measures; asserts nothing.
+Run: ``python -m benchmarks.brokers [--hops N] [--no-up]`` (prints JSON; the numbers go to benchmarks/RESULTS.md by
+hand, section 17). Measures; asserts nothing.
 """
 
 from __future__ import annotations

@@ -387,7 +387,7 @@ def test_the_images_compose_and_the_chart_keep_to_one_contract():
                 checked += 1
     assert checked >= 2 * (len(ROLES) - 2), "every role's workload, both renders (environment, gateway: 0 replicas)"
     for variable in contract["environment"]:  # each is read somewhere: by the code, or named by the chart's config
-        assert any(variable in path.read_text() for path in [*REPO.glob("services/*.py"), *CHART.rglob("*.yaml")])
+        assert any(variable in path.read_text() for path in [*REPO.glob("services/**/*.py"), *CHART.rglob("*.yaml")])
 
 
 def test_the_gpu_override_reserves_a_gpu_for_each_model_service():

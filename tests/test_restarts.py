@@ -36,7 +36,7 @@ def test_up_and_the_learner_ranks_share_the_policy(make_config):
 def test_up_starts_again_in_resume_mode_only_the_services_that_could_not_go_on_on_a_new_log(monkeypatch, capsys):
     """The others go on on the new log in their processes (Service.take_up_new_log); stopping them would cost their
     models' loading again."""
-    from services import cluster
+    from services.launch import cluster
 
     spawned = []
     monkeypatch.setattr(cluster, "_spawn", lambda child: spawned.append((child.name, list(child.args))))
