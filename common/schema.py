@@ -884,7 +884,8 @@ class ReplicaStatus(_Record):
     """Not a pipeline message: what each service replica says about itself, every 30 s, on the status topic."""
 
     SCHEMA: ClassVar[str] = "replica_status"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
+    UPGRADES: ClassVar[dict] = {1: lambda raw: {"url": ""} | raw}  # version 1 had no url: it served none
     DOC: ClassVar[str] = (
         "A service replica's state, keyed by replica on a compacted topic, so the latest one per replica survives: "
         "what `streamppo status` shows."
@@ -905,6 +906,7 @@ class ReplicaStatus(_Record):
         )
     )
     created_at: float = scalar("float", "Unix time of this report.")
+    url: str = scalar("str", "Where the replica serves clients over HTTP (the gateway's OpenAI API); '' if nowhere.")
 
 
 @dataclass

@@ -264,6 +264,11 @@ class Service(ABC):
         line and the status topic."""
         return {}
 
+    @property
+    def url(self) -> str:
+        """Where this replica serves clients over HTTP ('' if nowhere): `streamppo status` shows it."""
+        return ""
+
     def done(self) -> bool:
         """Whether this replica has finished its part of the run; most services serve until stopped."""
         return False

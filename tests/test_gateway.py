@@ -619,6 +619,28 @@ def test_max_calls_holds_for_calls_in_flight_at_once(make_config):
     assert sorted(statuses) == [400] * 8 + [503] * 4  # the 4 taken were told to try again: no answer came
 
 
+def test_status_says_where_the_gateway_serves(make_config):
+    """A user reads the gateway's address from `streamppo status`, not from `ss`: its replica report carries its
+    URL, and the table prints it under the replica."""
+    from services.feeder import FeederService
+    from services.gateway import GatewayService
+    from services.ops.status import format_status, read_status
+
+    port = free_port()
+    config = gateway_config(make_config, "run.steps=1", f"gateway.port={port}")
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics())
+    started(FeederService(config), bus).publish_status()
+    gateway = started(GatewayService(config), bus)
+    try:
+        gateway.publish_status()
+    finally:
+        gateway.close()
+    table = format_status(read_status(bus, config.run.run_id, timeout_s=5))
+    assert f"    serving http://127.0.0.1:{port}\n" in table, table
+    assert table.count("serving http") == 1, "the feeder serves no one"
+
+
 def test_a_call_its_client_gave_up_waiting_for_is_answered_to_the_retry_and_sampled_once(make_config):
     """A client that waited gateway.call_timeout_s gets a retryable 503, and the call goes on: the retry gets its
     answer, never a second sample (under load, retries that each started a sample would pile up in the engine). The

@@ -279,6 +279,17 @@ def test_fuzz_structured_maps(name, fields):
         pass
 
 
+def test_older_replica_reports_read_as_serving_nowhere():
+    from common.schema import ReplicaStatus
+
+    report = ReplicaStatus("gateway-0", "gateway", "r", "serving", "", 0, 0.0, 0, {}, 1.0, "http://127.0.0.1:8400")
+    raw = msgpack.unpackb(encode(report), raw=False)
+    assert raw["version"] == 2 and decode(encode(report)).url == "http://127.0.0.1:8400"
+    raw["version"] = 1  # version 1 had no url
+    del raw["url"]
+    assert decode(msgpack.packb(raw, use_bin_type=True), expected=ReplicaStatus).url == ""
+
+
 def test_older_weight_announcements_read_as_version_3():
     current = sample_message(WeightAnnouncement, np.random.default_rng(5))
     raw = msgpack.unpackb(encode(current), raw=False)

@@ -562,6 +562,7 @@ class ServiceRunner:
             lag=self.work.lag() if self.work is not None else 0,
             counters={**self.counters, **counted, **versions, "signed": signed, **(counters or {})},
             created_at=time.time(),
+            url=self.service.url,
         )
         self.producer.send(STATUS_TOPIC, encode(status), key=self.replica_id.encode())
         self.producer.flush()
