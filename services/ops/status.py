@@ -3,7 +3,8 @@
 Every replica publishes a :class:`~common.schema.ReplicaStatus` on the status topic every 30 s (and when it stops);
 the weights topic holds the newest announcements, the dead-letter topics what was rejected. This reads the three,
 keeps the run's own records, and prints one table: per replica its state, lag, held input and what it waits for,
-its counters and loaded weight versions, and where it serves clients (the gateway's URL); then the newest weight versions and the dead letters per topic.
+its counters and loaded weight versions, and where it serves clients (the gateway's URL); then the newest weight
+versions and the dead letters per topic.
 """
 
 from __future__ import annotations
