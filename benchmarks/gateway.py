@@ -4,6 +4,8 @@ kill -9s, and tokens/s through it against the built-in episode loop.
     python benchmarks/gateway.py tokenize [--turns 128]   # per call: reusing the episode's tokens vs re-tokenising
     python benchmarks/gateway.py latency [--calls 200]    # a call through the gateway over the generator's own time
     python benchmarks/gateway.py kills [--kills 20]       # calls lost or duplicated across random kill -9s
+    python benchmarks/gateway.py kills --kills 3 --kill gateway --steps 16 --max-staleness 1 --clients 2 --trials 5
+                                                          # the promises issue's run: updates reached of 16, per trial
     python benchmarks/gateway.py throughput               # model tokens/s: agents through the gateway vs episodes
 
 Each prints one JSON line (and the numbers go to benchmarks/RESULTS.md by hand, section 15).
@@ -90,19 +92,19 @@ def free_port() -> int:
 
 
 class Run:
-    """A gateway run's services as processes over the local broker (with the roles given), in ``folder``."""
+    """A gateway run's services as processes over Apache Kafka (a broker of its own, its log in ``folder``), with the
+    roles given."""
 
     def __init__(self, folder: Path, settings: dict, roles: list[str]):
-        from services.transport.local_broker import LocalBroker
+        from services.transport.apache_kafka import KafkaBroker
 
         self.folder, self.roles = folder, roles
         folder.mkdir(parents=True, exist_ok=True)
-        self.broker = LocalBroker(log_path=folder / "broker.log").start()
+        self.broker = KafkaBroker(folder / "kafka").start()
         self.port = free_port()
         settings = _merge(settings, {
-            "run": {"dir": str(folder / "run"), "run_id": f"bench{os.getpid()}"},
-            "kafka": {"bootstrap": self.broker.bootstrap, "idempotent_producer": False, "session_timeout_ms": 1000,
-                      "heartbeat_interval_ms": 250},
+            "run": {"dir": str(folder / "run"), "run_id": f"bench{os.getpid()}{free_port()}"},
+            "kafka": {"bootstrap": self.broker.bootstrap, "session_timeout_ms": 1000, "heartbeat_interval_ms": 250},
         })  # fmt: skip
         if "gateway" in settings:
             settings = _merge(settings, {"gateway": {"port": str(self.port),
@@ -156,6 +158,19 @@ class Run:
             return [decode(r.value) for r in BusReader(bus=bus, partitions=partitions).records(topic)]
         finally:
             bus.close()
+
+    def waiting(self) -> list[str]:
+        """What each replica that holds input says it waits for (`streamppo status`)."""
+        from services.ops.status import read_status
+        from services.transport.run_bus import kafka_bus
+
+        config = load_config(self.config_path)
+        bus = kafka_bus(config, make=False)
+        try:
+            replicas = read_status(bus, config.run.run_id).replicas.values()
+        finally:
+            bus.close()
+        return [f"{r.replica}: {r.waiting_for}" for r in replicas if r.waiting_for]
 
     def close(self) -> None:
         from services.launch.cluster import stop_all
@@ -237,17 +252,29 @@ def latency(args) -> dict:
 
 
 def kills(args) -> dict:
-    """A gateway run (tiny chat model, transformers sampler: the kills are what is measured) with 8 agents of a
-    4-call loop each (`streamppo agents`), killed (-9) ``--kills`` times at random, the gateway or the generator, each
-    started again after a second. Every answer a client got is looked up on the episodes log: lost (not there),
-    duplicated (there twice, or an episode trained twice); calls on the log that no client got (its answer was cut
-    off and the retry was answered from the log instead: counted, not duplicates)."""
-    folder = Path(args.dir) / "kills"
+    """``--trials`` runs of :func:`kill_trial`; each trial's counts, and the updates reached in each."""
+    trials = [kill_trial(args, Path(args.dir) / f"kills-{trial}", args.seed + trial) for trial in range(args.trials)]
+    if len(trials) == 1:
+        return trials[0]
+    finished = sum(t["updates"] == args.steps for t in trials)
+    return {"trials": trials, "finished": f"{finished} of {len(trials)} reached {args.steps} updates"}
+
+
+def kill_trial(args, folder: Path, seed: int) -> dict:
+    """A gateway run (tiny chat model, transformers sampler: the kills are what is measured) with ``--clients``
+    `streamppo agents` processes of 8 agents each, a 4-call loop per agent, and ``--kills`` kill -9s at random times
+    of a role of ``--kill`` (the gateway or the generator), each started again after a second. Whether the run reached
+    its updates within 15 minutes of the last kill; every answer a client got looked up on the episodes log: lost (not
+    there), duplicated (there twice, or an episode trained twice); calls on the log that no client got (its answer
+    was cut off and the retry was answered from the log instead: counted, not duplicates)."""
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
     log = folder / "agents.jsonl"
-    folder.mkdir(parents=True, exist_ok=True)
-    log.unlink(missing_ok=True)
+    folder.mkdir(parents=True)
     settings = {
         "run": {"steps": args.steps},
+        "pipeline": {"max_staleness": args.max_staleness},
         "model": {"actor": "builtin:tiny-chat-llama"},
         "data": {"prompts": str(REPO / "examples/vowels/prompts.jsonl"), "batch_size": 2, "eval_prompts": 0},
         "generation": {"n": 2, "max_new_tokens": 24, "streaming": True, "backend": "transformers"},
@@ -257,35 +284,46 @@ def kills(args) -> dict:
     }
     run = Run(folder, settings, ["learner", "advantage", "scorer", "generator", "gateway", "feed"])
     run.env["AGENT_LOG"] = str(log)
-    agents = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "agents", "--config", str(run.config_path), "--function",
-         f"{REPO}/tests/agents/chat.py:calls_logged", "--workers", "8"],
-        cwd=REPO, env=run.env, stdout=open(folder / "agents.log", "w"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    rng = random.Random(args.seed)
+    agents = [sys.executable, "-m", "services.cli", "agents", "--config", str(run.config_path), "--function",
+              f"{REPO}/tests/agents/chat.py:calls_logged", "--workers", "8"]  # fmt: skip
+    clients = [
+        subprocess.Popen(
+            agents, cwd=REPO, env=run.env, stdout=open(folder / f"agents-{i}.log", "w"), stderr=subprocess.STDOUT
+        )
+        for i in range(args.clients)
+    ]
+    rng = random.Random(seed)
     metrics = folder / "run" / "metrics.jsonl"
-    killed = []
+
+    def updated() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    killed, started = [], time.monotonic()
     try:
         run.wait_healthy()
-        while len(killed) < args.kills:
-            time.sleep(rng.uniform(1.0, 4.0))
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= args.steps:
-                break
-            role = rng.choice(["gateway", "generator"])
+        # The kills spread over the run: after a random 1 to 4 updates each.
+        while len(killed) < args.kills and updated() < args.steps:
+            target = updated() + rng.randint(1, 4)
+            while updated() < min(target, args.steps - 1):
+                time.sleep(0.2)
+            time.sleep(rng.uniform(0.0, 3.0))  # somewhere inside the update, calls in flight
+            role = rng.choice(args.kill)
             run.kill(role)
             killed.append(role)
             time.sleep(1.0)
             run.start(role)
         deadline = time.monotonic() + 900
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= args.steps):
-            assert time.monotonic() < deadline, f"the run did not finish: {folder}"
+        while updated() < args.steps and time.monotonic() < deadline:
             time.sleep(1)
-        agents.send_signal(signal.SIGTERM)
-        agents.wait(timeout=60)
+        stalled_on = run.waiting() if updated() < args.steps else []
+        for client in clients:
+            client.send_signal(signal.SIGTERM)
+            client.wait(timeout=60)
         events = run.read("episodes")
-        updates = [json.loads(line) for line in metrics.read_text().splitlines()]
+        updates = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     finally:
-        agents.kill()
+        for client in clients:
+            client.kill()
         run.close()
     received = [call for line in log.read_text().splitlines() for call in json.loads(line)["calls"]]
     logged = [e.event for e in events if e.kind == "call"]
@@ -294,6 +332,8 @@ def kills(args) -> dict:
         "kills": len(killed),
         "killed": {role: killed.count(role) for role in sorted(set(killed))},
         "updates": len(updates),
+        "seconds": round(time.monotonic() - started),
+        "stalled_on": stalled_on,
         "calls_answered": len(received),
         "lost": len(set(received) - set(logged)),
         "duplicated_on_log": len(logged) - len(set(logged)),
@@ -362,6 +402,10 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--steps", type=int, default=4, help="kills: updates of the run; throughput: updates' worth")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kill", nargs="+", default=["gateway", "generator"], help="kills: the roles killed")
+    parser.add_argument("--clients", type=int, default=1, help="kills: `streamppo agents` processes")
+    parser.add_argument("--max-staleness", type=int, default=1, help="kills: pipeline.max_staleness")
+    parser.add_argument("--trials", type=int, default=1, help="kills: runs, each with seed + its number")
     parser.add_argument("--workers", type=int, default=128, help="throughput: agents at once (128: every episode)")
     parser.add_argument("--dir", default=str(REPO / "runs" / "bench-gateway"))
     args = parser.parse_args()
