@@ -6,9 +6,12 @@
 #   make run         the README's first run: the venv without the test extras, then the vowels example
 #   make lint        ruff, as configured in pyproject.toml
 #   make test-fast   the fast tier: no processes, no engine, no broker (docs/testing.md)
-#   make test        every test (of the recipes' quick modes, today's: one a day in turn), with a Docker engine for
-#                    the container tests, stopped again whatever happens
-#   make test-recipes   every recipe's quick mode (what `make test` runs one of a day)
+#   make test        every test but the soak runs and the recipes' quick modes, with a Docker engine for the
+#                    container tests, stopped again whatever happens
+#   make test-soak   the long fault runs: random kill -9 chaos, a three-broker cluster losing brokers, a thousand
+#                    sandbox runs, the compose fleet, the broker images (Docker engine as in `make test`)
+#   make test-recipes   every recipe's quick mode (examples/*/run.sh --quick)
+#   make test-all    all three: every test there is
 #   make ci          setup, lint, test
 #
 # A stamp in the venv makes `setup` return at once when pyproject.toml and the installer have not changed.
@@ -21,7 +24,7 @@ PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadgroup
 
-.PHONY: setup system venv kafka run lint test-fast test test-recipes ci
+.PHONY: setup system venv kafka run lint test-fast test test-soak test-recipes test-all ci
 
 setup: system venv kafka
 
@@ -49,12 +52,19 @@ lint:
 test-fast:
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
+# The targets whose tests include containers start a Docker engine for them and stop it whatever happens.
+WITH_ENGINE = trap 'deploy/docker/engine.sh stop' EXIT; deploy/docker/engine.sh start && deploy/docker/build.sh &&
+
 test:
-	@trap 'deploy/docker/engine.sh stop' EXIT; \
-	  deploy/docker/engine.sh start && deploy/docker/build.sh && \
-	  $(PYTEST) --durations=25 $(PYTEST_ARGS)
+	@$(WITH_ENGINE) $(PYTEST) -m "not soak and not recipe" --durations=25 $(PYTEST_ARGS)
+
+test-soak:
+	@$(WITH_ENGINE) $(PYTEST) -m soak --durations=25 $(PYTEST_ARGS)
 
 test-recipes:
-	STREAMPPO_RECIPES=all $(PYTEST) -m recipe $(PYTEST_ARGS)
+	$(PYTEST) -m recipe --durations=25 $(PYTEST_ARGS)
+
+test-all:
+	@$(WITH_ENGINE) $(PYTEST) --durations=25 $(PYTEST_ARGS)
 
 ci: setup lint test

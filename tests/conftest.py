@@ -15,28 +15,9 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "vowels"
 
 
-RECIPES = ("agent", "arithmetic", "opinions", "tools")  # tests/test_recipe.py's QUICK
-
-
-def todays_recipe() -> str:
-    """The recipe whose quick mode the suite runs today: each in turn, one a day (each takes 2 to 8 minutes on two
-    cores; all four were a third of the suite). `make test-recipes` (STREAMPPO_RECIPES=all) runs every one."""
-    import datetime
-
-    return RECIPES[datetime.date.today().toordinal() % len(RECIPES)]
-
-
 def pytest_collection_modifyitems(config, items):
     """The slow tests first, in their order: with pytest-xdist (the README's `-n 2 --dist loadgroup`) the longest
-    runs start at once on both workers instead of leaving one of them a long tail. Of the recipes' quick modes, today's
-    alone unless STREAMPPO_RECIPES=all."""
-    if os.environ.get("STREAMPPO_RECIPES") != "all":
-        today = todays_recipe()
-        kept = [i for i in items if not i.get_closest_marker("recipe") or i.callspec.params.get("recipe") == today]
-        deselected = [i for i in items if i not in kept]
-        if deselected:
-            config.hook.pytest_deselected(items=deselected)
-            items[:] = kept
+    runs start at once on both workers instead of leaving one of them a long tail."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
@@ -157,15 +138,11 @@ def pytest_report_header(config):
         if docker_answers() and len(images) == len(CONTAINER_IMAGES)
         else "skipped (no Docker engine, or images not built: deploy/docker/build.sh)"
     )
-    recipes = (
-        "all (STREAMPPO_RECIPES=all)"
-        if os.environ.get("STREAMPPO_RECIPES") == "all"
-        else (f"today's, {todays_recipe()} (one a day in turn; make test-recipes runs all)")
-    )
+    selected = config.getoption("markexpr") or "every test"
     return [
         f"streamppo: broker: {broker}",
         f"streamppo: container tests: {containers}",
-        f"streamppo: recipes: {recipes}",
+        f"streamppo: selected: {selected} (make test: not soak, not recipe; docs/testing.md)",
     ]
 
 

@@ -167,6 +167,7 @@ def partition_leaders(bootstrap: str, topic: str) -> set[int]:
         admin.close()
 
 
+@pytest.mark.soak
 def test_a_three_broker_cluster_loses_a_broker_then_its_controller_then_two_and_nothing_else(tmp_path, model_cache):
     """Replication 3, min.insync.replicas 2, acks=all. The leader of the experience partitions is killed mid-run,
     then the active controller, each started again: every version once, the pause per kill measured. Then two brokers

@@ -55,13 +55,27 @@ def _learner_version() -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def _until(condition, what: str, timeout_s: float, every_s: float = 1.0):
+def _until(condition, what: str, timeout_s: float, every_s: float = 1.0, explain=lambda: ""):
+    """Wait for ``condition``; on time out fail with ``what`` and whatever ``explain()`` says of the containers."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if value := condition():
             return value
         time.sleep(every_s)
-    pytest.fail(f"not within {timeout_s:.0f} s: {what}")
+    pytest.fail(f"not within {timeout_s:.0f} s: {what}\n{explain()}")
+
+
+def _metrics_in(ports: range, *needles: str) -> str:
+    """The first /metrics page in ``ports`` that holds every needle, or "": a replica takes the first free port of its
+    range, so another process on the host can move it off the first one."""
+    for port in ports:
+        try:
+            text = _get(f"http://127.0.0.1:{port}/metrics", timeout_s=1.0)
+        except OSError:
+            continue
+        if all(needle in text for needle in needles):
+            return text
+    return ""
 
 
 def _scrape_targets(prometheus_port: int) -> list[tuple[str, str]]:
@@ -129,6 +143,7 @@ def test_compose_trains_vowels_with_three_scorers_through_a_restart_and_a_kill(m
     print(f"killed {victim.Service} ({victim.Name})")
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("image", ["streamppo-kafka:local", "streamppo-broker:local"])
 def test_the_broker_images_serve_a_run_of_processes(tmp_path, model_cache, image):
     """Each broker image in a container (testcontainers' DockerContainer, host network, a free port): Apache Kafka's,
@@ -174,6 +189,7 @@ FLEET_FILES = [*FILES, "docker-compose.fleet.yml"]
 FLEET_RUNS = {"run-a": "fleet-run-a", "run-b": "fleet-run-b"}  # deploy/compose/fleet-runs/: file -> run id
 
 
+@pytest.mark.soak
 def test_compose_fleet_serves_two_runs_through_a_kill_of_its_generator(monkeypatch, tmp_path):
     """deploy/compose's fleet: one project with the broker and a generator, scorer and advantage replica serving every
     run in deploy/compose/fleet-runs/ (two LoRA runs on one base), and a project per run with its learner and feeder.
@@ -210,11 +226,15 @@ def test_compose_fleet_serves_two_runs_through_a_kill_of_its_generator(monkeypat
             started = in_project(f"{project}-{run}", "up", "-d", "--no-deps", "learner", "feed", run=run)
             assert started.returncode == 0, started.stderr[-3000:]
 
-        def fleet_metrics() -> str:
-            try:
-                return _get("http://127.0.0.1:9100/metrics")
-            except OSError:
-                return ""
+        def fleet_metrics() -> str:  # the generator fleet's range in the compose file
+            return _metrics_in(range(9100, 9110), *(f'role="generator",run="{r}"' for r in FLEET_RUNS.values()))
+
+        def generator_state() -> str:
+            listed = subprocess.run(["docker", "ps", "-a"], capture_output=True, text=True).stdout
+            logs = subprocess.run(
+                ["docker", "logs", "--tail", "40", container(project, "generator")], capture_output=True, text=True
+            )
+            return f"docker ps -a:\n{listed}\ngenerator's log:\n{logs.stdout[-3000:]}{logs.stderr[-3000:]}"
 
         def both_served(text):
             return all(
@@ -225,8 +245,15 @@ def test_compose_fleet_serves_two_runs_through_a_kill_of_its_generator(monkeypat
             found = re.findall(r'^streamppo_policy_version\{role="generator",run="([^"]+)"\} ([0-9.]+)$', text, re.M)
             return len([run for run, v in found if float(v) >= at_least]) == len(FLEET_RUNS)
 
-        _until(lambda: both_served(fleet_metrics()), "the generator fleet serving both runs", timeout_s=600)
-        _until(lambda: versions(fleet_metrics(), 2), "both runs' adapters at version 2 in the generator", timeout_s=600)
+        _until(
+            lambda: both_served(fleet_metrics()), "the generator fleet serving both runs", 600, explain=generator_state
+        )
+        _until(
+            lambda: versions(fleet_metrics(), 2),
+            "both adapters at version 2 in the generator",
+            600,
+            explain=generator_state,
+        )
         generator = container(project, "generator")
         subprocess.run(["docker", "kill", generator], check=True, capture_output=True)
         subprocess.run(["docker", "start", generator], check=True, capture_output=True)

@@ -63,6 +63,19 @@ def test_the_dockerfile_and_the_commands_take_their_pins_from_the_installer():
     assert "deploy/install.py" in makefile and "trap 'deploy/docker/engine.sh stop' EXIT" in makefile
 
 
+def test_every_test_left_out_of_make_test_runs_in_a_target_of_its_own():
+    """`make test` (CI) leaves out the soak runs and the recipes' quick modes; each runs in a named target, and
+    `make test-all` runs every test: nothing tested loses its test by being moved out of CI."""
+    makefile = (REPO / "Makefile").read_text()
+    recipes = {m.group(1): m.group(2) for m in re.finditer(r"^([a-z-]+):\n((?:\t.*\n)+)", makefile, re.M)}
+    marks = lambda target: re.search(r'-m "?([^"$]*?)"? --durations', recipes[target]).group(1).strip()  # noqa: E731
+    assert marks("test") == "not soak and not recipe"
+    assert (marks("test-soak"), marks("test-recipes")) == ("soak", "recipe")
+    assert " -m " not in recipes["test-all"]
+    registered = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+    assert {line.split(":")[0] for line in registered} == {"slow", "containers", "soak", "recipe"}
+
+
 def test_the_plan_follows_the_machine(monkeypatch):
     monkeypatch.setattr(install, "has_gpu", lambda: True)
     assert install.plan("auto", "auto", TABLE)["engine"] == TABLE["install"]["engine"]["cuda"]

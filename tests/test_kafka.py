@@ -958,6 +958,7 @@ def test_runs_on_one_broker_share_nothing_at_once_or_one_after_another(own_broke
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_chaos_random_kill_9_across_all_roles_applies_every_version_once(own_broker, tmp_path, model_cache):
     """`streamppo up` with two scorers and a streaming generator (records of 4 groups, updates of 8: half a prompt
     batch); ten `kill -9`s of random services while it runs; `up` restarts each. Every batch over 2 kB (nearly all)

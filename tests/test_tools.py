@@ -210,6 +210,7 @@ def _zombies_of_run_users() -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 @ROOT
 def test_a_thousand_runs_in_one_process_all_run_and_leave_nothing(sandbox):
     """Each run as a user of its own, every process it left killed and reaped: bwrap's own child, which outlived each
