@@ -169,6 +169,11 @@ def engine_requirements(python: Path, engine: str) -> list[str]:
     return json.loads(out)
 
 
+def inputs_digest() -> str:
+    """What a venv was made from: the pins and this installer. A stamp with another digest is out of date."""
+    return hashlib.sha256(PYPROJECT.read_bytes() + Path(__file__).read_bytes()).hexdigest()
+
+
 def install(args: argparse.Namespace) -> int:
     table = install_table()
     extras = [extra for extra in args.extras.split(",") if extra]
@@ -178,7 +183,7 @@ def install(args: argparse.Namespace) -> int:
     venv = Path(args.venv)
     python = venv / "bin" / "python"
     stamp = {
-        "inputs": hashlib.sha256(PYPROJECT.read_bytes() + Path(__file__).read_bytes()).hexdigest(),
+        "inputs": inputs_digest(),
         "deps_only": args.deps_only,
         "on_engine_image": args.on_engine_image,
         **{key: chosen[key] for key in ("accelerator", "torch_source", "engine")},
