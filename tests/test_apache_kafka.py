@@ -314,6 +314,7 @@ def test_scorers_three_then_one_then_three_rebalance_on_kafka_and_every_record_g
         assert "has given no partition" not in log.read_text(), log.name
 
 
+@pytest.mark.soak
 def test_up_runs_on_apache_kafka_and_its_log_outlives_a_killed_up_and_broker(tmp_path, model_cache):
     """`streamppo up` names the broker it started in its first line: Apache Kafka, the run's log in the run
     directory. `up` killed (-9) mid-run takes its services and its broker down (as a machine's restart would);

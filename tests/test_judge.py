@@ -98,6 +98,7 @@ def test_a_reward_has_exactly_one_source(make_config):
         make_config("reward.judge={model: builtin:smollm2-135m-instruct}")  # the example has a reward function
 
 
+@pytest.mark.soak
 def test_a_vllm_judge_scores_as_the_transformers_one_reads_and_shuts_its_engine_down(smollm2, write):
     """The vLLM backend, where installed: the same template and parsing, its texts greedy; close() ends its
     engine's processes."""

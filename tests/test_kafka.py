@@ -787,6 +787,7 @@ def test_a_weights_topic_the_broker_made_on_its_own_is_refused_by_services_and_r
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_a_broker_replaced_mid_run_costs_seconds_and_no_operator_and_resume_finishes_it(tmp_path, model_cache):
     """The broker dies and an empty one takes its place. Nobody acting, the services notice and go on on the new log
     in their processes, models kept: the learner checkpoints first and announces on the new log, the feeder publishes
@@ -924,6 +925,7 @@ def test_a_service_stops_on_a_replaced_log_and_makes_nothing_on_the_new_broker(m
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_runs_on_one_broker_share_nothing_at_once_or_one_after_another(own_broker, tmp_path, model_cache):
     """Two runs at the same time on one broker, then a third after them: each in its own namespace (its run id), so
     no run consumes another's input, and each applies every version once."""
@@ -1059,6 +1061,7 @@ def learner_ranks(run_id: str) -> dict[int, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_a_two_rank_learner_survives_kill_9_of_a_rank_and_applies_every_version_once(
     own_broker, make_config, tmp_path, model_cache
 ):
