@@ -144,6 +144,8 @@ class Run:
                     return
             except httpx.HTTPError:
                 time.sleep(0.5)
+            if self.processes["gateway"].poll() is not None:
+                raise RuntimeError(f"the gateway exited: {self.folder / 'gateway.log'}")
         raise RuntimeError(f"the gateway did not start: {self.folder}")
 
     def read(self, topic: str) -> list:
@@ -281,6 +283,7 @@ def kill_trial(args, folder: Path, seed: int) -> dict:
         "reward": {"function": "recipes.rewards:no_score"},
         "algorithm": {"estimator": "grpo", "kl_in": "loss", "kl_estimator": "k3"},
         "learner": {"mini_batch_size": 4, "checkpoint_every": 2},
+        "gateway": {"episode_timeout_s": 96},  # the promises issue's run
     }
     run = Run(folder, settings, ["learner", "advantage", "scorer", "generator", "gateway", "feed"])
     run.env["AGENT_LOG"] = str(log)
