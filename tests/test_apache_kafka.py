@@ -262,6 +262,19 @@ def test_the_weights_topic_is_compacted_and_a_late_replica_reads_only_the_newest
     print(f"\n{left} announcements left of {2 * versions} written; the late replica loaded v{versions}")
 
 
+def test_a_cluster_id_that_would_start_with_a_dash_formats_and_serves(tmp_path):
+    """The id of seed-48 hashed to one starting with "-", which kafka-storage's command line took for an option: one
+    start in 64 failed to format its log. The id is drawn again, and the broker formats and answers."""
+    from services.transport.apache_kafka import KafkaBroker, _kafka_uuid
+
+    assert all(not _kafka_uuid(f"seed-{i}").startswith("-") and len(_kafka_uuid(f"seed-{i}")) == 22 for i in range(500))
+    broker = KafkaBroker(tmp_path / "kafka", cluster_id="seed-48").start()
+    try:
+        assert _kafka_uuid("seed-48") in (tmp_path / "kafka" / "data" / "meta.properties").read_text()
+    finally:
+        broker.stop()
+
+
 def test_a_record_at_the_size_limit_goes_through_kafka(make_config, kafka_broker):
     """A 60 MiB record (kafka.max_message_bytes is 64 MiB): the topic, the broker (message.max.bytes) and the
     clients' fetch limits all take it."""

@@ -369,11 +369,16 @@ def _stop_with_parent() -> None:
 
 
 def _kafka_uuid(seed: str) -> str:
-    """A cluster id in Kafka's form (22 characters of URL-safe base64 of 16 bytes), from ``seed``."""
+    """A cluster id in Kafka's form (22 characters of URL-safe base64 of 16 bytes), from ``seed``. Never one that
+    starts with "-": kafka-storage's command line reads it as an option (1 start in 64 failed), and Kafka's own
+    ``Uuid.randomUuid`` draws again for the same reason."""
     import base64
     import hashlib
 
-    return base64.urlsafe_b64encode(hashlib.md5(seed.encode()).digest()).decode().rstrip("=")
+    digest = hashlib.md5(seed.encode()).digest()
+    while (found := base64.urlsafe_b64encode(digest).decode().rstrip("="))[0] == "-":
+        digest = hashlib.md5(digest).digest()
+    return found
 
 
 def _answers(port: int) -> bool:
