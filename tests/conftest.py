@@ -16,17 +16,9 @@ EXAMPLE = REPO / "examples" / "vowels"
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slow tests first, and of them first the groups that run on one worker in turn (`xdist_group`: the tests
-    sharing one vLLM engine, about 400 s, and the containers): with pytest-xdist (the README's `-n 2 --dist
-    loadgroup`) a worker takes the next unit in this order as it finishes one, so a long group left for last was the
-    suite's tail, one worker busy and the other idle."""
-
-    def order(item) -> int:
-        if item.get_closest_marker("slow") is None:
-            return 2
-        return 0 if item.get_closest_marker("xdist_group") else 1
-
-    items.sort(key=order)
+    """The slow tests first, in their order: with pytest-xdist (the README's `-n 2 --dist loadgroup`) the longest
+    runs start at once on both workers instead of leaving one of them a long tail."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")
