@@ -8,8 +8,8 @@
 #   make test-fast   the fast tier: no processes, no engine, no broker (docs/testing.md)
 #   make test        every test but the soak runs and the recipes' quick modes, with a Docker engine for the
 #                    container tests, stopped again whatever happens
-#   make test-soak   the long fault runs: random kill -9 chaos, a three-broker cluster losing brokers, a thousand
-#                    sandbox runs, the compose fleet, the broker images (Docker engine as in `make test`)
+#   make test-soak   the long runs of processes (chaos kill -9s, three brokers, the compose fleet, ...: the list is in
+#                    docs/testing.md), with a Docker engine as in `make test`
 #   make test-recipes   every recipe's quick mode (examples/*/run.sh --quick)
 #   make test-all    all three: every test there is
 #   make ci          setup, lint, test

@@ -103,7 +103,7 @@ class Run:
         self.broker = KafkaBroker(folder / "kafka").start()
         self.port = free_port()
         settings = _merge(settings, {
-            "run": {"dir": str(folder / "run"), "run_id": f"bench{os.getpid()}{free_port()}"},
+            "run": {"dir": str(folder / "run"), "run_id": f"bench-{folder.name}"},
             "kafka": {"bootstrap": self.broker.bootstrap, "session_timeout_ms": 1000, "heartbeat_interval_ms": 250},
         })  # fmt: skip
         if "gateway" in settings:
