@@ -275,6 +275,21 @@ def test_a_cluster_id_that_would_start_with_a_dash_formats_and_serves(tmp_path):
         broker.stop()
 
 
+def test_a_broker_whose_controller_port_is_held_says_so_and_exits(tmp_path):
+    """Another process holds the controller's port (what failed a compose run once: the image took KAFKA_PORT + 1):
+    start() fails at once with Kafka's own cause, not a stack trace's last lines."""
+    import socket
+
+    from services.transport.apache_kafka import KafkaUnavailable
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(KafkaUnavailable, match=rf"failed to bind to 127.0.0.1:{port}: Address already in use"):
+            KafkaBroker(tmp_path / "kafka", controller_port=port).start()
+
+
 def test_a_record_at_the_size_limit_goes_through_kafka(make_config, kafka_broker):
     """A 60 MiB record (kafka.max_message_bytes is 64 MiB): the topic, the broker (message.max.bytes) and the
     clients' fetch limits all take it."""

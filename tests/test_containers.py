@@ -7,6 +7,7 @@ container runs on the host network (traffic stays on 127.0.0.1), as the compose 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -84,6 +85,30 @@ def _scrape_targets(prometheus_port: int) -> list[tuple[str, str]]:
     return sorted((t["labels"].get("service", "?"), t["health"]) for t in targets)
 
 
+@contextlib.contextmanager
+def _explained_on_failure(compose):
+    """``with compose:``, where a failed `up` fails the test with what each container that exited said (a broker that
+    exits at start is otherwise only "dependency failed to start: container ...-kafka-1 exited (1)")."""
+    try:
+        compose.start()
+    except subprocess.CalledProcessError as failed:
+        listed = subprocess.run([*compose.compose_command_property, "ps", "-a", "--format", "{{.Service}} {{.State}}"],
+                                capture_output=True, text=True, cwd=COMPOSE).stdout  # fmt: skip
+        exited = sorted({line.split()[0] for line in listed.splitlines() if line.endswith("exited")})
+        said = [
+            f"{service}'s log:\n"
+            + subprocess.run([*compose.compose_command_property, "logs", "--no-log-prefix", "--tail", "20", service],
+                             capture_output=True, text=True, cwd=COMPOSE).stdout  # fmt: skip
+            for service in exited
+        ]
+        compose.stop()
+        pytest.fail(f"`docker compose up` failed: {failed.stderr.decode(errors='replace')[-2000:]}\n" + "\n".join(said))
+    try:
+        yield compose
+    finally:
+        compose.stop()
+
+
 def test_compose_trains_vowels_with_three_scorers_through_a_restart_and_a_kill(monkeypatch, tmp_path):
     """`docker compose up` of deploy/compose (with the local override: Apache Kafka from the streamppo-kafka image)
     and `--scale scorer=3`: Prometheus finds and scrapes all six service replicas; `docker compose restart learner`
@@ -99,6 +124,7 @@ def test_compose_trains_vowels_with_three_scorers_through_a_restart_and_a_kill(m
         "COMPOSE_PROJECT_NAME": project,
         "SCORER_REPLICAS": "3",
         "KAFKA_PORT": str(free_port()),
+        "KAFKA_CONTROLLER_PORT": str(free_port()),  # not KAFKA_PORT + 1, which another process may hold
         "PROMETHEUS_PORT": str(prometheus_port),
         # a short run that checkpoints often, so that the restart and the kill each roll the learner back
         "STREAMPPO_SET": f"run.steps={steps} learner.checkpoint_every=3",
@@ -106,7 +132,7 @@ def test_compose_trains_vowels_with_three_scorers_through_a_restart_and_a_kill(m
         monkeypatch.setenv(name, value)
     compose = DockerCompose(COMPOSE, compose_file_name=FILES, wait=False)  # `up --detach`
     command = compose.compose_command_property
-    with compose:
+    with _explained_on_failure(compose):
         containers = {c.Service: c for c in compose.get_containers()}
         assert sum(c.Service == "scorer" for c in compose.get_containers()) == 3
         _until(lambda: _learner_version() >= 2, "the learner's version 2", timeout_s=600)
@@ -158,7 +184,7 @@ def test_the_broker_images_serve_a_run_of_processes(tmp_path, model_cache, image
     url = f"tcp://127.0.0.1:{port}"
     broker = DockerContainer(image).with_kwargs(network_mode="host")
     if image.startswith("streamppo-kafka"):
-        broker = broker.with_env("KAFKA_PORT", str(port))
+        broker = broker.with_env("KAFKA_PORT", str(port)).with_env("KAFKA_CONTROLLER_PORT", str(free_port()))
     else:
         broker = broker.with_env("LISTENER_URL", url).with_env("ADVERTISED_LISTENER_URL", url)
     ready = kafka_answers if image.startswith("streamppo-kafka") else _answers
@@ -200,6 +226,7 @@ def test_compose_fleet_serves_two_runs_through_a_kill_of_its_generator(monkeypat
     project = f"streamppo-fleet-{uuid.uuid4().hex[:6]}"
     for name, value in {
         "KAFKA_PORT": str(free_port()),
+        "KAFKA_CONTROLLER_PORT": str(free_port()),
         "PROMETHEUS_PORT": str(prometheus_port),
         "FLEET_VOLUME": f"{project}-shared",
         "STREAMPPO_SET": f"run.steps={steps} learner.checkpoint_every=2",

@@ -283,10 +283,9 @@ class KafkaBroker:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                tail = self.log_path.read_text(errors="replace").splitlines()[-3:] if self.log_path.exists() else []
                 raise KafkaUnavailable(
-                    f"Apache Kafka exited with code {self.process.returncode} at start ({self.log_path}): "
-                    + " / ".join(tail)
+                    f"Apache Kafka exited with code {self.process.returncode} at start: {self._first_error()} "
+                    f"(its log: {self.log_path})"
                 )
             if _answers(self.port):
                 return
@@ -295,6 +294,16 @@ class KafkaBroker:
         raise KafkaUnavailable(
             f"Apache Kafka did not serve on {self.bootstrap} within {timeout_s:.0f} s ({self.log_path})"
         )
+
+    def _first_error(self) -> str:
+        """The log's first ERROR and the exception under it ("... Socket server failed to bind to 127.0.0.1:9093:
+        Address already in use."): the cause, where the log's last lines are a stack trace's end."""
+        lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
+        for i, line in enumerate(lines):
+            if " ERROR " in line:
+                cause = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].startswith("[") else ""
+                return " / ".join(part for part in (line.split(" ERROR ", 1)[1], cause) if part)
+        return " / ".join(lines[-3:]) or "no log written"
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """A clean shutdown (its log is flushed and closed); killed if it takes longer than ``timeout_s``."""
@@ -418,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="one broker in the foreground, its log in DIR")
     run.add_argument("dir", type=Path)
     run.add_argument("--port", type=int, default=9092)
-    run.add_argument("--controller-port", type=int, default=None)
+    run.add_argument("--controller-port", type=int, default=None, help="the controller's listener (PORT + 1)")
     probe = sub.add_parser("probe", help="exit 0 when a Kafka broker serves on PORT (a container's health check)")
     probe.add_argument("port", type=int)
     args = parser.parse_args(argv)
