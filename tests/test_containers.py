@@ -89,16 +89,18 @@ def _scrape_targets(prometheus_port: int) -> list[tuple[str, str]]:
 def _explained_on_failure(compose):
     """``with compose:``, where a failed `up` fails the test with what each container that exited said (a broker that
     exits at start is otherwise only "dependency failed to start: container ...-kafka-1 exited (1)")."""
+
+    def compose_says(*args: str) -> str:
+        command = [*compose.compose_command_property, *args]
+        return subprocess.run(command, capture_output=True, text=True, cwd=COMPOSE).stdout
+
     try:
         compose.start()
     except subprocess.CalledProcessError as failed:
-        listed = subprocess.run([*compose.compose_command_property, "ps", "-a", "--format", "{{.Service}} {{.State}}"],
-                                capture_output=True, text=True, cwd=COMPOSE).stdout  # fmt: skip
-        exited = sorted({line.split()[0] for line in listed.splitlines() if line.endswith("exited")})
+        listed = compose_says("ps", "-a", "--format", "{{.Service}} {{.State}}").splitlines()
+        exited = sorted({line.split()[0] for line in listed if line.endswith("exited")})
         said = [
-            f"{service}'s log:\n"
-            + subprocess.run([*compose.compose_command_property, "logs", "--no-log-prefix", "--tail", "20", service],
-                             capture_output=True, text=True, cwd=COMPOSE).stdout  # fmt: skip
+            f"{service}'s log:\n{compose_says('logs', '--no-log-prefix', '--tail', '20', service)}"
             for service in exited
         ]
         compose.stop()
