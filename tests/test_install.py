@@ -77,6 +77,31 @@ def test_every_test_left_out_of_make_test_runs_in_a_target_of_its_own():
     assert {line.split(":")[0] for line in registered} == {"slow", "containers", "soak", "recipe"}
 
 
+@pytest.mark.slow
+def test_the_suites_xdist_groups_keep_their_tests_on_one_worker(tmp_path):
+    """`make test`'s `--dist loadgroup` with the pinned pytest and pytest-xdist: the tests of one `xdist_group` (the
+    module's vLLM engine, the Docker engine) run on one worker, which starts what they share once. pytest 9.2 broke
+    this without a word (pytest-xdist#1386): the grouped tests were dealt out to both workers."""
+    grouped = "\n".join(
+        f"@pytest.mark.xdist_group('shared')\ndef test_grouped_{i}():\n    record('grouped')\n" for i in range(6)
+    )
+    alone = "\n".join(f"def test_alone_{i}():\n    pass\n" for i in range(6))  # work for the other worker
+    (tmp_path / "test_groups.py").write_text(
+        "import os, pathlib, pytest\n"
+        "def record(kind):\n"
+        "    with open(pathlib.Path(__file__).parent / f'{kind}.txt', 'a') as out:\n"
+        "        out.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n" + grouped + alone
+    )
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "-rA"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout[-2000:]
+    assert len((tmp_path / "grouped.txt").read_text().split()) == 6
+    assert len(set((tmp_path / "grouped.txt").read_text().split())) == 1, "a group split across the workers"
+
+
 def test_the_plan_follows_the_machine(monkeypatch):
     monkeypatch.setattr(install, "has_gpu", lambda: True)
     assert install.plan("auto", "auto", TABLE)["engine"] == TABLE["install"]["engine"]["cuda"]

@@ -28,6 +28,10 @@ def response_letters(prompts, responses):
     return [float(len(r)) for r in responses]
 
 
+# The tests of the module's archived run go to one worker under pytest-xdist, which then makes that run once.
+shares_the_run = pytest.mark.xdist_group("archived-run")
+
+
 @pytest.fixture(scope="module")
 def archived_run(tmp_path_factory, model_cache):
     """A 3-update embedded run whose batches all travel by reference, its log archived at its end, then its batch
@@ -71,6 +75,7 @@ def streamppo(*args: str) -> subprocess.CompletedProcess:
     return result
 
 
+@shares_the_run
 def test_the_archive_holds_every_record_and_each_referenced_batch(archived_run):
     config, run_dir = archived_run
     archive = LogArchive(run_dir / "log")
@@ -83,6 +88,7 @@ def test_the_archive_holds_every_record_and_each_referenced_batch(archived_run):
     assert [w.policy_version for w in weights if w.model == "actor"] == list(range(1, STEPS + 1))
 
 
+@shares_the_run
 def test_a_damaged_archive_is_named_and_its_bad_records_skipped(archived_run, tmp_path):
     _, run_dir = archived_run
     copy = tmp_path / "log"
@@ -100,6 +106,7 @@ def test_a_damaged_archive_is_named_and_its_bad_records_skipped(archived_run, tm
         ArchiveReader.open(copy)
 
 
+@shares_the_run
 def test_the_export_is_one_row_per_response_readable_with_datasets(archived_run, tmp_path):
     import datasets
 
@@ -133,6 +140,7 @@ def test_the_export_is_one_row_per_response_readable_with_datasets(archived_run,
     assert frame.groupby("trained_in").size().to_dict() == {v: responses // STEPS for v in range(1, STEPS + 1)}
 
 
+@shares_the_run
 def test_trace_names_what_made_an_update_and_which_updates_a_prompt_trained(archived_run):
     config, run_dir = archived_run
     update = 2
@@ -178,6 +186,7 @@ def test_the_score_comparison_is_right_on_a_hand_made_case():
     assert compare_scores(np.array([1.0, 1.0]), np.array([0.0, 1.0]))["spearman"] is None, "constant side"
 
 
+@shares_the_run
 @pytest.mark.parametrize("given", ["run config", "reward section", "reward keys"])
 def test_rescore_scores_the_retained_responses_with_another_reward_and_compares(archived_run, tmp_path, given):
     """The new reward from a whole run config (with --reward-set), or from a file of the reward section alone."""
@@ -315,6 +324,7 @@ def test_a_tracker_whose_library_is_missing_is_named_before_anything_starts(make
         check_run_inputs(make_config("run.trackers=[mlflow,wandb]"))
 
 
+@shares_the_run
 def test_a_replay_reproduces_every_version_s_digest_from_the_start_and_from_a_checkpoint(archived_run, tmp_path):
     _, run_dir = archived_run
     result = streamppo("replay", "--log", str(run_dir / "log"), "--out", str(tmp_path / "a"))
@@ -331,6 +341,7 @@ def test_a_replay_reproduces_every_version_s_digest_from_the_start_and_from_a_ch
     assert f"replayed v{start + 1}..v{STEPS}: every digest as announced" in result.stdout
 
 
+@shares_the_run
 def test_a_replay_detects_an_altered_experience_record(archived_run, tmp_path):
     """The record of step 1 rewritten whole (a valid message, inline, one advantage changed): replay still runs, and
     the first version it trained differs from the run's."""
