@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Fleet", "RunsFolder", "parse_quotas", "parse_shares"]
 
 BROKER_BACKOFF_S = 2.0  # a run whose broker errs waits this long before its next turn; the others go on
+SERVE_RETRY_S = 30.0  # a run that could not be served is tried again after this long (or once its file changes)
 QUOTA_BURST_S = 1.0  # a run under a quota may spend this many seconds' worth of tokens at once
 
 
@@ -207,13 +209,16 @@ class RunsFolder:
     """The runs a fleet serves: one config file (``*.yaml``) per run in a folder, each with ``overrides`` applied. A
     file added is a run to serve; a file removed, a run to stop serving; a file whose content changed, a run to stop
     serving and serve again as it now says (content, not modification times: Kubernetes rewrites every file of a
-    ConfigMap volume when one changes). A file that does not load, or whose run cannot be served, is tried again
-    once its content changes."""
+    ConfigMap volume when one changes). A file that does not load is tried again once its content changes; a run
+    that loaded but could not be served (its model, its reward, its broker: what may come right) also every
+    ``retry_s`` seconds, so that a passing fault leaves no run unserved for good."""
 
-    def __init__(self, folder: Path, overrides: list[str] | None = None):
+    def __init__(self, folder: Path, overrides: list[str] | None = None, retry_s: float = SERVE_RETRY_S, now=None):
         self.folder, self.overrides = Path(folder), list(overrides or [])
+        self.retry_s, self.now = retry_s, now or time.monotonic
         self.files: dict[Path, tuple[str, str]] = {}  # file -> (its run id, its content's digest)
-        self.failed: dict[Path, str] = {}  # file -> its content's digest when it failed
+        # file -> (its content's digest when it failed, when to try it again: inf for a file that does not load)
+        self.failed: dict[Path, tuple[str, float]] = {}
         self.unreported: list[tuple[Path, str]] = []
 
     def changes(self) -> tuple[list[RunConfig], list[str]]:
@@ -229,13 +234,14 @@ class RunsFolder:
         removed = [self.files.pop(path)[0] for path in sorted(gone)]
         added = []
         for path, digest in present.items():
-            if path in self.files or self.failed.get(path) == digest:
+            failed_digest, retry_at = self.failed.get(path, (None, 0.0))
+            if path in self.files or (failed_digest == digest and self.now() < retry_at):
                 continue
             try:
                 config = load_config(path, self.overrides)
             except ConfigError as exc:
-                self.failed[path] = digest
-                self.unreported.append((path, str(exc)))
+                self.failed[path] = (digest, math.inf)
+                self.unreported.append((path, f"{exc} (tried again once it changes)"))
                 continue
             self.failed.pop(path, None)
             self.files[path] = (config.run.run_id, digest)
@@ -243,12 +249,13 @@ class RunsFolder:
         return added, removed
 
     def not_served(self, run_id: str, error: str) -> None:
-        """The run of ``run_id`` loaded but could not be served: its file is tried again once it changes."""
+        """The run of ``run_id`` loaded but could not be served: its file is tried again once it changes, or in
+        ``retry_s`` seconds."""
         for path, (served, digest) in list(self.files.items()):
             if served == run_id:
                 del self.files[path]
-                self.failed[path] = digest
-                self.unreported.append((path, error))
+                self.failed[path] = (digest, self.now() + self.retry_s)
+                self.unreported.append((path, f"{error} (tried again in {self.retry_s:.0f} s, or once it changes)"))
 
     def errors(self) -> list[tuple[Path, str]]:
         """The files that failed to load since the last call, and why."""

@@ -354,6 +354,7 @@ def _take_runs(fleet: Fleet, runs: RunsFolder, shares: dict[str, float], quotas:
         try:
             fleet.add(config, shares.get(config.run.run_id, 1.0), quotas.get(config.run.run_id))
         except Exception as exc:  # a run that cannot be served (its model, its reward, its broker) stops no other
+            log.warning("%s: run %s not served", fleet.replica_id, config.run.run_id, exc_info=True)
             runs.not_served(config.run.run_id, f"{type(exc).__name__}: {exc}")
     for path, error in runs.errors():
-        log.error("%s: %s not served (until the file changes): %s", fleet.replica_id, path, error)
+        log.error("%s: %s not served: %s", fleet.replica_id, path, error)
