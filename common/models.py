@@ -7,6 +7,7 @@ from transformers' Auto classes: no model code is written here.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -42,6 +43,21 @@ __all__ = [
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _build_builtin(name: str, build, directory: Path) -> None:
+    log.warning("preparing builtin model %s in %s (once)", name, directory)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=directory.parent))
+    try:
+        build(tmp)
+        os.rename(tmp, directory)
+    except ModuleNotFoundError as exc:  # a package the recipe needs (its message says which)
+        raise ModelLoadError(f"builtin model {name}: {exc}") from exc
+    except OSError:  # built by another machine on a shared filesystem, where the lock may not reach: the first wins
+        if not directory.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 class ModelLoadError(RuntimeError):
     """A model or tokenizer could not be found or loaded; the message names the path and the role."""
 
@@ -58,20 +74,12 @@ def resolve_model(spec: str, cache_dir: Path) -> Path:
         directory = Path(cache_dir) / "models" / f"{name}-r{revision}"
         if not directory.is_dir():
             directory.parent.mkdir(parents=True, exist_ok=True)
-            log.warning("preparing builtin model %s in %s (once)", name, directory)
-            # Services started together all build it: each in a folder of its own, and the first rename wins.
-            # A half-built folder never has the final name.
-            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=directory.parent))
-            try:
-                build(tmp)
-                os.rename(tmp, directory)
-            except ModuleNotFoundError as exc:  # a package the recipe needs (its message says which)
-                raise ModelLoadError(f"builtin model {name}: {exc}") from exc
-            except OSError:
+            # Services started together on a fresh cache: one builds it, the others wait for it (a lock the
+            # kernel lets go of if its holder dies). A half-built folder never has the final name.
+            with open(directory.parent / f".{name}-r{revision}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
                 if not directory.is_dir():
-                    raise
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+                    _build_builtin(name, build, directory)
         return directory
     path = Path(spec)
     if not (path / "config.json").is_file():

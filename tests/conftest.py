@@ -23,7 +23,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:
-    """A cache dir shared by the session's tests, so the builtin tiny model is built once."""
+    """A cache dir shared by the session's tests, and by its xdist workers (their base folders' parent is the
+    session's), so that each builtin model is built once: SmolLM2's conversion takes ~20 s of a core."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "model-cache"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("model-cache")
 
 

@@ -100,19 +100,27 @@ def test_sampling_is_reproducible_from_its_seed(tiny_model):
 
 
 def test_builtin_model_built_by_several_processes_at_once(tmp_path):
-    """Services started together on a fresh machine all build the builtin model into the same cache."""
+    """Services started together on a fresh machine: one builds the builtin model into the cache, the others wait
+    for it and load the same folder."""
     import subprocess
     import sys
+    import time
 
     from conftest import REPO
 
+    # Each process imports what it needs, says so, and waits for the others: then all ask for the model at once.
     code = (
-        "import sys; from common.models import resolve_model; "
+        "import os, sys, time; from common.models import resolve_model; "
+        "open(os.path.join(sys.argv[2], f'ready-{os.getpid()}'), 'w').close(); "
+        "[time.sleep(0.01) for _ in iter(lambda: os.path.exists(os.path.join(sys.argv[2], 'go')), True)]; "
         "print(resolve_model('builtin:tiny-char-llama', sys.argv[1]))"
     )
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    cache = tmp_path / "cache"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code, str(tmp_path)],
+            [sys.executable, "-c", code, str(cache), str(gate)],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -120,10 +128,16 @@ def test_builtin_model_built_by_several_processes_at_once(tmp_path):
         )
         for _ in range(4)
     ]
+    deadline = time.monotonic() + 300
+    while len(list(gate.glob("ready-*"))) < len(procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (gate / "go").touch()
     results = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-500:] for _, err in results]
     (built,) = {out.strip() for out, _ in results}
-    assert [p.name for p in (tmp_path / "models").iterdir()] == [Path(built).name], "no partial folders left"
+    assert sum("preparing builtin model" in err for _, err in results) == 1, "one built it, the others waited"
+    left = [p.name for p in (cache / "models").iterdir() if p.suffix != ".lock"]
+    assert left == [Path(built).name], "no partial folders left"
     load_actor(Path(built))
 
 
