@@ -120,7 +120,7 @@ def test_compose_trains_vowels_with_three_scorers_through_a_restart_and_a_kill(m
     shared volume: every version applied exactly once, every group trained once."""
     from testcontainers.compose import DockerCompose
 
-    steps, prometheus_port = 16, free_port()
+    steps, prometheus_port = 12, free_port()
     project = f"streamppo-test-{uuid.uuid4().hex[:6]}"
     for name, value in {
         "COMPOSE_PROJECT_NAME": project,

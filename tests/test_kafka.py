@@ -205,13 +205,24 @@ def test_streamppo_up_runs_every_role_as_processes_with_lora_on_the_vllm_generat
     scored = run_messages(make_config(*own_broker), "scored", run_id, steps)
     assert len(scored) == steps
     assert {m.lineage["scorer.replica"] for m in scored.values()} == {"scorer-0", "scorer-1"}, "both scorers worked"
+    # The run's log outlives its broker: `streamppo archive` copies it into files, and `trace` reads them and names
+    # the reward and the replicas that made an update.
+    settings = [*run_settings(tmp_path, model_cache, steps, run_id), *overrides, *own_broker]
+    made = archived_and_traced(tmp_path, settings, config="grpo.yaml")
+    batches = [scored[batch_id] for batch_id in records[1]["batch_ids"]]
+    assert made["groups"] and [g["group"] for g in made["groups"]] == records[1]["groups"]
+    assert made["rewards"] == sorted({f"reward.function={b.lineage['reward.function']}" for b in batches})
+    assert made["generators"] == ["generator-0"]
+    assert made["scorers"] == sorted({b.lineage["scorer.replica"] for b in batches})
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_a_judge_scores_a_run_over_the_broker(own_broker, make_config, tmp_path, model_cache):
     """`reward.judge`: the scorer process runs SmolLM2-135M-Instruct (no good judge, a real one) on each answer and
     parses its number; the run trains on the judge's scores, and every scored batch names its judge and how many of
-    its answers got the default score."""
+    its answers got the default score; archive and trace name the judge. (make test: the same judge in process in
+    test_judge.py, and the scorer's path over the broker in every run of processes.)"""
     steps, run_id = 2, unique("judge")
     judge = "{model: builtin:smollm2-135m-instruct, backend: transformers, max_new_tokens: 4}"
     overrides = [
@@ -234,39 +245,28 @@ def test_a_judge_scores_a_run_over_the_broker(own_broker, make_config, tmp_path,
     # The learner trained on what the judge gave: each update's mean reward is its batch's mean score.
     by_step = {m.step: float(m.scores.mean()) for m in scored.values()}
     assert [r["reward_mean"] for r in records] == pytest.approx([by_step[s] for s in sorted(by_step)], abs=1e-6)
-    # The run's log outlives its broker: `streamppo archive` copies it into files, and `trace` reads them and names
-    # the judge and the replicas (`up` starts one of each) that made an update.
-    settings = [*run_settings(tmp_path, model_cache, steps, run_id), *overrides, *own_broker]
-    archive = subprocess.run(
-        streamppo_command("archive", "--out", str(tmp_path / "log"), overrides=settings),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert archive.returncode == 0, archive.stderr
-    trace = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "trace",
-            "--log",
-            str(tmp_path / "log"),
-            "--run-dir",
-            str(tmp_path / "run"),
-        ]
-        + ["--update", "2", "--json"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert trace.returncode == 0, trace.stderr
-    made = json.loads(trace.stdout)
+    # The run's log outlives its broker, with the judge named in what made an update.
+    made = archived_and_traced(tmp_path, [*run_settings(tmp_path, model_cache, steps, run_id), *overrides, *own_broker])
     assert made["groups"] and [g["group"] for g in made["groups"]] == records[1]["groups"]
     assert made["rewards"] == [f"reward.judge={scored[records[1]['batch_ids'][0]].lineage['reward.judge']}"]
     assert made["generators"] == ["generator-0"] and made["scorers"] == ["scorer-0"]
+
+
+def archived_and_traced(tmp_path, settings: list[str], update: int = 2, config: str = "config.yaml") -> dict:
+    """`streamppo archive` of a finished run's log into files, then `streamppo trace --update` of one update read
+    from them alone (the broker not asked): what trace says made that update."""
+    archive = subprocess.run(
+        streamppo_command("archive", "--out", str(tmp_path / "log"), overrides=settings, config=config),
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert archive.returncode == 0, archive.stderr
+    trace = subprocess.run(
+        [sys.executable, "-m", "services.cli", "trace", "--log", str(tmp_path / "log"),
+         "--run-dir", str(tmp_path / "run"), "--update", str(update), "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert trace.returncode == 0, trace.stderr
+    return json.loads(trace.stdout)
 
 
 def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path):
