@@ -117,7 +117,8 @@ def test_compose_trains_vowels_with_three_scorers_through_a_restart_and_a_kill(m
     mid-run, then `docker kill` of Kafka's container (started again on its volume), then of a random service
     container (started again, as an operator would: Docker's restart policy leaves a killed container down); `docker
     compose run --rm wait` follows the run to its end and prints its summary. From the learner's metrics in the
-    shared volume: every version applied exactly once, every group trained once."""
+    shared volume: every version applied exactly once, every group trained once; from the containers' logs: the
+    services went on on the same log after Kafka's kill (no new-log recovery)."""
     from testcontainers.compose import DockerCompose
 
     steps, prometheus_port = 12, free_port()
@@ -162,6 +163,9 @@ def test_compose_trains_vowels_with_three_scorers_through_a_restart_and_a_kill(m
         assert waited.returncode == 0, waited.stdout[-3000:] + waited.stderr[-3000:]
         assert f"done: {steps} steps" in waited.stdout, waited.stdout[-2000:]
         assert "dead letters 0" in waited.stdout
+        said = subprocess.run([*command, "logs", "--no-color"], capture_output=True, text=True, cwd=COMPOSE).stdout
+        assert "the log it worked on" not in said and "going on on the new log" not in said, "the log is the same one"
+        assert "has given no partition" not in said, "the wedge workaround (the memory broker's group bug) never fired"
         out = tmp_path / "metrics.jsonl"
         subprocess.run(["docker", "cp", f"{containers['learner'].ID}:/shared/run/metrics.jsonl", str(out)], check=True)
     records = [json.loads(line) for line in out.read_text().splitlines()]
