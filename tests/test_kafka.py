@@ -156,6 +156,26 @@ def test_a_malformed_record_lands_in_the_dlq_over_kafka(bus, kafka_config):
     runner.close()
 
 
+def test_replicas_that_make_the_log_at_once_all_read_its_one_identity(kafka_config):
+    """Services started together on a fresh run each write an identity if they read none; the first record is the
+    log's, and each reads that one back, never none (a feeder under compose once read none back, its probe's high
+    watermark still that of the empty partition, and later took the run's log for a replaced one)."""
+    import concurrent.futures
+
+    from services.roles import LOG_TOPIC, pipeline_topics
+
+    for attempt in range(4):
+        config = kafka_config.model_copy(update={"run": kafka_config.run.model_copy(update={"run_id": unique("id")})})
+        buses = [kafka_bus(config, make=False) for _ in range(4)]
+        buses[0].create_topics(pipeline_topics(config.kafka.partitions, config.kafka.retention))
+        with concurrent.futures.ThreadPoolExecutor(len(buses)) as pool:
+            read = list(pool.map(lambda bus: bus.log_identity(LOG_TOPIC, create=True), buses))
+        assert None not in read and len(set(read)) == 1, (attempt, read)
+        assert buses[0].log_identity(LOG_TOPIC) == read[0], "what a later check reads: the same log"
+        for bus in buses:
+            bus.close()
+
+
 def test_an_unreachable_broker_is_a_clear_error():
     bus = KafkaBus(KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}", connect_timeout_s=2))
     with pytest.raises(BrokerUnavailable, match="no Kafka broker reachable"):

@@ -207,11 +207,15 @@ class KafkaBus(Bus):
             producer = KafkaProducer(acks="all", **self._common)
             try:
                 identity = uuid.uuid4().hex.encode()  # its own key: compaction keeps every writer's record
-                producer.send(topic, identity, key=identity, partition=0).get(timeout=30)
+                written = producer.send(topic, identity, key=identity, partition=0).get(timeout=30)
             finally:
                 producer.close()
+            if written.offset == 0:  # the first record is this one
+                return identity.decode()
+            # Another process wrote first. Its record is there: the probe's high watermark, from its fetch before,
+            # still says the partition is empty (read as "no identity", a replica once took the log for replaced).
             probe.seek_to_beginning(tp)
-            first = self._first_record(probe, tp)
+            first = self._first_record(probe, tp, written=True)
         return first
 
     @staticmethod
@@ -232,14 +236,17 @@ class KafkaBus(Bus):
         return set(cluster.topics())
 
     @staticmethod
-    def _first_record(consumer: KafkaConsumer, tp: TopicPartition, timeout_s: float = ANSWER_TIMEOUT_S) -> str | None:
-        """The value of the partition's first record, or None once a fetch shows the partition empty. A broker that
-        does not answer (it is away) raises: that is not an empty log, and no service may take it for one."""
+    def _first_record(
+        consumer: KafkaConsumer, tp: TopicPartition, timeout_s: float = ANSWER_TIMEOUT_S, written: bool = False
+    ) -> str | None:
+        """The value of the partition's first record, or None once a fetch shows the partition empty (never when it
+        is known to be ``written``). A broker that does not answer (it is away) raises: that is not an empty log, and
+        no service may take it for one."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for records in consumer.poll(timeout_ms=200, max_records=1).values():
                 return records[0].value.decode(errors="replace")
-            if consumer.highwater(tp) == 0:
+            if not written and consumer.highwater(tp) == 0:
                 return None
         raise KafkaTimeoutError(f"no answer to a fetch of {tp.topic} within {timeout_s:.0f} s")
 
