@@ -836,12 +836,13 @@ class KafkaSection(_Section):
         "namespaces on one cluster share nothing. Default: run.run_id.",
     )
     partitions: int = Field(4, gt=0, description="Partitions of the data topics when streamppo creates them.")
-    replication_factor: int = Field(
-        1,
+    replication_factor: int | None = Field(
+        None,
         gt=0,
-        description="Copies of each partition when streamppo creates its topics: 3 on a cluster of 3 brokers or more "
-        "(with the brokers' min.insync.replicas 2, and the producers' acks=all, a record is on two brokers before it "
-        "counts as sent, and one broker's loss loses nothing).",
+        description="Copies of each partition when streamppo creates its topics. Default: the brokers' "
+        "default.replication.factor, but at least 3 on a cluster of 3 brokers or more (1 on one broker). Each topic "
+        "gets min.insync.replicas 2 from 3 copies on (1 below): with the producers' acks=all a record is on two "
+        "brokers before it counts as sent, and one broker's loss loses nothing.",
     )
     retention: RetentionSection = RetentionSection()
     max_message_bytes: int = Field(64 * 1024 * 1024, gt=0, description="The largest record the clients send or fetch.")

@@ -12,7 +12,28 @@ from pathlib import Path
 
 from common.statistics import PLOTS, plotted, summarised
 
-__all__ = ["format_summary", "load_metrics", "summarise", "summary_window", "write_report"]
+__all__ = [
+    "OUTCOME_FILE",
+    "format_summary",
+    "load_metrics",
+    "read_outcome",
+    "summarise",
+    "summary_window",
+    "write_report",
+]
+
+# <run.dir>/outcome.json, written by the learner as the run finishes: its updates, run.steps, and why it ended short
+# ("" when it did not). Removed when a learner starts: a run that goes on has no outcome yet.
+OUTCOME_FILE = "outcome.json"
+
+
+def read_outcome(run_dir: Path) -> dict:
+    """The learner's outcome of the run in ``run_dir`` ({} when it has not finished or the file cannot be read)."""
+    try:
+        outcome = json.loads((Path(run_dir) / OUTCOME_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return outcome if isinstance(outcome, dict) else {}
 
 
 def load_metrics(run_dir: Path) -> list[dict]:

@@ -879,6 +879,11 @@ class DeadLetter(_Record):
     created_at: float = scalar("float", "Unix time of the rejection.")
 
 
+# How far apart a replica's reports on the status topic are at most while its loop runs (and one when it stops): a
+# report older than twice this says the replica is silent (stopped, gone, or in one batch of minutes of compute).
+REPORT_EVERY_S = 30.0
+
+
 @dataclass
 class ReplicaStatus(_Record):
     """Not a pipeline message: what each service replica says about itself, every 30 s, on the status topic."""

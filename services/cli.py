@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -30,7 +32,7 @@ def _run(args) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     summary = run_embedded(config, progress=not args.no_progress)
     print(summary.done_line())
-    return 0
+    return exit_codes.RUN_SHORT if summary.ended_short else 0
 
 
 def _serve(args) -> int:
@@ -75,22 +77,35 @@ def _fleet(args) -> int:
 
 def _topics(args) -> int:
     from common.config import load_config
+    from services.ops.status import format_replication
+    from services.roles import pipeline_topics
     from services.transport.run_bus import kafka_bus
 
     config = load_config(args.config, args.set)
     bus = kafka_bus(config, args.bootstrap, replace_wrong_topics=True)  # creates (or replaces) what is missing
-    bus.close()
+    try:
+        brokers, replication = bus.replication([spec.name for spec in pipeline_topics()])
+    finally:
+        bus.close()
     print(f"topics ready ({config.kafka.partitions} partitions each; weights compacted)")
+    print(format_replication(brokers, replication))
     return 0
 
 
+STATUS_CONNECT_S = 5.0  # how long `status` waits for a broker before it answers from the run directory
+
+
 def _status(args) -> int:
-    from services.ops.status import format_status, read_status
+    from kafka.errors import KafkaError
+
+    from services.ops.status import format_status, read_saved_status, read_status, save_status
     from services.roles import LOG_TOPIC
+    from services.transport.kafka import BrokerUnavailable
     from services.transport.run_bus import kafka_bus, run_of
 
-    finished = _finished_run(Path(args.run_dir)) if args.run_dir is not None else None
     config, bootstrap = run_of(args.config, args.set, args.run_dir, args.bootstrap)
+    run_dir = Path(args.run_dir or config.run.dir)
+    finished = _finished_run(run_dir)
     if finished is not None:
         # The run directory says how it ended; its broker is usually gone with it (up stops the one it started), so
         # the replicas' last reports are shown only where it answers at once.
@@ -103,19 +118,47 @@ def _status(args) -> int:
         except Exception:  # no broker: the line above is the answer
             pass
         return 0
-    bus = kafka_bus(config, bootstrap, make=False)  # a reader: it makes no topics
+    patience = min(config.kafka.connect_timeout_s, STATUS_CONNECT_S)
+    config = config.model_copy(update={"kafka": config.kafka.model_copy(update={"connect_timeout_s": patience})})
     try:
-        if bus.log_identity(LOG_TOPIC) is None:
-            print(
-                f"streamppo: no log of run {config.run.run_id!r} (namespace {config.namespace!r}) on this broker: "
-                "the run has not started, or the broker lost its data",
-                file=sys.stderr,
-            )
-            return exit_codes.ERROR
-        print(format_status(read_status(bus, config.run.run_id)))
-    finally:
-        bus.close()
+        bus = kafka_bus(config, bootstrap, make=False)  # a reader: it makes no topics
+        try:
+            if bus.log_identity(LOG_TOPIC) is None:
+                print(
+                    f"streamppo: no log of run {config.run.run_id!r} (namespace {config.namespace!r}) on this broker: "
+                    "the run has not started, or the broker lost its data",
+                    file=sys.stderr,
+                )
+                return exit_codes.ERROR
+            status = read_status(bus, config.run.run_id)
+        finally:
+            bus.close()
+    except (BrokerUnavailable, KafkaError) as exc:
+        print(f"streamppo: the broker does not answer: {exc}", file=sys.stderr)
+        print(_from_the_run_directory(run_dir, read_saved_status(run_dir)))
+        return exit_codes.ERROR
+    save_status(run_dir, status)
+    print(format_status(status))
     return 0
+
+
+def _from_the_run_directory(run_dir: Path, saved) -> str:
+    """What the run directory tells of a run whose broker does not answer: its last update and the last status read."""
+    from services.ops.status import format_status
+
+    lines = []
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        last = json.loads(metrics.read_text().splitlines()[-1])
+        lines.append(f"last update: step {last['step']}, {time.time() - metrics.stat().st_mtime:.0f} s ago ({metrics})")
+    except (OSError, IndexError, ValueError, KeyError):
+        lines.append(f"no update in {run_dir} yet")
+    if saved is None:
+        lines.append("no status was read from the broker before (it is kept in the run directory when one is)")
+    else:
+        lines.append("the status last read from the broker, every report as old as it is:")
+        lines.append(format_status(saved))
+    return "\n".join(lines)
 
 
 def _first_sentence(doc: str) -> str:
@@ -130,8 +173,6 @@ def _first_sentence(doc: str) -> str:
 
 def _finished_run(run_dir: Path) -> str | None:
     """``finished: done ...`` for a run directory whose run is over (its summary.json written at the end), else None."""
-    import json
-
     from services.ops.summary import RunSummary
 
     written, metrics = run_dir / "summary.json", run_dir / "metrics.jsonl"
@@ -162,7 +203,9 @@ def _wait(args) -> int:
         return exit_codes.ERROR
     run_dir = Path(config.run.dir)
     if (run_dir / "metrics.jsonl").is_file():
-        print(summarise_run(run_dir, sum(status.dead_letters.values())).done_line())
+        summary = summarise_run(run_dir, sum(status.dead_letters.values()), config.run.steps)
+        print(summary.done_line())
+        return exit_codes.RUN_SHORT if summary.ended_short else 0
     else:  # the run directory is on a volume this process does not see
         print(f"done: {', '.join(f'{m} v{v}' for m, v in sorted(status.weights.items()))}; run directory {run_dir}")
     return 0

@@ -18,7 +18,16 @@ from common.config import RetentionSection, RunConfig
 from common.schema import TOPIC_MESSAGE
 from services.transport.base import TopicSpec, dlq_topic
 
-__all__ = ["LOG_TOPIC", "ROLES", "STATUS_TOPIC", "WEIGHTS_TOPIC", "Role", "pipeline_topics", "roles_of"]
+__all__ = [
+    "COMPACTED_TOPICS",
+    "LOG_TOPIC",
+    "ROLES",
+    "STATUS_TOPIC",
+    "WEIGHTS_TOPIC",
+    "Role",
+    "pipeline_topics",
+    "roles_of",
+]
 
 # Weight announcements: read by every replica that loads weights (no consumer group), compacted by key.
 WEIGHTS_TOPIC = "weights"
@@ -28,6 +37,9 @@ STATUS_TOPIC = "status"
 # lost its data has no such topic; topics made again hold another identity. Either way a service that worked on the
 # old log stops (LogReplaced).
 LOG_TOPIC = "log-identity"
+# The topics kept by key (cleanup.policy=compact): a record with a null value there is a tombstone, Kafka's deletion
+# of its key's record, not a malformed message.
+COMPACTED_TOPICS = frozenset({WEIGHTS_TOPIC, STATUS_TOPIC, LOG_TOPIC})
 
 
 @dataclass(frozen=True)
@@ -160,4 +172,5 @@ def pipeline_topics(partitions: int = 1, retention: RetentionSection | None = No
         specs.append(TopicSpec(dlq_topic(name), 1, **kept(name)))
     specs.append(TopicSpec(STATUS_TOPIC, 1, compacted=True))
     specs.append(TopicSpec(LOG_TOPIC, 1, compacted=True))
+    assert {spec.name for spec in specs if spec.compacted} == COMPACTED_TOPICS
     return specs

@@ -276,6 +276,11 @@ class Service(ABC):
     def finish(self) -> None:
         """Called once when :meth:`done` became True: write what a completed run leaves behind."""
 
+    def shortfall(self) -> str | None:
+        """Once :meth:`done`: why the service finished without all the run asked of it, naming the setting that
+        applies (the learner's run that used up its prompt batches before ``run.steps``); None when it did it all."""
+        return None
+
     def close(self) -> None:
         """Release what the service holds outside this process (e.g. an inference engine)."""
 

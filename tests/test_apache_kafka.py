@@ -175,7 +175,7 @@ def test_a_three_broker_cluster_loses_a_broker_then_its_controller_then_two_and_
     at once: writes stop (no quorum, too few in sync) and the services say what they wait for; one comes back and
     the run finishes, nothing lost."""
     cluster = KafkaCluster(tmp_path / "cluster", 3).start()
-    run = Run(tmp_path, model_cache, cluster.bootstrap, 24, settings=(*STREAMING, "kafka.replication_factor=3"))
+    run = Run(tmp_path, model_cache, cluster.bootstrap, 24, settings=STREAMING)  # replication 3: the cluster's
     pauses = []
     try:
         run.wait_updates(3)
@@ -472,3 +472,50 @@ def test_kafka_python_speaks_every_api_the_project_uses_to_kafka_4(kafka_broker)
         admin.delete_topics([topic])
     finally:
         admin.close()
+
+
+def test_a_replicated_cluster_gets_replicated_topics_and_one_copy_is_warned_of(tmp_path, make_config):
+    """Three brokers whose default.replication.factor is Kafka's own (1), no kafka.replication_factor: the run's
+    topics get 3 copies and min.insync.replicas 2; `topics` says so, and warns of a run whose setting asks for one."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import ConfigResource, ConfigResourceType
+    from test_config import streamppo
+
+    from services.roles import pipeline_topics
+
+    with KafkaCluster(tmp_path / "cluster", 3, settings={"default.replication.factor": "1"}) as cluster:
+        run_id = f"rf{uuid.uuid4().hex[:6]}"
+        result = streamppo(
+            "topics",
+            "--config",
+            EXAMPLE / "config.yaml",
+            "--bootstrap",
+            cluster.bootstrap,
+            "--set",
+            f"run.run_id={run_id}",
+        )
+        assert result.returncode == 0, result.stderr
+        assert "topics: 3 copies each on 3 broker(s)" in result.stdout and "WARNING" not in result.stdout
+        admin = KafkaAdminClient(bootstrap_servers=cluster.bootstrap.split(","))
+        try:
+            names = [f"{run_id}.{spec.name}" for spec in pipeline_topics()]
+            described = admin.describe_topics(names)
+            assert {len(p["replicas"]) for t in described for p in t["partitions"]} == {3}
+            configs = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, names[0])])
+            entries = {e[0]: e[1] for r in configs for res in r.resources for e in res[4]}
+            assert entries["min.insync.replicas"] == "2"
+        finally:
+            admin.close()
+        one = streamppo(
+            "topics",
+            "--config",
+            EXAMPLE / "config.yaml",
+            "--bootstrap",
+            cluster.bootstrap,
+            "--set",
+            f"run.run_id={run_id}-1",
+            "--set",
+            "kafka.replication_factor=1",
+        )
+        assert one.returncode == 0, one.stderr
+        assert "WARNING: 22 topic(s) keep one copy on a cluster of 3 brokers" in one.stdout, one.stdout

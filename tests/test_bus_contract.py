@@ -213,3 +213,37 @@ def test_a_record_of_several_megabytes_round_trips(contract):
     producer.send(topic, payload)
     producer.flush()
     assert drain([contract.bus.consumer(topic, contract.group(), "c")], 1) == [[payload]]
+
+
+def test_a_null_value_and_a_null_key_round_trip_as_none(contract):
+    """Kafka's null value (a tombstone on a compacted topic), which any client may write on any topic."""
+    topic = contract.topic(1)
+    producer = contract.bus.producer("nulls")
+    producer.send(topic, None, key=b"gone")
+    producer.send(topic, b"", key=None)
+    producer.flush()
+    got = drain([contract.bus.consumer(topic, contract.group(), "c")], 2)
+    assert got == [[None, b""]]
+
+
+def test_the_log_identity_is_the_first_record_with_a_value_and_create_never_answers_none(contract):
+    topic = contract.topic(1)
+    producer = contract.bus.producer("nulls")
+    producer.send(topic, None, key=b"forged", partition=0)  # a null record written before the log's identity
+    producer.flush()
+    made = contract.bus.log_identity(topic, create=True)
+    assert made and len(made) == 32
+    assert contract.bus.log_identity(topic) == made == contract.bus.log_identity(topic, create=True)
+    producer.send(topic, None, key=made.encode(), partition=0)  # a tombstone of the identity's key
+    producer.flush()
+    assert contract.bus.log_identity(topic) == made
+
+
+def test_log_identity_of_a_topic_that_does_not_exist(contract):
+    from services.transport import LogMissing
+
+    missing = f"t-{uuid.uuid4().hex[:8]}"
+    assert contract.bus.log_identity(missing) is None
+    if isinstance(contract.bus, MemoryBus):
+        with pytest.raises(LogMissing, match=missing):
+            contract.bus.log_identity(missing, create=True)

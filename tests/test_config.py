@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -515,3 +516,31 @@ def test_the_shortest_config_of_the_own_model_page_is_a_config(tmp_path):
     # Made smaller, it still loads: an unset mini-batch is at most the responses per update.
     smaller = load_config(tmp_path / "run.yaml", ["data.batch_size=2"])
     assert smaller.learner.mini_batch_size == 2 * 4
+
+
+def test_status_of_a_run_whose_broker_does_not_answer_answers_from_the_run_directory_in_seconds(tmp_path):
+    """The broker is away (nothing listens at its address): `status` says so within seconds, and shows the run's
+    last update and the status it last read, each replica silent since its last report."""
+    import time
+
+    from common.schema import ReplicaStatus
+    from services.ops.status import PipelineStatus, save_status
+    from services.transport.local_broker import free_port
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = load_config(EXAMPLE / "config.yaml", ["run.run_id=away", f"run.dir={run_dir}"])
+    (run_dir / "config.json").write_text(config.model_dump_json(exclude_unset=True))
+    (run_dir / "broker").write_text(f"127.0.0.1:{free_port()}")
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 7}) + "\n")
+    report = ReplicaStatus(
+        "scorer-0", "scorer", "away", "serving", "", 0, 0.0, 0, {"processed": 7}, time.time() - 300, ""
+    )
+    save_status(run_dir, PipelineStatus("away", {"scorer-0": report}, {"actor": 7}, {}, brokers=1))
+    started = time.monotonic()
+    result = streamppo("status", "--run-dir", run_dir)
+    assert time.monotonic() - started < 20, "status waited for the broker as long as a service would"
+    assert result.returncode == 1 and "the broker does not answer" in result.stderr
+    assert "last update: step 7" in result.stdout
+    assert re.search(r"^scorer-0 +silent ", result.stdout, re.M), result.stdout
+    assert re.search(r"no report for 30\d s .*it last said serving", result.stdout), result.stdout

@@ -227,3 +227,76 @@ def test_a_signed_run_trains_as_an_unsigned_one(make_config, tmp_path, monkeypat
         assert summary.dead_letters == 0
         rewards.append([json.loads(line)["reward_mean"] for line in (config.run.dir / "metrics.jsonl").open()])
     assert rewards[0] == rewards[1] and len(rewards[0]) == 3
+
+
+def _hostile_records():
+    """Records any client of the broker can write: a topic of the run, a key and a value each null or arbitrary
+    bytes, a value that is msgpack (of a pipeline schema's name, with arbitrary fields) or not."""
+    import msgpack
+    from hypothesis import strategies as st
+
+    from common.schema import TOPIC_MESSAGE
+    from services.roles import COMPACTED_TOPICS
+    from services.transport import dlq_topic
+
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**63), 2**64 - 1),
+        st.floats(),
+        st.text(max_size=8),
+        st.binary(max_size=8),
+    )
+    fields = st.dictionaries(st.text(max_size=12), scalars, max_size=6)
+    schemas = st.sampled_from(sorted({message.SCHEMA for message in TOPIC_MESSAGE.values()}))
+    claims = st.builds(
+        lambda schema, version, rest: {"schema": schema, "version": version, **rest}, schemas, st.integers(0, 6), fields
+    )
+    values = st.one_of(
+        st.none(),
+        st.binary(max_size=64),
+        st.builds(lambda raw: msgpack.packb(raw, use_bin_type=True), st.one_of(claims, fields, scalars)),
+    )
+    topics = st.sampled_from(sorted({*TOPIC_MESSAGE, *COMPACTED_TOPICS, *(dlq_topic(t) for t in TOPIC_MESSAGE)}))
+    return st.lists(st.tuples(topics, st.one_of(st.none(), st.binary(max_size=16)), values), min_size=1, max_size=24)
+
+
+def test_records_any_client_writes_on_any_topic_never_stop_the_run_or_change_its_result(make_config):
+    """A property test: arbitrary records on every topic of the run, written before it starts, and the run reaches
+    its steps with every group once; what was taken for input is dead-lettered or skipped, never trained."""
+    from hypothesis import HealthCheck, given, settings
+
+    from services.roles import pipeline_topics
+    from services.transport import MemoryBus
+
+    config = make_config(
+        "run.steps=2",
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=4",
+        "learner.mini_batch_size=4",
+        "run.archive_log=false",
+    )
+    clean = None
+
+    @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(_hostile_records())
+    def run_beside(records):
+        nonlocal clean
+        bus = MemoryBus()
+        bus.create_topics(pipeline_topics())
+        producer = bus.producer("saboteur")
+        for topic, key, value in records:
+            producer.send(topic, value, key=key)
+        summary = run_embedded(config, progress=False, bus=bus)
+        lines = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").read_text().splitlines()]
+        assert summary.steps == 2 and [line["step"] for line in lines] == [1, 2]
+        trained = [(line["groups"], line["reward_mean"]) for line in lines]
+        assert clean is None or trained == clean, "the records changed what was trained"
+
+    run_embedded(config, progress=False)
+    clean = [
+        (line["groups"], line["reward_mean"])
+        for line in map(json.loads, (config.run.dir / "metrics.jsonl").read_text().splitlines())
+    ]
+    run_beside()

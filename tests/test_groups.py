@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import logging
 import time
 import zlib
 
@@ -233,11 +232,50 @@ def test_dynamic_sampling_that_uses_up_the_prompt_batches_ends_the_run_and_says_
         f"reward.function={__name__}:never_right",
         example="grpo.yaml",
     )
-    with caplog.at_level(logging.ERROR):
-        summary = run_embedded(config, progress=False)
-    assert summary.steps == 0
-    assert "the run ends after 0 of its 2 updates: all 3 prompt batches are used (6 groups had no signal" in caplog.text
-    assert "raise algorithm.max_sampling_factor" in caplog.text
+    summary = run_embedded(config, progress=False)
+    assert summary.steps == 0 and summary.steps_planned == 2
+    assert summary.ended_short.startswith(
+        "the run ended after 0 of its 2 updates: all 3 prompt batches it may publish are used (6 groups had no signal"
+    )
+    assert "algorithm.max_sampling_factor=1.5" in summary.ended_short and "stale_reserve" not in summary.ended_short
+    assert summary.done_line().startswith("ENDED SHORT: 0 of 2 steps (the run ended after 0 of its 2 updates")
+    written = json.loads((config.run.dir / "summary.json").read_text())
+    assert written["ended_short"] == summary.ended_short and written["steps_planned"] == 2
+
+
+def test_streamppo_run_that_ends_short_exits_5_and_says_so(tmp_path, model_cache):
+    from conftest import EXAMPLE
+    from test_config import streamppo
+
+    from services.launch import exit_codes
+
+    settings = [
+        *SMALL,
+        *DYNAMIC,
+        "run.steps=2",
+        "algorithm.max_sampling_factor=1.5",
+        f"run.dir={tmp_path / 'run'}",
+        f"model.cache_dir={model_cache}",
+        "generation.backend=transformers",
+        f"reward.function={__name__}:never_right",
+    ]
+    result = streamppo(
+        "run", "--no-progress", "--config", EXAMPLE / "grpo.yaml", *(a for s in settings for a in ("--set", s))
+    )
+    assert result.returncode == exit_codes.RUN_SHORT == 5, result.stderr[-2000:]
+    assert "ENDED SHORT: 0 of 2 steps" in result.stdout and "done:" not in result.stdout
+
+
+def test_a_run_that_ends_short_of_its_steps_by_stale_groups_names_the_stale_reserve(make_config):
+    """Groups dropped as too stale past what the reserve replaces: the cause is the reserve, not dynamic sampling."""
+    learner = LearnerService(make_config(*SMALL, "run.steps=4", "pipeline.stale_reserve=0.5"))
+    assert learner.shortfall() is not None and "no signal" not in learner.shortfall()
+    learner.too_stale = learner.dropped_stale = 9  # the reserve: ceil(4 batches x 0.5) = 2 batches of 2 groups
+    said = learner.shortfall()
+    assert "9 groups were too stale to train, of which pipeline.stale_reserve=0.5 lets 4 be replaced" in said
+    assert "raise pipeline.stale_reserve" in said and "max_sampling_factor" not in said
+    learner.updates = 4
+    assert learner.shortfall() is None
 
 
 def test_announcements_of_the_version_loaded_bring_progress_without_reloading(make_config, monkeypatch):

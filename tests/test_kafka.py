@@ -157,23 +157,43 @@ def test_a_malformed_record_lands_in_the_dlq_over_kafka(bus, kafka_config):
 
 
 def test_replicas_that_make_the_log_at_once_all_read_its_one_identity(kafka_config):
-    """Services started together on a fresh run each write an identity if they read none; the first record is the
-    log's, and each reads that one back, never none (a feeder under compose once read none back, its probe's high
-    watermark still that of the empty partition, and later took the run's log for a replaced one)."""
+    """Services started together on an empty broker, with no `streamppo topics` first: each makes the run's topics
+    (racing the others) and its identity if it reads none; the first record is the log's, and each reads that one
+    back, never none (a feeder under compose once read none back, its probe's high watermark still that of the
+    empty partition; learners and advantage services of a fleet once read none while the topic was not yet in the
+    broker's metadata, and crashed)."""
     import concurrent.futures
 
-    from services.roles import LOG_TOPIC, pipeline_topics
+    from services.roles import LOG_TOPIC
 
     for attempt in range(4):
         config = kafka_config.model_copy(update={"run": kafka_config.run.model_copy(update={"run_id": unique("id")})})
-        buses = [kafka_bus(config, make=False) for _ in range(4)]
-        buses[0].create_topics(pipeline_topics(config.kafka.partitions, config.kafka.retention))
-        with concurrent.futures.ThreadPoolExecutor(len(buses)) as pool:
-            read = list(pool.map(lambda bus: bus.log_identity(LOG_TOPIC, create=True), buses))
+
+        def start_replica(_, config=config):
+            bus = kafka_bus(config)  # what every process does first: the topics made, the log's identity written
+            return bus, bus.log_identity(LOG_TOPIC, create=True)  # and what its runner reads
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            started = list(pool.map(start_replica, range(6)))
+        read = [identity for _, identity in started]
         assert None not in read and len(set(read)) == 1, (attempt, read)
-        assert buses[0].log_identity(LOG_TOPIC) == read[0], "what a later check reads: the same log"
-        for bus in buses:
+        assert started[0][0].log_identity(LOG_TOPIC) == read[0], "what a later check reads: the same log"
+        for bus, _ in started:
             bus.close()
+
+
+def test_making_the_log_identity_waits_for_a_topic_made_a_moment_ago(kafka_config):
+    """The topic is made while log_identity(create=True) asks: it answers the identity, never None."""
+    import threading
+
+    from services.roles import LOG_TOPIC, pipeline_topics
+
+    config = kafka_config.model_copy(update={"run": kafka_config.run.model_copy(update={"run_id": unique("late")})})
+    bus, maker = kafka_bus(config, make=False), kafka_bus(config, make=False)
+    threading.Timer(1.5, maker.create_topics, args=(pipeline_topics(1),)).start()
+    identity = bus.log_identity(LOG_TOPIC, create=True)
+    assert identity and identity == maker.log_identity(LOG_TOPIC)
+    bus.close(), maker.close()
 
 
 def test_an_unreachable_broker_is_a_clear_error():

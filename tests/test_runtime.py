@@ -573,3 +573,67 @@ def test_a_signing_key_that_cannot_be_read_is_a_configuration_error(make_config,
     config = make_config("pipeline.signing_key_env=NO_SUCH_KEY")
     with pytest.raises(ConfigError, match="environment variable NO_SUCH_KEY is not set"):
         started(FeederService(config), MemoryBus())
+
+
+# Records any client of the broker can write, each of which once stopped a replica (or would have).
+HOSTILE_RECORDS = {
+    "null value": (None, b"k"),
+    "null value and key": (None, None),
+    "empty value": (b"", b"k"),
+    "null key": (b"\x93garbage", None),
+    "a key of a megabyte": (b"\x93garbage", b"k" * (1 << 20)),
+    "a value as large as a record may be": (b"\xc1" * (2 << 20), b"k"),
+}
+
+
+@pytest.mark.parametrize("shape", HOSTILE_RECORDS)
+@pytest.mark.parametrize("topic", ["prompts", "rollouts", "scored", "experience"])
+def test_no_record_a_client_can_write_stops_a_replica(bus, make_config, topic, shape):
+    """Each is dead-lettered (the letter carries what came in, cut to what a record holds, and says so), committed
+    past, and the valid record behind it processed."""
+    from services.advantage import AdvantageService
+
+    config = make_config(
+        "data.batch_size=2",
+        "generation.n=2",
+        "generation.max_new_tokens=4",
+        "learner.mini_batch_size=4",
+        f"kafka.max_message_bytes={2 << 20}",
+    )
+    service = {
+        "prompts": GeneratorService,
+        "rollouts": ScorerService,
+        "scored": AdvantageService,
+        "experience": LearnerService,
+    }[topic](config, f"{topic}-consumer")
+    runner = started(service, bus)
+    value, key = HOSTILE_RECORDS[shape]
+    publish(bus, topic, value, key=key)
+    publish(bus, topic, _valid_input(bus, config, topic))
+    assert runner.poll_once() and runner.poll_once()
+    (letter,) = [decode(v) for v in read_all(bus, f"{topic}.dlq")]
+    assert letter.source_topic == topic and letter.source_offset == 0
+    assert len(encode(letter)) <= config.kafka.max_message_bytes
+    if value is None:
+        assert letter.payload == b"" and "null" in letter.error
+    elif len(value) > config.kafka.max_message_bytes // 2:
+        assert value.startswith(letter.payload) and f"of {len(value)} bytes" in letter.error
+    else:
+        assert letter.payload == value
+    assert runner.counters["processed"] == 1 and runner.counters["dead_letters"] == 1
+    assert not runner.uncommitted, "the hostile record and the valid one are committed past"
+
+
+def test_a_tombstone_on_the_weights_topic_is_taken_as_one_and_the_weights_stay(bus, config):
+    """A null value on a compacted topic is Kafka's deletion of its key's record: nothing to load, no dead letter."""
+    generator = GeneratorService(config, "generator")
+    runner = started(generator, bus)
+    actor = next(a for a in announce_v1(config) if a.model == "actor")
+    publish(bus, "weights", encode(actor), key=b"actor")
+    publish(bus, "weights", None, key=b"actor")
+    publish(bus, "prompts", encode(FeederService(config).batch(0)))
+    for _ in range(3):
+        runner.poll_once()
+    assert runner.counters["tombstones"] == 1 and runner.counters["dead_letters"] == 0
+    assert runner.weights.loaded == {"actor": 1}
+    assert runner.counters["processed"] == 1

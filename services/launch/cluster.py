@@ -232,11 +232,12 @@ def up(
                     return code
             if updates is not None:
                 updates.poll()
-            if all(child.process.poll() == 0 for child in ending):
+            ended = {child.process.poll() for child in ending}
+            if ended <= {exit_codes.OK, exit_codes.RUN_SHORT}:  # every one finished, short of run.steps or not
                 if updates is not None:
                     updates.poll()
                     _summarise(config, bootstrap, before + time.time() - started)  # every up of the run
-                return 0
+                return exit_codes.RUN_SHORT if exit_codes.RUN_SHORT in ended else exit_codes.OK
             time.sleep(0.5)
         return exit_codes.INTERRUPTED
     finally:
@@ -303,7 +304,7 @@ def _free_port_of(address_file: Path) -> int | None:
         return None
 
 
-def _summarise(config, bootstrap: str, seconds: float) -> None:
+def _summarise(config, bootstrap: str, seconds: float):
     """The run's ``done:`` line and ``summary.json``, its dead letters counted from the broker's topics."""
     from services.ops.status import read_status
     from services.ops.summary import summarise_run
@@ -318,7 +319,9 @@ def _summarise(config, bootstrap: str, seconds: float) -> None:
     except Exception as exc:  # the summary is still worth having; say why the count is missing
         print(f"dead letters not counted: {type(exc).__name__}: {exc}", flush=True)
         dead_letters = -1
-    print(summarise_run(Path(config.run.dir), dead_letters, wall_seconds=seconds).done_line(), flush=True)
+    summary = summarise_run(Path(config.run.dir), dead_letters, config.run.steps, wall_seconds=seconds)
+    print(summary.done_line(), flush=True)
+    return summary
 
 
 def stop_all(processes: list[subprocess.Popen], timeout_s: float = 60.0, hurry=lambda: False) -> None:
@@ -388,7 +391,7 @@ def _supervise(child: _Child, restart: str) -> int | None:
             _spawn(child)
         return None
     code = child.process.poll()
-    if code is None or code == 0:
+    if code is None or code in (exit_codes.OK, exit_codes.RUN_SHORT):  # running, or finished (the learner short)
         return None
     failed = code if code > 0 else 1  # killed by a signal
     if restart == "never" or code in exit_codes.PERMANENT:

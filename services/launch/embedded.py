@@ -96,5 +96,5 @@ def run_embedded(config: RunConfig, progress: bool = True, bus: MemoryBus | None
     if config.run.archive_log:  # once every service finished: the learner's last announcement is on it
         archive_bus(bus, run_dir / LOG_DIR, config.run.run_id)
     dead_letters = sum(replica.runner.counters["dead_letters"] for replica in replicas)
-    summary = summarise_run(run_dir, dead_letters, wall_seconds=time.time() - started)
+    summary = summarise_run(run_dir, dead_letters, config.run.steps, wall_seconds=time.time() - started)
     return summary

@@ -27,6 +27,7 @@ from pathlib import Path
 from kafka.errors import KafkaError
 
 from common.config import ConfigError, RunConfig
+from common.schema import REPORT_EVERY_S
 from services.launch import exit_codes
 from services.launch.fleet import Fleet, RunsFolder
 from services.roles import ROLES
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["default_replica_id", "serve", "serve_fleet", "serve_service"]
 
-STATUS_EVERY_S = 30.0
+STATUS_EVERY_S = REPORT_EVERY_S
 # The status topic is also told within this of a change of the counters (status and wait lagged by up to 30 s: the
 # learner said "processed 0" at actor v27); the log line stays at STATUS_EVERY_S.
 STATUS_CHANGED_S = 2.0
@@ -199,6 +200,9 @@ def serve_service(
         )
         if replica.runner is not None:  # one parseable line: where this replica's time went (benchmarks/ reads it)
             log.info("%s: time breakdown %s", replica_id, json.dumps({"role": role, **replica.runner.time_breakdown()}))
+    if code == exit_codes.OK and replica.shortfall:
+        log.error("%s: %s", replica_id, replica.shortfall)
+        code = exit_codes.RUN_SHORT
     return code
 
 

@@ -45,6 +45,7 @@ from common.models import (
     load_tokenizer,
     resolve_model,
 )
+from common.report import OUTCOME_FILE
 from common.schema import (
     ADAPTER,
     ADAPTER_BASE,
@@ -188,6 +189,7 @@ class LearnerService(Service):
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> list[WeightAnnouncement]:
+        (self.run_dir / OUTCOME_FILE).unlink(missing_ok=True)  # the run goes on: it has no outcome yet
         self.epoch = next_epoch(self.config.checkpoint_dir)
         log.info("%s: learner epoch %d", self.replica_id, self.epoch)
         broadcast = self.config.weights.broadcast
@@ -229,18 +231,10 @@ class LearnerService(Service):
         episodes = tuple(self.episodes) if self.config.episodes and all(self.episodes) else None
         if (before and after) or episodes:
             write_generations(self.run_dir, before, after, episodes)
-        if self.updates < self.config.run.steps:
-            log.error(
-                "%s: the run ends after %d of its %d updates: all %d prompt batches are used (%d groups had no "
-                "signal, %d were too stale, %d dead-lettered); raise algorithm.max_sampling_factor or lower run.steps",
-                self.replica_id,
-                self.updates,
-                self.config.run.steps,
-                self.config.prompt_batches,
-                self.no_signal,
-                self.dropped_stale,
-                self.dead_lettered,
-            )
+        shortfall = self.shortfall()
+        (self.run_dir / OUTCOME_FILE).write_text(
+            json.dumps({"updates": self.updates, "steps": self.config.run.steps, "shortfall": shortfall or ""}) + "\n"
+        )
         export_final_models(
             self.run_dir,
             {name: (module, self.trainer.full_state(name)) for name, module, _ in self.trainer.models()},
@@ -248,6 +242,39 @@ class LearnerService(Service):
         )
         self.trackers.finish(self.run_dir)
         log.info("%s: %d updates done; final models in %s", self.replica_id, self.updates, self.run_dir / "final")
+
+    def shortfall(self) -> str | None:
+        """Why the run ends before ``run.steps`` updates, with the setting that applies to each cause; None if not."""
+        cfg = self.config
+        if self.updates >= cfg.run.steps:
+            return None
+        published = cfg.prompt_batches + cfg.replacements_for(self.too_stale)
+        causes = []
+        if self.too_stale:
+            reserve = cfg.replacement_batches * cfg.data.batch_size
+            causes.append(
+                f"{self.too_stale} groups were too stale to train, of which pipeline.stale_reserve="
+                f"{cfg.pipeline.stale_reserve:g} lets {min(reserve, self.too_stale)} be replaced"
+                + ("; raise pipeline.stale_reserve" if self.too_stale > reserve else "")
+            )
+        if self.no_signal:
+            causes.append(
+                f"{self.no_signal} groups had no signal"
+                + (
+                    f" (dynamic sampling publishes algorithm.max_sampling_factor={cfg.algorithm.max_sampling_factor:g}"
+                    " times the groups the updates need; raise it)"
+                    if cfg.algorithm.dynamic_sampling
+                    else ""
+                )
+            )
+        if self.dead_lettered:
+            causes.append(f"{self.dead_lettered} groups were dead-lettered whole (gateway.unrewarded: dead_letter)")
+        if self.dropped_stale > self.too_stale:
+            causes.append(f"{self.dropped_stale - self.too_stale} groups were dropped as not of this run's versions")
+        return (
+            f"the run ended after {self.updates} of its {cfg.run.steps} updates: all {published} prompt batches it may "
+            f"publish are used ({'; '.join(causes) or 'too few groups are left for an update'}); or lower run.steps"
+        )
 
     def _possible_version(self, version: int) -> bool:
         """Whether this learner, or its predecessor rolled back by a crash, can have announced ``version``: at most

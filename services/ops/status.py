@@ -9,15 +9,38 @@ versions and the dead letters per topic.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from common.schema import RUN_ID, TOPIC_MESSAGE, ReplicaStatus, SchemaError, WeightAnnouncement, decode
-from services.roles import LOG_TOPIC, ROLES, STATUS_TOPIC, WEIGHTS_TOPIC
+from common.schema import (
+    REPORT_EVERY_S,
+    RUN_ID,
+    TOPIC_MESSAGE,
+    ReplicaStatus,
+    SchemaError,
+    WeightAnnouncement,
+    decode,
+    encode,
+)
+from services.roles import LOG_TOPIC, ROLES, STATUS_TOPIC, WEIGHTS_TOPIC, pipeline_topics
 from services.transport import Bus, Record, dlq_topic
 
-__all__ = ["PipelineStatus", "format_status", "read_status", "wait_for_run"]
+__all__ = [
+    "PipelineStatus",
+    "format_replication",
+    "format_status",
+    "read_saved_status",
+    "read_status",
+    "save_status",
+    "wait_for_run",
+]
+
+SILENT_AFTER_S = 2 * REPORT_EVERY_S + 5  # a replica whose newest report is older than this is not heard from
+SAVED_STATUS = "status.json"  # <run.dir>/status.json: the status last read from the broker, for when it does not answer
 
 
 @dataclass
@@ -27,6 +50,8 @@ class PipelineStatus:
     weights: dict[str, int] = field(default_factory=dict)  # model -> newest announced version
     dead_letters: dict[str, int] = field(default_factory=dict)  # "<topic>.dlq" -> records (all runs)
     read_at: float = field(default_factory=time.time)
+    brokers: int = 0  # the cluster's brokers (0: not asked)
+    replication: dict[str, int] = field(default_factory=dict)  # topic -> copies of its partitions (the fewest)
 
 
 def _read_all(bus: Bus, topic: str, timeout_s: float) -> list[Record]:
@@ -72,7 +97,62 @@ def read_status(bus: Bus, run_id: str, timeout_s: float = 20.0) -> PipelineStatu
             status.weights[announcement.model] = newest
     for topic in TOPIC_MESSAGE:
         status.dead_letters[dlq_topic(topic)] = len(read[dlq_topic(topic)])
+    status.brokers, status.replication = bus.replication([spec.name for spec in pipeline_topics()])
     return status
+
+
+def format_replication(brokers: int, replication: dict[str, int]) -> str:
+    """One line of the run's topics' copies, and a warning where a cluster of several brokers holds a topic in one
+    copy (a broker's loss loses its partitions)."""
+    counts = sorted(set(replication.values()))
+    line = (
+        f"topics: {'/'.join(map(str, counts)) or '?'} cop{'y' if counts == [1] else 'ies'} each on {brokers} broker(s)"
+    )
+    single = sorted(topic for topic, copies in replication.items() if copies == 1)
+    if brokers > 1 and single:
+        line += (
+            f"\nWARNING: {len(single)} topic(s) keep one copy on a cluster of {brokers} brokers "
+            f"({', '.join(single[:4])}{', ...' if len(single) > 4 else ''}): a broker's loss loses their partitions; "
+            "topics made by streamppo "
+            "take the cluster's replication unless kafka.replication_factor says otherwise"
+        )
+    return line
+
+
+def save_status(run_dir: Path, status: PipelineStatus) -> None:
+    """Keep ``status`` in the run directory (where it exists here): what ``status`` shows when the broker does not
+    answer."""
+    if not Path(run_dir).is_dir():
+        return
+    saved = {
+        "run_id": status.run_id,
+        "read_at": status.read_at,
+        "replicas": [encode(report).hex() for report in status.replicas.values()],
+        "weights": status.weights,
+        "dead_letters": status.dead_letters,
+        "brokers": status.brokers,
+        "replication": status.replication,
+    }
+    with contextlib.suppress(OSError):
+        (Path(run_dir) / SAVED_STATUS).write_text(json.dumps(saved))
+
+
+def read_saved_status(run_dir: Path) -> PipelineStatus | None:
+    """The status :func:`save_status` kept, its replicas' reports as they were (None if there is none)."""
+    try:
+        saved = json.loads((Path(run_dir) / SAVED_STATUS).read_text())
+        reports = [decode(bytes.fromhex(report), expected=ReplicaStatus) for report in saved["replicas"]]
+        return PipelineStatus(
+            saved["run_id"],
+            {report.replica: report for report in reports},
+            saved["weights"],
+            saved["dead_letters"],
+            time.time(),  # ages shown from now: every replica's report is as old as it is
+            saved["brokers"],
+            saved["replication"],
+        )
+    except (OSError, ValueError, KeyError, TypeError, SchemaError):
+        return None
 
 
 def format_status(status: PipelineStatus) -> str:
@@ -93,11 +173,18 @@ def format_status(status: PipelineStatus) -> str:
             f"{k.removeprefix('weights.')} v{v}" for k, v in counters.items() if k.startswith("weights.")
         )
         age = status.read_at - r.created_at
+        silent = r.state in ("serving", "waiting") and age > SILENT_AFTER_S
+        state = "silent" if silent else r.state
         lines.append(
-            f"{r.replica:<28}{r.state:<10}{r.lag:>6}{r.held:>6}{counters.get('processed', 0):>11}"
+            f"{r.replica:<28}{state:<10}{r.lag:>6}{r.held:>6}{counters.get('processed', 0):>11}"
             f"{counters.get('dropped', 0):>9}{counters.get('dead_letters', 0):>5}  {versions or '-'}"
             f"  ({age:.0f} s ago)"
         )
+        if silent:
+            lines.append(
+                f"    no report for {age:.0f} s (a replica reports every {REPORT_EVERY_S:.0f} s): stopped, gone, or in "
+                f"one long batch; it last said {r.state}"
+            )
         if r.url:
             lines.append(f"    serving {r.url}")
         if "fleet.runs" in counters:
@@ -110,6 +197,8 @@ def format_status(status: PipelineStatus) -> str:
     lines.append("lag per role: " + (", ".join(f"{role} {lag}" for role, lag in per_role.items()) or "-"))
     lines.append("newest weights: " + (", ".join(f"{m} v{v}" for m, v in sorted(status.weights.items())) or "none"))
     lines.append("dead letters: " + ", ".join(f"{t} {n}" for t, n in status.dead_letters.items()))
+    if status.brokers and status.replication:
+        lines.append(format_replication(status.brokers, status.replication))
     return "\n".join(lines)
 
 

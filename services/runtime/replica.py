@@ -52,6 +52,7 @@ class Replica:
         self.runner: ServiceRunner | None = None
         self.lost_log: str | None = None  # why it ended on a lost log it could not go on from (None: it did not)
         self.closed = False  # the service closed (once: its engines and shared models are released once)
+        self.shortfall: str | None = None  # why it finished short of what the run asked (Service.shortfall)
 
     @property
     def replica_id(self) -> str:
@@ -105,6 +106,7 @@ class Replica:
         try:
             if finished and done and self.lost_log is None:
                 self.service.finish()
+                self.shortfall = self.service.shortfall()
         finally:
             if self.runner is None:
                 self._close_service()  # a replica that never started, or one whose lost log it left

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import blake3
+
 from common.batch_store import BatchStore, BatchStoreError
 from common.schema import (
     RUN_ID,
@@ -44,7 +46,7 @@ from common.schema import (
     message_partition,
 )
 from common.signing import Signer
-from services.roles import LOG_TOPIC, STATUS_TOPIC, WEIGHTS_TOPIC
+from services.roles import COMPACTED_TOPICS, LOG_TOPIC, STATUS_TOPIC, WEIGHTS_TOPIC
 from services.runtime.channel import BusChannel
 from services.runtime.dedupe import RecentIds
 from services.runtime.metrics import ServiceMetrics
@@ -61,6 +63,9 @@ LOG_CHECK_S = 2.0  # how often a replica checks that its log is still the one it
 STREAM_POLL_S = 0.01  # how long a streaming service's runner waits, with work in hand, before collecting again
 ADMIT_PER_POLL = 64  # the most inputs a streaming service is given in one poll
 WEIGHTS_CATCH_UP_S = 1.0  # how long one poll reads the weights topic towards its end before a replica's first input
+# A dead letter's fields but its payload (error, topic, key, record overhead): what the largest record leaves room for.
+DEAD_LETTER_FIELDS_BYTES = 64 * 1024
+DEAD_LETTER_KEY_BYTES = 1024  # a source key past this is cut: keys name a batch, a replica or a model
 
 
 class OutputError(Exception):
@@ -671,9 +676,22 @@ class ServiceRunner:
     def accept(self, record: Record, expected: type) -> Message | None:
         """``record`` decoded as ``expected`` (a batch sent by reference, fetched), if it is valid and of this run.
 
-        What does not decode or validate is dead-lettered, another run's message skipped and counted: None for
-        either, and the caller commits past the record (a group's input) or not (the weights feed's).
+        What does not decode or validate is dead-lettered, another run's message skipped and counted, a tombstone
+        (a null value on a compacted topic: the deletion of its key's record, which a reader that has taken the
+        record in has nothing to undo of) counted: None for each, and the caller commits past the record (a group's
+        input) or not (the weights feed's).
         """
+        if record.value is None and record.topic in COMPACTED_TOPICS:
+            self.counters["tombstones"] += 1
+            log.info(
+                "%s: %s[%d]@%d is a tombstone (key %r): nothing to take",
+                self.replica_id,
+                record.topic,
+                record.partition,
+                record.offset,
+                record.key,
+            )
+            return None
         try:
             message = decode(record.value, expected=(expected, BatchReference))
             if isinstance(message, BatchReference):
@@ -698,16 +716,34 @@ class ServiceRunner:
             return None
         return message
 
+    def _fit_dead_letter(self, payload: bytes | None, key: bytes | None, error: str) -> tuple[bytes, bytes | None, str]:
+        """What a dead letter can carry of whatever came in, and the error saying what it could not: a null value as
+        no bytes; a payload or key too large for a record beside the letter's other fields, cut (the payload's whole
+        size and digest said). A dead letter that could not be sent would stop the replica at every restart."""
+        if payload is None:
+            payload, error = b"", f"{error} (the record's value is null)"
+        room = self.service.config.kafka.max_message_bytes - DEAD_LETTER_FIELDS_BYTES
+        if len(payload) > room:
+            error = (
+                f"{error} (payload cut to its first {room} of {len(payload)} bytes; whole: "
+                f"blake3:{blake3.blake3(payload).hexdigest()})"
+            )
+            payload = payload[:room]
+        if key is not None and len(key) > DEAD_LETTER_KEY_BYTES:
+            key, error = key[:DEAD_LETTER_KEY_BYTES], f"{error} (key cut to its first {DEAD_LETTER_KEY_BYTES} bytes)"
+        return payload, key, error
+
     def _dead_letter(self, record: Record, error: str) -> None:
         """Set an input record aside (see :meth:`dead_letter`); a batch it references keeps its file."""
         self.dead_letter(record.topic, record.value, record.key, error, record.partition, record.offset)
         self.referenced.keep(record)
 
     def dead_letter(
-        self, topic: str, payload: bytes, key: bytes | None, error: str, partition: int = -1, offset: int = -1
+        self, topic: str, payload: bytes | None, key: bytes | None, error: str, partition: int = -1, offset: int = -1
     ) -> None:
         """The one place a record is set aside: ``payload`` of ``topic`` (at ``partition``/``offset``, or -1 for a
         message that never was a record, such as a channel's) on ``<topic>.dlq`` with why, counted and said."""
+        payload, key, error = self._fit_dead_letter(payload, key, error)
         letter = DeadLetter(
             error=error,
             source_topic=topic,

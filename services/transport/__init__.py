@@ -3,6 +3,7 @@
 from services.transport.base import (
     Bus,
     Consumer,
+    LogMissing,
     LogReplaced,
     Producer,
     Record,
@@ -15,6 +16,7 @@ from services.transport.memory import MemoryBus
 __all__ = [
     "Bus",
     "Consumer",
+    "LogMissing",
     "LogReplaced",
     "MemoryBus",
     "Producer",

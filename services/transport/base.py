@@ -14,7 +14,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-__all__ = ["Bus", "Consumer", "LogReplaced", "Producer", "Record", "TopicMismatch", "TopicSpec", "dlq_topic"]
+__all__ = [
+    "Bus",
+    "Consumer",
+    "LogMissing",
+    "LogReplaced",
+    "Producer",
+    "Record",
+    "TopicMismatch",
+    "TopicSpec",
+    "dlq_topic",
+]
 
 
 class TopicMismatch(RuntimeError):
@@ -24,6 +34,11 @@ class TopicMismatch(RuntimeError):
 class LogReplaced(RuntimeError):
     """The log a service works on is gone: the broker lost its data, or its topics were made again by another run
     start. Nothing more may be read, sent or committed; the run resumes from the learner's checkpoint."""
+
+
+class LogMissing(RuntimeError):
+    """The topic of the log's identity does not exist, and a caller that would make the log's identity cannot: the
+    run's topics were never made, or the broker lost them."""
 
 
 def dlq_topic(topic: str) -> str:
@@ -44,19 +59,22 @@ class TopicSpec:
 
 @dataclass(frozen=True)
 class Record:
+    """One record as the broker holds it. ``value`` is None for Kafka's null value: a tombstone on a compacted topic
+    (the deletion of its key's record), and a record any client may write on any other topic."""
+
     topic: str
     partition: int
     offset: int
     key: bytes | None
-    value: bytes
+    value: bytes | None
     timestamp: float
 
 
 class Producer(ABC):
     @abstractmethod
-    def send(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None) -> None:
-        """Queue a record, to ``partition`` or else the one its key hashes to; :meth:`flush` returns once
-        everything queued is acknowledged."""
+    def send(self, topic: str, value: bytes | None, key: bytes | None = None, partition: int | None = None) -> None:
+        """Queue a record (``value`` None: a null value, a tombstone), to ``partition`` or else the one its key
+        hashes to; :meth:`flush` returns once everything queued is acknowledged."""
 
     @abstractmethod
     def partitions(self, topic: str) -> int:
@@ -130,9 +148,16 @@ class Bus(ABC):
 
     @abstractmethod
     def log_identity(self, topic: str, create: bool = False) -> str | None:
-        """The identity of the log: the value of the first record of ``topic`` (one partition), which
-        ``create=True`` writes, a new one, when there is none. None when the topic does not exist or is empty (a
-        broker that lost its data). Everyone reads the first record, so writers that race agree on it."""
+        """The identity of the log: the value of the first record of ``topic`` (one partition) that has a value,
+        which ``create=True`` writes, a new one, when there is none. None when the topic does not exist or holds no
+        identity (a broker that lost its data), never with ``create=True``: it raises :class:`LogMissing` when the
+        topic does not exist (it waits for a topic made a moment ago to be known). Everyone reads the first record,
+        so writers that race agree on it."""
+
+    def replication(self, topics: list[str]) -> tuple[int, dict[str, int]]:
+        """The brokers the bus has, and of ``topics`` that exist the copies each keeps of its partitions (the fewest of
+        any partition): what ``streamppo topics`` and ``status`` say, and warn of on a cluster of several brokers."""
+        return 1, dict.fromkeys(topics, 1)
 
     @abstractmethod
     def producer(self, client_id: str) -> Producer: ...

@@ -26,14 +26,20 @@ from kafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from kafka.errors import KafkaError, KafkaTimeoutError, NoBrokersAvailable, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
-from services.transport.base import Bus, Consumer, Producer, Record, TopicMismatch, TopicSpec
+from services.transport.base import Bus, Consumer, LogMissing, Producer, Record, TopicMismatch, TopicSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BrokerUnavailable", "KafkaBus", "KafkaSettings"]
+__all__ = ["BrokerUnavailable", "KafkaBus", "KafkaSettings", "min_insync_replicas"]
 
 
 ANSWER_TIMEOUT_S = 5.0  # how long a log identity check waits for the broker's answer (it takes milliseconds)
+
+
+def min_insync_replicas(replication: int) -> int:
+    """The copies a write must reach (with the producers' acks=all) before it counts as sent: 2 of 3 or more, so
+    that one broker's loss neither loses an acknowledged record nor stops writes; 1 of 1 or 2."""
+    return 2 if replication >= 3 else 1
 
 
 class BrokerUnavailable(ConnectionError):
@@ -47,7 +53,7 @@ class KafkaSettings:
     session_timeout_ms: int = 6000
     heartbeat_interval_ms: int = 1000
     max_poll_interval_ms: int = 600_000  # one batch of model compute may take minutes
-    replication_factor: int = 1
+    replication_factor: int | None = None  # None: the cluster's (see replication_for)
     connect_timeout_s: float = 60.0
     idempotent_producer: bool = True
     fetch_max_wait_ms: int = 100  # how long the broker may hold an empty fetch (see KafkaSection)
@@ -121,24 +127,62 @@ class KafkaBus(Bus):
                 admin.delete_topics(list(wrong))
                 self._wait_until_gone(list(wrong))
                 missing += [spec for spec in kept if spec.name in wrong]
+            replication = self.settings.replication_factor or self._cluster_replication(admin)
             for spec in missing:
                 configs = {
                     "max.message.bytes": str(self.settings.max_message_bytes),
                     "cleanup.policy": "compact" if spec.compacted else "delete",
                 }
+                if replication > 1:
+                    configs["min.insync.replicas"] = str(min_insync_replicas(replication))
                 if not spec.compacted:
                     if spec.retention_ms is not None:
                         configs["retention.ms"] = str(spec.retention_ms)
                     if spec.retention_bytes is not None:
                         configs["retention.bytes"] = str(spec.retention_bytes)
                 configs.update(spec.settings)
-                topic = NewTopic(spec.name, spec.partitions, self.settings.replication_factor, topic_configs=configs)
+                topic = NewTopic(spec.name, spec.partitions, replication, topic_configs=configs)
                 try:
                     admin.create_topics([topic])
                 except TopicAlreadyExistsError:
                     pass  # another process created it first
         finally:
             admin.close()
+
+    def _cluster_replication(self, admin: KafkaAdminClient) -> int:
+        """The replication of topics made without ``kafka.replication_factor``: the brokers'
+        ``default.replication.factor``, but at least min(3, brokers) (Kafka's own default of 1 would leave one
+        broker's loss losing partitions), and never more than the brokers."""
+        brokers, _ = self._cluster_metadata([])
+        said = 1
+        try:
+            resources = [ConfigResource(ConfigResourceType.BROKER, str(min(brokers)))]
+            for response in admin.describe_configs(resources):
+                for resource in response.resources:
+                    value = str({entry[0]: entry[1] for entry in resource[4]}.get("default.replication.factor", ""))
+                    said = int(value) if value.isdigit() else said
+        except (KafkaError, ValueError, IndexError) as exc:  # a broker that does not describe its configs
+            log.debug("default.replication.factor not read (%s): taking min(3, brokers)", exc)
+        return min(len(brokers), max(said, min(3, len(brokers))))
+
+    def replication(self, topics: list[str]) -> tuple[int, dict[str, int]]:
+        brokers, partitions = self._cluster_metadata(topics)
+        return len(brokers), {
+            topic: min(len(p.replicas) for p in found.values()) for topic, found in partitions.items() if found
+        }
+
+    def _cluster_metadata(self, topics: list[str]) -> tuple[set[int], dict[str, dict]]:
+        """The brokers' ids and, of ``topics`` that exist, each partition's metadata (its replicas), from a fresh
+        metadata request (the admin client's describe calls parse ACL fields not every broker fills in)."""
+        probe = self._retrying("metadata", self._metadata_probe)
+        try:
+            existing = self._topics(probe)
+            cluster = probe._client.cluster
+            return {broker.nodeId for broker in cluster.brokers()}, {
+                topic: dict(cluster._partitions.get(topic, {})) for topic in topics if topic in existing
+            }
+        finally:
+            probe.close()
 
     @staticmethod
     def _wrong_topics(admin: KafkaAdminClient, specs: list[TopicSpec], partitions: dict) -> dict[str, str]:
@@ -198,7 +242,9 @@ class KafkaBus(Bus):
             self._identity_probe = self._retrying("metadata", self._metadata_probe)
         probe = self._identity_probe
         if topic not in self._topics(probe):  # a fresh metadata request: a topic the broker lost is gone from it
-            return None
+            if not create:
+                return None
+            self._await_topic(probe, topic)  # made a moment ago (create_topics), not yet in every broker's metadata
         tp = TopicPartition(topic, 0)
         probe.assign([tp])
         probe.seek_to_beginning(tp)
@@ -217,6 +263,18 @@ class KafkaBus(Bus):
             probe.seek_to_beginning(tp)
             first = self._first_record(probe, tp, written=True)
         return first
+
+    def _await_topic(self, probe: KafkaConsumer, topic: str) -> None:
+        """Return once the broker's metadata names ``topic``; raise :class:`LogMissing` after ``connect_timeout_s``."""
+        deadline = time.monotonic() + self.settings.connect_timeout_s
+        while topic not in self._topics(probe):
+            if time.monotonic() > deadline:
+                raise LogMissing(
+                    f"topic {topic} does not exist on {self.settings.bootstrap} after "
+                    f"{self.settings.connect_timeout_s:.0f}s: the run's topics were not made (`streamppo topics` "
+                    "makes them) or the broker lost them"
+                )
+            time.sleep(0.2)
 
     @staticmethod
     def _topics(consumer: KafkaConsumer, timeout_s: float = ANSWER_TIMEOUT_S) -> set[str]:
@@ -239,14 +297,16 @@ class KafkaBus(Bus):
     def _first_record(
         consumer: KafkaConsumer, tp: TopicPartition, timeout_s: float = ANSWER_TIMEOUT_S, written: bool = False
     ) -> str | None:
-        """The value of the partition's first record, or None once a fetch shows the partition empty (never when it
-        is known to be ``written``). A broker that does not answer (it is away) raises: that is not an empty log, and
-        no service may take it for one."""
+        """The value of the partition's first record with a value (a null one, which any client may write, names no
+        log), or None once a fetch shows no such record (never when one is known to be ``written``). A broker that
+        does not answer (it is away) raises: that is not an empty log, and no service may take it for one."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for records in consumer.poll(timeout_ms=200, max_records=1).values():
-                return records[0].value.decode(errors="replace")
-            if not written and consumer.highwater(tp) == 0:
+            for records in consumer.poll(timeout_ms=200, max_records=100).values():
+                for record in records:
+                    if record.value is not None:
+                        return record.value.decode(errors="replace")
+            if not written and consumer.highwater(tp) is not None and consumer.position(tp) >= consumer.highwater(tp):
                 return None
         raise KafkaTimeoutError(f"no answer to a fetch of {tp.topic} within {timeout_s:.0f} s")
 
@@ -426,7 +486,7 @@ class _KafkaProducer(Producer):
         self.producer = producer
         self.futures = []
 
-    def send(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None) -> None:
+    def send(self, topic: str, value: bytes | None, key: bytes | None = None, partition: int | None = None) -> None:
         self.futures.append(self.producer.send(topic, value=value, key=key, partition=partition))
 
     def partitions(self, topic: str) -> int:

@@ -8,7 +8,7 @@ import uuid
 import zlib
 from collections import defaultdict
 
-from services.transport.base import Bus, Consumer, Producer, Record, TopicSpec
+from services.transport.base import Bus, Consumer, LogMissing, Producer, Record, TopicSpec
 
 __all__ = ["MemoryBus"]
 
@@ -44,11 +44,15 @@ class MemoryBus(Bus):
     def log_identity(self, topic: str, create: bool = False) -> str | None:
         with self._lock:
             if topic not in self._topics:
+                if create:
+                    raise LogMissing(f"topic {topic} does not exist: the run's topics were not made")
                 return None
-            log = self._topics[topic].partitions[0]
+            log = [record for record in self._topics[topic].partitions[0] if record.value is not None]
             if not log and create:
-                self._append(topic, uuid.uuid4().hex.encode(), None, 0)
-            return log[0].value.decode() if log else None
+                identity = uuid.uuid4().hex
+                self._append(topic, identity.encode(), None, 0)
+                return identity
+            return log[0].value.decode(errors="replace") if log else None
 
     def producer(self, client_id: str) -> Producer:
         return _MemoryProducer(self)
@@ -58,7 +62,7 @@ class MemoryBus(Bus):
 
     # -- used by producers and consumers, under the lock
 
-    def _append(self, topic: str, value: bytes, key: bytes | None, partition: int | None = None) -> None:
+    def _append(self, topic: str, value: bytes | None, key: bytes | None, partition: int | None = None) -> None:
         with self._lock:
             t = self.topic(topic)
             if partition is not None:
@@ -70,7 +74,7 @@ class MemoryBus(Bus):
                 partition = self._round_robin % len(t.partitions)
                 self._round_robin += 1
             log = t.partitions[partition]
-            log.append(Record(topic, partition, len(log), key, bytes(value), time.time()))
+            log.append(Record(topic, partition, len(log), key, None if value is None else bytes(value), time.time()))
             self._lock.notify_all()
 
     def _join(self, group: str, topic: str, member: str) -> None:
@@ -96,7 +100,7 @@ class _MemoryProducer(Producer):
     def __init__(self, bus: MemoryBus):
         self.bus = bus
 
-    def send(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None) -> None:
+    def send(self, topic: str, value: bytes | None, key: bytes | None = None, partition: int | None = None) -> None:
         self.bus._append(topic, value, key, partition)
 
     def partitions(self, topic: str) -> int:

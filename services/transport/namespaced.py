@@ -32,6 +32,10 @@ class NamespacedBus(Bus):
     def log_identity(self, topic: str, create: bool = False) -> str | None:
         return self.bus.log_identity(self.name(topic), create)
 
+    def replication(self, topics: list[str]) -> tuple[int, dict[str, int]]:
+        brokers, copies = self.bus.replication([self.name(topic) for topic in topics])
+        return brokers, {self.local(name): count for name, count in copies.items()}
+
     def producer(self, client_id: str) -> Producer:
         return _Producer(self.bus.producer(client_id), self)
 
