@@ -49,22 +49,24 @@ lint:
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test-fast:
+# Each test target installs what it needs first (at once when nothing changed): after `make run`, whose venv has no
+# test extras, `make test-fast` works as it is.
+test-fast: venv
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 # The targets whose tests include containers start a Docker engine for them and stop it whatever happens.
 WITH_ENGINE = trap 'deploy/docker/engine.sh stop' EXIT; deploy/docker/engine.sh start && deploy/docker/build.sh &&
 
-test:
+test: setup
 	@$(WITH_ENGINE) $(PYTEST) -m "not soak and not recipe" --durations=25 $(PYTEST_ARGS)
 
-test-soak:
+test-soak: setup
 	@$(WITH_ENGINE) $(PYTEST) -m soak --durations=25 $(PYTEST_ARGS)
 
-test-recipes:
+test-recipes: venv
 	$(PYTEST) -m recipe --durations=25 $(PYTEST_ARGS)
 
-test-all:
+test-all: setup
 	@$(WITH_ENGINE) $(PYTEST) --durations=25 $(PYTEST_ARGS)
 
 ci: setup lint test

@@ -391,11 +391,12 @@ class EnvironmentSection(_Section):
 class AgentSection(_Section):
     """The agent that runs each episode of a gateway run (``services/gateway/agents.py``): a function of yours."""
 
-    function: str = Field(
+    function: str | None = Field(
+        None,
         description="'module:function' called with each episode (services.gateway.agents.Episode: its base_url, "
         "api_key, prompt and label); it talks to the model through any OpenAI client at the episode's base URL. A "
         "number it returns is the episode's reward; None leaves the reward to what it posted, or to "
-        "gateway.unrewarded."
+        "gateway.unrewarded. Required with placement local; with remote, `streamppo agents` takes it (or --function).",
     )
     workers: int = Field(8, gt=0, description="Episodes run at once (threads).")
     placement: Literal["local", "remote"] = Field(
@@ -403,6 +404,12 @@ class AgentSection(_Section):
         description="local: threads of each gateway replica run the episodes it hands out; remote: nothing in the run "
         "starts agents: `streamppo agents` (or any client of POST /episodes/claim) runs them elsewhere.",
     )
+
+    @model_validator(mode="after")
+    def _a_local_agent_is_named(self) -> AgentSection:
+        if self.placement == "local" and not self.function:
+            raise ValueError("gateway.agent.function is required with placement local (the gateway runs the agent)")
+        return self
 
 
 class GatewaySection(_Section):

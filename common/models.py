@@ -44,7 +44,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def _build_builtin(name: str, build, directory: Path) -> None:
-    log.warning("preparing builtin model %s in %s (once)", name, directory)
+    log.info("preparing builtin model %s in %s (once)", name, directory)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=directory.parent))
     try:
         build(tmp)

@@ -874,7 +874,11 @@ class DeadLetter(_Record):
     source_topic: str = scalar("str", "Topic the message was read from.")
     source_partition: int = scalar("int", "Partition it was read from.")
     source_offset: int = scalar("int", "Its offset there.")
-    payload: bytes = scalar("bytes", "The original bytes, untouched.")
+    payload: bytes = scalar(
+        "bytes",
+        "The original bytes, untouched; empty for a null value, and cut where the record would not fit beside the "
+        "other fields (the error then gives the whole size and digest).",
+    )
     producer: str = scalar("str", "The service replica that rejected it.")
     created_at: float = scalar("float", "Unix time of the rejection.")
 

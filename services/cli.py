@@ -269,7 +269,8 @@ def _end_with_the_run(config, pool) -> dict:
 def _up(args) -> int:
     from common.config import ConfigError, load_config
     from services.launch.cluster import parse_replicas, resumed_run, up
-    from services.launch.preflight import check_run_inputs
+    from services.launch.preflight import check_broker_answers, check_run_inputs
+    from services.transport.run_bus import bootstrap_of
 
     overrides = [*args.set, *(["run.resume=true"] if args.resume else [])]
     config_path, replica_specs = args.config, args.replicas
@@ -280,6 +281,8 @@ def _up(args) -> int:
         replica_specs = [*saved, *replica_specs]
     config = load_config(config_path, overrides)
     check_run_inputs(config)  # fail here, once, rather than in every child
+    if args.bootstrap is not None:
+        check_broker_answers(bootstrap_of(config, args.bootstrap))
     try:
         replicas = parse_replicas(replica_specs, config)
     except ValueError as exc:
@@ -298,9 +301,18 @@ def _up(args) -> int:
 
 
 def _models(args) -> int:
+    from common.config import ConfigError
     from common.models import resolve_model
     from recipes.models import BUILTIN_MODELS
 
+    if args.action == "merge":
+        from services.learner.export import merge_adapter
+
+        if args.out is None:
+            raise ConfigError("models merge ADAPTER_FOLDER --out FOLDER: where to write the merged model")
+        base = resolve_model(args.base, args.cache_dir) if args.base else None
+        print(f"merged into {merge_adapter(Path(args.name), args.out, base)}")
+        return 0
     if args.action == "list":
         for name, (build, _revision) in BUILTIN_MODELS.items():
             print(f"builtin:{name:<24} {_first_sentence(build.__doc__ or '')}")
@@ -509,9 +521,23 @@ def _add_pipeline_commands(sub) -> None:
 def _add_tool_commands(sub) -> None:
     """``models``, ``train-rm``, ``report`` and ``protos``."""
     default_cache = Path.home() / ".cache" / "streamppo"
-    models = sub.add_parser("models", help="list the builtin models, or prepare one (build / convert) into the cache")
-    models.add_argument("action", choices=["list", "prepare"])
-    models.add_argument("name", nargs="?", default="all", help="e.g. smollm2-135m-instruct (default: all)")
+    models = sub.add_parser(
+        "models", help="list the builtin models, prepare one (build / convert) into the cache, or merge a LoRA adapter"
+    )
+    models.add_argument("action", choices=["list", "prepare", "merge"])
+    models.add_argument(
+        "name",
+        nargs="?",
+        default="all",
+        help="prepare: e.g. smollm2-135m-instruct (default: all); merge: a LoRA "
+        "run's adapter folder (<run dir>/final/actor)",
+    )
+    models.add_argument("--out", type=Path, default=None, help="merge: the folder of the merged model")
+    models.add_argument(
+        "--base",
+        default=None,
+        help="merge: the base model's folder or builtin:<name> (default: the one the adapter names)",
+    )
     models.add_argument("--cache-dir", type=Path, default=default_cache)
     models.set_defaults(handler=_models)
 
@@ -577,6 +603,9 @@ def _configure_logging(verbose: bool) -> None:
     # kafka-python logs every connection it opens and closes at INFO, every failed attempt at ERROR; the services
     # report broker trouble once themselves.
     logging.getLogger("kafka").setLevel(logging.WARNING if verbose else logging.CRITICAL)
+    # PyPI's torch is a CUDA build: on a machine without triton it warns, at import, that flop counting of triton
+    # kernels will not work (streamppo counts no flops), whatever TORCH_LOGS says once -v is given.
+    logging.getLogger("torch.utils.flop_counter").setLevel(logging.ERROR)
     if not verbose:
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # run.trackers: its store's migrations at INFO
 
@@ -586,6 +615,7 @@ def _dispatch(args) -> int:
     try:
         return args.handler(args)
     except KeyboardInterrupt:
+        print(f"streamppo {args.command}: stopped by Ctrl-C (or SIGTERM)", file=sys.stderr)
         return exit_codes.INTERRUPTED
     except Exception as exc:
         code = _exit_code_of(exc)

@@ -227,6 +227,11 @@ class Service(ABC):
         being sampled): a round in which it sent nothing is then no stall."""
         return False
 
+    def in_hand(self) -> str:
+        """What a streaming service's inputs in flight wait for, when they wait (for status, and the line the runner
+        logs): '' when nothing in hand waits. A service that holds work and makes no progress says why here."""
+        return ""
+
     # ------------------------------------------------------------------ a request/reply exchange (optional)
 
     def channels(self) -> dict[str, tuple[str, str]]:

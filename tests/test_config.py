@@ -394,6 +394,18 @@ def test_cli_reports_an_unreachable_broker_briefly(tmp_path, model_cache):
     assert len(result.stderr.strip().splitlines()) <= 3, result.stderr  # the wait, the error: no flood
 
 
+def test_up_against_a_broker_that_does_not_answer_stops_in_seconds_with_exit_2_and_what_to_check(tmp_path):
+    import time
+
+    from services.transport.local_broker import free_port
+
+    started = time.monotonic()
+    result = streamppo("up", "--config", EXAMPLE / "config.yaml", "--bootstrap", f"127.0.0.1:{free_port()}",
+                       "--set", f"run.dir={tmp_path / 'run'}")  # fmt: skip
+    assert time.monotonic() - started < 30 and result.returncode == 2, result.stderr
+    assert "no broker answers at 127.0.0.1:" in result.stderr and "advertised listeners" in result.stderr
+
+
 @pytest.mark.parametrize(
     "setting, named",
     [
@@ -544,3 +556,30 @@ def test_status_of_a_run_whose_broker_does_not_answer_answers_from_the_run_direc
     assert "last update: step 7" in result.stdout
     assert re.search(r"^scorer-0 +silent ", result.stdout, re.M), result.stdout
     assert re.search(r"no report for 30\d s .*it last said serving", result.stdout), result.stdout
+
+
+def test_an_agent_placed_remote_needs_no_function_and_one_placed_local_does(make_config):
+    remote = make_config("generation.streaming=true", "gateway.agent.placement=remote")
+    assert remote.gateway.agent.function is None
+    with pytest.raises(ConfigError, match="gateway.agent.function is required with placement local"):
+        make_config("generation.streaming=true", "gateway.agent.placement=local")
+
+
+def test_the_gpu_config_for_a_qwen_class_model_validates_and_names_the_folder_to_download(tmp_path):
+    """examples/qwen/ppo.yaml (docs/gpu.md): every setting valid; without the model folder, the check before a run
+    names it and says what to do, in seconds."""
+    from common.models import ModelLoadError
+    from services.launch.preflight import check_run_inputs
+
+    config = load_config(REPO / "examples" / "qwen" / "ppo.yaml", [f"run.dir={tmp_path / 'run'}"])
+    assert config.model.device == "cuda" and config.model.dtype == "bfloat16"
+    assert config.generation.backend == "vllm" and config.generation.vllm.gpu_memory_utilization == 0.35
+    assert config.learner.mini_batch_size % config.learner.micro_batch_size == 0
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i} + {i} =", "label": str(2 * i)}) + "\n" for i in range(64)))
+    config = load_config(
+        REPO / "examples" / "qwen" / "ppo.yaml",
+        [f"run.dir={tmp_path / 'run'}", f"data.prompts={prompts}", f"model.actor={tmp_path / 'qwen2.5-0.5b'}"],
+    )
+    with pytest.raises(ModelLoadError, match="qwen2.5-0.5b"):
+        check_run_inputs(config)

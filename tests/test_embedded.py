@@ -113,7 +113,7 @@ def test_a_reused_run_directory_is_cleared_out_loud_and_summarised_like_the_repo
     assert (config.checkpoint_dir / "LATEST").is_file()
     with caplog.at_level(logging.WARNING, logger="services.launch.embedded"):
         summary = run_embedded(config, progress=False)
-    assert any("clearing the checkpoints" in r.getMessage() for r in caplog.records)
+    assert any("cleared the earlier run in" in r.getMessage() for r in caplog.records)
     assert summary.steps == 4, "started from scratch, not resumed from the old checkpoint"
     report = summarise(load_metrics(config.run.dir))
     rewards = [json.loads(line)["reward_mean"] for line in (config.run.dir / "metrics.jsonl").open()]

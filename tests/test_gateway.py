@@ -974,3 +974,28 @@ def test_killing_the_gateway_and_the_generator_mid_call_loses_and_repeats_nothin
     expected = [row for episode_rows in logged.values() for row in episode_rows]
     assert sorted(map(str, rows)) == sorted(map(str, expected)), "trained exactly the logged calls, each once"
     assert len(logged) == steps * 2 * 2
+
+
+def test_a_gateway_holding_prompts_it_cannot_hand_out_says_so_in_status(make_config):
+    """Prompt batches taken, their episodes offered, no agent claiming: the report says what the work in hand waits
+    for instead of 'serving' with nothing waiting."""
+    from services.feeder import FeederService
+    from services.gateway import GatewayService
+
+    config = gateway_config(make_config, "run.steps=1", f"gateway.port={free_port()}")
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics())
+    started(FeederService(config), bus)  # publishes the prompt batches
+    gateway = started(GatewayService(config), bus)
+    try:
+        deadline = time.monotonic() + 30
+        while not gateway.in_flight:
+            assert time.monotonic() < deadline, "the gateway took no prompt batch"
+            gateway.poll_once(0.1)
+        gateway.poll_once(0.1)  # offers its episodes
+        report = gateway.publish_status()
+    finally:
+        gateway.close()
+    assert report.state == "waiting", report
+    assert "input(s) in hand: prompt batches [0] held" in report.waiting_for
+    assert "episodes offered, none taken for" in report.waiting_for and "(no agent claims)" in report.waiting_for

@@ -169,3 +169,32 @@ def test_runs_of_one_process_share_the_base_model_and_each_samples_with_its_own_
     a.close()
     assert a.sampler.adapter not in b.sampler.host.model.peft_config and mismatch(b, learners["b"]) < 1e-4
     b.close()
+
+
+def test_a_lora_runs_adapter_merges_into_a_plain_folder_that_computes_what_base_and_adapter_do(tiny_model, tmp_path):
+    """`streamppo models merge <run dir>/final/actor --out DIR`: a folder any transformers loader reads (no peft),
+    whose logits are the adapted model's, not the base's."""
+    from test_config import streamppo
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapted = add_lora(load_actor(tiny_model), LoraOptions(rank=4))
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.5)  # B = 0 at start: a trained adapter moves the model
+    adapted.save_pretrained(tmp_path / "final" / "actor")
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path / "final" / "actor")
+    result = streamppo("models", "merge", tmp_path / "final" / "actor", "--out", tmp_path / "merged")
+    assert result.returncode == 0, result.stderr
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    tokens = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    with torch.no_grad():
+        want, got = adapted(tokens).logits, merged(tokens).logits
+        base = load_actor(tiny_model)(tokens).logits
+    assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(got, base, atol=1e-3)
+    assert (tmp_path / "merged" / "tokenizer_config.json").is_file()
+    missing = streamppo(
+        "models", "merge", tmp_path / "final" / "actor", "--out", tmp_path / "m2", "--base", tmp_path / "gone"
+    )
+    assert missing.returncode == 2 and "gone not found" in missing.stderr

@@ -170,6 +170,7 @@ def test_trace_names_what_made_an_update_and_which_updates_a_prompt_trained(arch
     assert f"[{update - 1}] (steps count from 0" in text.splitlines()[0]
     first = answer["groups"][0]
     assert f"{first['group']} (dataset row {first['prompt_row']}) reward {first['reward']:.4g} over" in text
+    assert f"      prompt: {first['prompt']!r}" in text, "each group's prompt text, as docs/log.md says"
 
 
 def test_the_score_comparison_is_right_on_a_hand_made_case():

@@ -110,7 +110,8 @@ def test_builtin_model_built_by_several_processes_at_once(tmp_path):
 
     # Each process imports what it needs, says so, and waits for the others: then all ask for the model at once.
     code = (
-        "import os, sys, time; from common.models import resolve_model; "
+        "import logging, os, sys, time; from common.models import resolve_model; "
+        "logging.basicConfig(level=logging.INFO); "
         "open(os.path.join(sys.argv[2], f'ready-{os.getpid()}'), 'w').close(); "
         "[time.sleep(0.01) for _ in iter(lambda: os.path.exists(os.path.join(sys.argv[2], 'go')), True)]; "
         "print(resolve_model('builtin:tiny-char-llama', sys.argv[1]))"

@@ -69,6 +69,34 @@ class Offers:
                         self.offered.append(episode.id)
                         self.offered_since = self.offered_since or time.monotonic()
 
+    def in_hand(self, version: int) -> str:
+        """What the prompt batches held wait for: episodes offered and not taken, taken and not over, groups the
+        bound holds back; '' when nothing is held."""
+        if not self.batches:
+            return ""
+        unended = 0
+        for batch in self.batches.values():
+            for row in batch.open_rows:
+                for index in range(self.config.generation.n):
+                    episode = self.book.get(episode_id(batch.message.step, row, index))
+                    if episode is not None and episode.started and not episode.over:
+                        unended += 1
+        said = [f"prompt batches {sorted(b.message.step for b in self.batches.values())} held"]
+        if self.offered:
+            waited = time.monotonic() - (self.offered_since or time.monotonic())
+            said.append(f"{len(self.offered)} episodes offered, none taken for {waited:.0f} s (no agent claims)")
+        if unended:
+            said.append(f"{unended} episodes taken and not ended")
+        bound = [b for b in self.batches.values() if b.unoffered]
+        if bound:
+            first = min(bound, key=lambda b: b.message.step)
+            said.append(
+                f"{sum(len(b.unoffered) for b in bound)} groups wait for the bound ("
+                f"{self.admission.waiting_for(first.message.step, version)}); no more prompt batches are taken "
+                "meanwhile"
+            )
+        return "; ".join(said)
+
     def take(self, episode: str | None = None) -> Episode:
         """The next episode offered (or ``episode``), no longer offered."""
         name = self.offered.popleft() if episode is None else episode

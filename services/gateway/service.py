@@ -171,6 +171,9 @@ class GatewayService(Service):
     def under_way(self) -> bool:
         return bool(self.offers.batches or self.calls.in_flight)
 
+    def in_hand(self) -> str:
+        return self.offers.in_hand(self.policy_version)
+
     def collect(self) -> list[Collected]:
         """One round of the loop: the log and the generators' answers read, requests served, episodes offered, what
         timed out ended, and the groups whose episodes have all ended sent."""

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from common.config import load_config
 from services.launch import exit_codes
+from services.launch.embedded import clear_earlier_run
 from services.launch.restarts import Restarts
 from services.roles import ROLES, roles_of
 from services.transport.apache_kafka import KafkaBroker
@@ -113,16 +114,26 @@ class _Updates:
         self.labels = progress_labels()
         self.offset = metrics.stat().st_size if metrics.exists() else 0
         self.started = self.last = time.monotonic()
+        self.updated = False  # an update came since up started
 
     def poll(self) -> None:
         now = time.monotonic()
         for record in self._new_records():
-            self.last = now
+            self.last, self.updated = now, True
             shown = ", ".join(f"{label} {record[key]:.4g}" for label, key in self.labels.items() if key in record)
             print(f"update {record['step']}/{self.steps} ({now - self.started:.0f} s): {shown}", flush=True)
         if now - self.last >= QUIET_SAY_S:
             self.last = now
-            print(f"no update for {QUIET_SAY_S:.0f} s; what each replica waits for: {self.status_command}", flush=True)
+            if self.updated:
+                print(
+                    f"no update for {QUIET_SAY_S:.0f} s; what each replica waits for: {self.status_command}", flush=True
+                )
+            else:  # the services load their models and the engine starts first: minutes on a few cores, not a stall
+                print(
+                    f"no update yet after {now - self.started:.0f} s (the services load their models first); what each "
+                    f"replica does: {self.status_command}",
+                    flush=True,
+                )
 
     def _new_records(self) -> list[dict]:
         if not self.metrics.exists():
@@ -185,6 +196,9 @@ def up(
     if config is not None:
         run_dir = Path(config.run.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        cleared = None if config.run.resume else clear_earlier_run(config)
+        if cleared:  # its learner would take up the checkpoint and report the earlier run as this one
+            print(f"{cleared}; `up --resume --run-dir {run_dir}` goes on from an earlier run instead", flush=True)
         # What the children run with, up's own settings included (the run's key, the sessions): a replica added by
         # hand (`streamppo scorer --config <run dir>/config.json`) is then one of the run.
         children_config = load_config(config_path, overrides)

@@ -24,7 +24,7 @@ from services.transport import MemoryBus
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOG_DIR", "PipelineStalled", "RunSummary", "run_embedded"]
+__all__ = ["LOG_DIR", "PipelineStalled", "RunSummary", "clear_earlier_run", "run_embedded"]
 
 LOG_DIR = "log"  # <run.dir>/log: the run's log, archived at its end (run.archive_log)
 
@@ -33,17 +33,36 @@ class PipelineStalled(RuntimeError):
     """No service can make progress, yet the run is not finished."""
 
 
+# What a run leaves in its directory that a new run of it must not take for its own: its updates, its summary and
+# outcome, its last status, its archived log.
+EARLIER_RESULTS = ("metrics.jsonl", "summary.json", "outcome.json", "status.json", LOG_DIR)
+
+
+def clear_earlier_run(config: RunConfig) -> str | None:
+    """Remove an earlier run's results and checkpoints from the run directory (a learner takes up any checkpoint it
+    finds, and would train nothing of a finished run, yet report it); what was removed, to be said, or None."""
+    run_dir, checkpoints = Path(config.run.dir), Path(config.checkpoint_dir)
+    metrics = run_dir / "metrics.jsonl"
+    updates = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+    found = [run_dir / name for name in EARLIER_RESULTS if (run_dir / name).exists()]
+    found += [checkpoints] if checkpoints.exists() else []
+    for path in found:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if not found:
+        return None
+    return (
+        f"cleared the earlier run in {run_dir} ({updates} updates, its checkpoints and summary): this run starts "
+        "from scratch"
+    )
+
+
 def _start_from_scratch(config: RunConfig) -> Path:
-    """The in-memory bus starts empty, so the run does too: old metrics and checkpoints of the run dir go."""
+    """The in-memory bus starts empty, so the run does too: an earlier run's results in the run dir go."""
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    if (run_dir / LOG_DIR).exists():
-        shutil.rmtree(run_dir / LOG_DIR)  # the log of the run before, which this one replaces
-    checkpoints = Path(config.checkpoint_dir)
-    if checkpoints.exists():
-        log.warning("clearing the checkpoints in %s: an embedded run always starts from scratch", checkpoints)
-        shutil.rmtree(checkpoints)
+    cleared = clear_earlier_run(config)
+    if cleared:
+        log.warning("%s (an embedded run always does)", cleared)
     # The settings as given, defaults left out: what `load_config` takes back (streamppo replay).
     (run_dir / "config.json").write_text(config.model_dump_json(indent=2, exclude_unset=True))
     return run_dir

@@ -9,9 +9,32 @@ restart it.
 
 from __future__ import annotations
 
-from common.config import RunConfig
+import socket
 
-__all__ = ["check_run_inputs"]
+from common.config import ConfigError, RunConfig
+
+__all__ = ["check_broker_answers", "check_run_inputs"]
+
+BROKER_ANSWER_S = 3.0  # how long a broker named at the start of a run may take to accept a connection
+
+
+def check_broker_answers(bootstrap: str, within_s: float = BROKER_ANSWER_S) -> None:
+    """Raise :class:`~common.config.ConfigError` when none of the brokers ``bootstrap`` names accepts a connection
+    within ``within_s``: a command a user runs against a broker says what to check in seconds, where a service
+    (started before its broker, by compose or Kubernetes) waits ``kafka.connect_timeout_s`` for it."""
+    failures = []
+    for server in bootstrap.split(","):
+        host, _, port = server.strip().rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=within_s).close()
+            return
+        except OSError as exc:
+            failures.append(f"{server.strip()}: {exc.strerror or type(exc).__name__}")
+    raise ConfigError(
+        f"no broker answers at {bootstrap} ({'; '.join(failures)}): check the address (--bootstrap or "
+        "kafka.bootstrap), that the broker runs and listens there, and that its advertised listeners name an address "
+        "this machine reaches"
+    )
 
 
 def check_run_inputs(config: RunConfig) -> None:

@@ -522,7 +522,8 @@ class ServiceRunner:
         if self.weights is not None and not self.weights.caught_up:
             return f"reading {WEIGHTS_TOPIC} to its end: the newest weights are loaded before any input is taken"
         if not self.held:
-            return "waiting for input"
+            in_hand = self.service.in_hand() if self.in_flight else ""
+            return f"{len(self.in_flight)} input(s) in hand: {in_hand}" if in_hand else "waiting for input"
         # The next one in full; those behind it, which wait for the same and more, counted (a generator's normal
         # on-policy wait held 14 batches, and said each in full on one line).
         now = time.monotonic()
@@ -548,6 +549,7 @@ class ServiceRunner:
         fleet's share of the replica for this run).
         """
         held_seconds = self.held_seconds()
+        in_hand = self.service.in_hand() if self.in_flight else ""
         counted = self.service.counters()
         for name, value in counted.items():
             self.metrics.counted.labels(self.service.role, name).set(value)
@@ -560,8 +562,8 @@ class ServiceRunner:
             replica=self.replica_id,
             role=self.service.role,
             run_id=self.service.run_id,
-            state=state or ("waiting" if self.held else "serving"),
-            waiting_for=self.waiting_for() if self.held else "",
+            state=state or ("waiting" if self.held or in_hand else "serving"),
+            waiting_for=self.waiting_for() if self.held or in_hand else "",
             held=len(self.held),
             held_seconds=round(held_seconds, 1),
             lag=self.work.lag() if self.work is not None else 0,

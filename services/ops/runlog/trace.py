@@ -163,8 +163,14 @@ def format_trace(answer: dict) -> str:
                 f"    {g['group']} (dataset row {g['prompt_row']}) reward {reward} over {len(g['scores'])} responses; "
                 f"tokens {versions}; records {' '.join(g['records'])}"
             )
+            if g.get("prompt"):
+                lines.append(f"      prompt: {_shortened(g['prompt'])!r}")
         return "\n".join(lines)
     lines = [f"dataset row {answer['prompt_row']}: {answer['prompt']!r}"]
     for group, update in answer["groups"].items():
         lines.append(f"  group {group}: " + (f"trained in update {update}" if update is not None else "not trained"))
     return "\n".join(lines)
+
+
+def _shortened(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
