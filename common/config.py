@@ -965,6 +965,26 @@ def _secret(env: str | None, file: Path | None, what: str) -> str:
         raise ConfigError(f"{what}: cannot read {file}: {exc.strerror}") from None
 
 
+class EvalSection(_Section):
+    """Evaluation while the run trains, off the learner's path: the evaluator role (``services/evaluator/``) follows
+    the actor's announcements and scores held-out prompts with the run's reward every ``every`` versions."""
+
+    prompts: Path = Field(
+        description="Held-out prompts, JSONL as data.prompts (a label per row for rewards that read one); relative to "
+        "the config's folder. Never trained on."
+    )
+    every: int = Field(5, gt=0, description="Evaluate actor versions 0, every, 2·every, ... and the run's last.")
+    max_prompts: int = Field(64, gt=0, description="The first N held-out prompts are answered at each evaluation.")
+    samples: int = Field(1, gt=0, description="Answers per prompt (with temperature > 0; greedy needs one).")
+    temperature: float = Field(0.0, ge=0, description="0: greedy; above: sampled, seeded by run.seed.")
+
+    @model_validator(mode="after")
+    def _greedy_answers_once(self) -> EvalSection:
+        if self.temperature == 0 and self.samples > 1:
+            raise ValueError("eval.samples > 1 needs eval.temperature > 0: greedy answers are all the same")
+        return self
+
+
 class RunConfig(_Section):
     run: RunSection = RunSection()
     model: ModelSection
@@ -983,6 +1003,9 @@ class RunConfig(_Section):
         None,
         description="Episodes run by agents you already have, through an OpenAI-compatible gateway (every call on "
         "the log); none: the generator samples each response itself.",
+    )
+    eval: EvalSection | None = Field(
+        None, description="Held-out prompts scored while the run trains (the evaluator role); none: no evaluation."
     )
 
     def signing_key(self) -> bytes | None:
@@ -1260,7 +1283,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 # Settings that name a file or folder, and settings that name a function by its file (``path/to/file.py:name``).
-_PATHS = (("data", "prompts"), ("model", "actor"), ("model", "reference"), ("model", "critic"), ("reward", "model"))
+_PATHS = (
+    ("data", "prompts"),
+    ("model", "actor"),
+    ("model", "reference"),
+    ("model", "critic"),
+    ("reward", "model"),
+    ("eval", "prompts"),
+)
 _NAMED_BY_FILE = (("reward", "function"), ("gateway", "agent", "function"), ("environment", "name"))
 
 

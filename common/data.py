@@ -29,12 +29,16 @@ class PromptDataset:
         return len(self.texts)
 
 
-def load_prompts(path: Path) -> PromptDataset:
+def load_prompts(path: Path, setting: str = "data.prompts") -> PromptDataset:
+    """The prompts (and labels) of a JSONL file; ``setting``: the setting that names it, for the errors."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        raise DatasetError(f"cannot read prompt file {path}: {exc}") from None
+        raise DatasetError(
+            f"{setting}: cannot read prompt file {path} ({path.resolve()}): {exc.strerror or exc} (a relative path is "
+            "taken from the config file's folder where it is there, else from the working directory)"
+        ) from None
     texts, labels = [], []
     for number, line in enumerate(lines, start=1):
         if not line.strip():

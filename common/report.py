@@ -13,8 +13,10 @@ from pathlib import Path
 from common.statistics import PLOTS, plotted, summarised
 
 __all__ = [
+    "EVAL_FILE",
     "OUTCOME_FILE",
     "format_summary",
+    "load_eval",
     "load_metrics",
     "read_outcome",
     "summarise",
@@ -25,6 +27,17 @@ __all__ = [
 # <run.dir>/outcome.json, written by the learner as the run finishes: its updates, run.steps, and why it ended short
 # ("" when it did not). Removed when a learner starts: a run that goes on has no outcome yet.
 OUTCOME_FILE = "outcome.json"
+# <run.dir>/eval.jsonl: the evaluator's line per actor version it scored on the held-out prompts.
+EVAL_FILE = "eval.jsonl"
+
+
+def load_eval(run_dir: Path) -> list[dict]:
+    """The evaluator's lines of the run in ``run_dir`` (``eval.jsonl``), by actor version; [] without one."""
+    path = Path(run_dir) / EVAL_FILE
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(lines, key=lambda line: line["policy_version"])
 
 
 def read_outcome(run_dir: Path) -> dict:
@@ -87,6 +100,12 @@ def format_summary(summary: dict) -> str:
         first = "-" if row["first"] is None else f"{row['first']:.4g}"
         last = "-" if row["last"] is None else f"{row['last']:.4g}"
         lines.append(f"{key:<22}{first:>12}{last:>12}")
+    if "held_out" in summary:
+        first, last = summary["held_out"]["first"], summary["held_out"]["last"]
+        lines.append(
+            f"held-out reward (the evaluator): {first['eval_reward_mean']:.4g} at v{first['step']} -> "
+            f"{last['eval_reward_mean']:.4g} at v{last['step']}"
+        )
     return "\n".join(lines)
 
 
@@ -137,13 +156,18 @@ def write_report(run_dir: Path, tensorboard: bool = False) -> tuple[list[Path], 
     out = Path(run_dir) / "report"
     out.mkdir(exist_ok=True)
     paths = []
+    evaluated = [
+        {"step": line["policy_version"], "eval_reward_mean": line["reward_mean"]} for line in load_eval(run_dir)
+    ]
     for name in PLOTS:
-        fig = draw(name, records)
+        fig = draw(name, records + evaluated)
         path = out / f"{name}.png"
         fig.savefig(path)
         plt.close(fig)
         paths.append(path)
     summary = summarise(records)
+    if evaluated:
+        summary["held_out"] = {"first": evaluated[0], "last": evaluated[-1]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if tensorboard:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package

@@ -43,6 +43,7 @@ PLOTS: dict[str, Plot] = {
     "explained_variance": Plot("Critic explained variance"),
     "stage_throughput": Plot("Per-stage throughput", "sequences / s of compute"),
     "staleness": Plot("Staleness of the experience trained on", "versions", whole_numbers=True),
+    "held_out_reward": Plot("Held-out reward (the evaluator, eval.jsonl) against actor version", "score"),
 }
 
 _STATISTICS = (
@@ -127,6 +128,13 @@ THROUGHPUT = {
     for stage in STAGES
 }
 
+# From the evaluator's lines (eval.jsonl), at the update that made each version (version v: after v updates).
+EVALUATION = {
+    "eval_reward_mean": Statistic(
+        "eval_reward_mean", "mean score of the held-out prompts' answers", plot="held_out_reward", legend="held-out"
+    )
+}
+
 
 def gauges() -> list[str]:
     return [s.name for s in LEARNER_STATISTICS.values() if s.gauge]
@@ -143,5 +151,5 @@ def progress_labels() -> dict[str, str]:
 
 def plotted(plot: str) -> list[tuple[str, str, bool]]:
     """``(statistic, legend, on the right axis)`` of each line of ``plot``."""
-    every = {**LEARNER_STATISTICS, **THROUGHPUT}.values()
+    every = {**LEARNER_STATISTICS, **THROUGHPUT, **EVALUATION}.values()
     return [(s.name, s.legend or s.name, s.right_axis) for s in every if s.plot == plot]

@@ -48,7 +48,7 @@ class Role:
     service: str  # "module:Class", a subclass of services.service.Service
     summary: str  # one line for `streamppo --help`
     input_topic: str | None  # None: the role consumes nothing (the feeder)
-    output_topic: str
+    output_topic: str | None  # None: the role writes nothing on the bus (the evaluator)
     # (input, output) in a run where the role answers another role's channel instead, None where it does not (the
     # generator answers the gateway's calls in a gateway run).
     serves_channel: Callable[[RunConfig], tuple[str, str] | None] = lambda config: None
@@ -60,7 +60,7 @@ class Role:
     runs_when: Callable[[RunConfig], bool] = lambda config: True
     requirement: str = ""  # what runs_when asks of the config, in words, for the error when it is not met
 
-    def topics(self, config: RunConfig) -> tuple[str | None, str]:
+    def topics(self, config: RunConfig) -> tuple[str | None, str | None]:
         """``(input, output)``: the role's topics in a run of ``config``."""
         return self.serves_channel(config) or (self.input_topic, self.output_topic)
 
@@ -137,6 +137,18 @@ ROLES: dict[str, Role] = {
             output_topic="observations",
             runs_when=lambda config: config.environment is not None and config.environment.placement == "bus",
             requirement="an environment section with placement: bus",
+        ),
+        Role(
+            "evaluator",
+            "services.evaluator:EvaluatorService",
+            "weights → eval.jsonl: held-out prompts scored with the run's reward every eval.every versions",
+            input_topic=None,
+            output_topic=None,
+            weight_models=("actor",),
+            max_replicas=1,
+            ends_run=True,  # the run's last version is evaluated before the run is over
+            runs_when=lambda config: config.eval is not None,
+            requirement="an eval section",
         ),
     )
 }

@@ -174,7 +174,7 @@ class Service(ABC):
         return self.spec.topics(self.config)[0]
 
     @property
-    def output_topic(self) -> str:
+    def output_topic(self) -> str | None:
         return self.spec.topics(self.config)[1]
 
     @property

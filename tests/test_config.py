@@ -409,11 +409,12 @@ def test_up_against_a_broker_that_does_not_answer_stops_in_seconds_with_exit_2_a
 @pytest.mark.parametrize(
     "setting, named",
     [
-        ("data.prompts={tmp}/missing.jsonl", "missing.jsonl"),
+        ("data.prompts={tmp}/missing.jsonl", "data.prompts: cannot read prompt file {tmp}/missing.jsonl"),
+        ("eval.prompts={tmp}/held.jsonl", "eval.prompts: cannot read prompt file {tmp}/held.jsonl"),
         ("reward.function=no_such_module:score", "no_such_module:score"),
         ("model.critic={tmp}/no-critic", "no-critic"),
     ],
-    ids=["prompt file", "reward function", "model folder"],
+    ids=["prompt file", "held-out prompt file", "reward function", "model folder"],
 )
 @pytest.mark.parametrize("command", ["run", "up"])
 def test_a_setting_that_names_what_cannot_be_had_fails_fast_with_exit_2(command, setting, named, tmp_path, model_cache):
@@ -435,7 +436,7 @@ def test_a_setting_that_names_what_cannot_be_had_fails_fast_with_exit_2(command,
         "--set",
         "generation.backend=transformers",
     )
-    _one_line_error(result, 2, named)
+    _one_line_error(result, 2, named.format(tmp=tmp_path))
     assert "serving on" not in result.stdout, "nothing was started"
     assert time.monotonic() - started < 60
 

@@ -300,3 +300,28 @@ def test_records_any_client_writes_on_any_topic_never_stop_the_run_or_change_its
         for line in map(json.loads, (config.run.dir / "metrics.jsonl").read_text().splitlines())
     ]
     run_beside()
+
+
+def test_the_evaluator_scores_held_out_prompts_while_the_run_trains_and_changes_nothing_of_it(make_config):
+    """eval.every versions and the last, in eval.jsonl, plotted by the report; the training itself is the run's
+    without an evaluator, update for update (the evaluator's seeded sampling leaves the other roles' draws alone)."""
+    from conftest import EXAMPLE
+
+    from common.report import load_eval, write_report
+
+    plain = make_config("run.steps=6", "data.eval_prompts=0")
+    run_embedded(plain, progress=False)
+    without = [json.loads(line) for line in (plain.run.dir / "metrics.jsonl").read_text().splitlines()]
+    config = make_config("run.steps=6", "data.eval_prompts=0", f"eval.prompts={EXAMPLE / 'heldout.jsonl'}",
+                         "eval.every=2")  # fmt: skip
+    run_embedded(config, progress=False)
+    lines = load_eval(config.run.dir)
+    assert [line["policy_version"] for line in lines] == [0, 2, 4, 6]
+    assert all(line["prompts"] == 16 and 0 <= line["reward_mean"] <= 1 for line in lines)
+    with_eval = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["groups"], r["reward_mean"], r["kl"]) for r in with_eval] == [
+        (r["groups"], r["reward_mean"], r["kl"]) for r in without
+    ]
+    paths, summary = write_report(config.run.dir)
+    assert config.run.dir / "report" / "held_out_reward.png" in paths
+    assert summary["held_out"]["first"]["step"] == 0 and summary["held_out"]["last"]["step"] == 6

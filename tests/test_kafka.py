@@ -212,7 +212,9 @@ def test_streamppo_up_runs_every_role_as_processes_with_lora_on_the_vllm_generat
     from safetensors.torch import load_file
 
     steps, run_id = 6, unique("lora")
-    overrides = ["model.lora={rank: 8, alpha: 16}", "learner.actor_lr=3e-2"]
+    # The evaluator beside them: the held-out prompts at v0, v3 and v6, the adapters of each.
+    held_out = ["eval.every=3", f"eval.prompts={EXAMPLE / 'heldout.jsonl'}", "eval.max_prompts=8"]
+    overrides = ["model.lora={rank: 8, alpha: 16}", "learner.actor_lr=3e-2", *held_out]
     up_args = ("--replicas", "scorer=2")
     result = run_up(own_broker, tmp_path, model_cache, steps, run_id, overrides, up_args, config="grpo.yaml")
     assert "scorer-1 | " in result.stdout and "scorer-1: serving rollouts -> scored" in result.stdout, "prefixed logs"
@@ -220,6 +222,8 @@ def test_streamppo_up_runs_every_role_as_processes_with_lora_on_the_vllm_generat
     assert all(f"update {step}/{steps} (" in result.stdout for step in range(1, steps + 1)), result.stdout[-3000:]
     assert f"done: {steps} steps in" in result.stdout and "dead letters 0" in result.stdout
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == steps
+    evaluated = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [line["policy_version"] for line in evaluated] == [0, 3, 6], result.stdout[-3000:]
     # `status` finds the run from its directory alone: the settings and the broker `up` wrote there.
     status = subprocess.run(
         [sys.executable, "-m", "services.cli", "status", "--run-dir", str(tmp_path / "run")],

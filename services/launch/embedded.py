@@ -35,7 +35,7 @@ class PipelineStalled(RuntimeError):
 
 # What a run leaves in its directory that a new run of it must not take for its own: its updates, its summary and
 # outcome, its last status, its archived log.
-EARLIER_RESULTS = ("metrics.jsonl", "summary.json", "outcome.json", "status.json", LOG_DIR)
+EARLIER_RESULTS = ("metrics.jsonl", "eval.jsonl", "summary.json", "outcome.json", "status.json", LOG_DIR)
 
 
 def clear_earlier_run(config: RunConfig) -> str | None:

@@ -49,6 +49,8 @@ def check_run_inputs(config: RunConfig) -> None:
     config.signing_key()  # a key named but not there is a ConfigError
     check_trackers(config)
     prompts = load_prompts(config.data.prompts)
+    if config.eval is not None:
+        load_prompts(config.eval.prompts, "eval.prompts")
     PromptSchedule(len(prompts), config.data.batch_size, config.data.shuffle, config.run.seed)
     check_reward(config)  # the function, or the judge's or the reward model's folder: the scorer's own factory
     m = config.model

@@ -1,0 +1,3 @@
+from services.evaluator.service import EvaluatorService
+
+__all__ = ["EvaluatorService"]
