@@ -75,6 +75,7 @@ def test_every_rendered_manifest_validates_against_the_kubernetes_schemas(values
         "Deployment",
         "Deployment",  # environments (0 replicas unless a run has them)
         "Deployment",  # gateways (0 replicas unless a run has one)
+        "Deployment",  # the evaluator (0 replicas unless a run has an eval section)
         "Job",
         "Service",
         "Service",

@@ -29,7 +29,7 @@ from common.config import load_config
 from common.named import NamedError, load_named
 from common.schema import EpisodeEvent, ExperienceBatch, decode, encode, new_header
 from services.gateway.conversation import CallView, Prompts, append_only_violation
-from services.gateway.episodes import EpisodeBook, KeyError_, episode_key, episode_of_key
+from services.gateway.episodes import EpisodeBook, EpisodeKeyError, episode_key, episode_of_key
 from services.launch.cluster import stop_all
 from services.ops.runlog.reader import BusReader
 from services.roles import pipeline_topics
@@ -219,7 +219,7 @@ def test_episode_keys_name_their_episode_and_cannot_be_forged():
     key = episode_key("12/3#1", b"secret")
     assert key.startswith("e12-3-1.") and episode_of_key(key, b"secret") == "12/3#1"
     for bad in ("e12-3-1", "e12-3-1.0000000000000000", key.replace("e12", "e13"), "../../etc", "", "e1-2"):
-        with pytest.raises(KeyError_):
+        with pytest.raises(EpisodeKeyError):
             episode_of_key(bad, b"secret")
 
 

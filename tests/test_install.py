@@ -68,7 +68,7 @@ def test_every_test_left_out_of_make_test_runs_in_a_target_of_its_own():
     """`make test` (CI) leaves out the soak runs and the recipes' quick modes; each runs in a named target, and
     `make test-all` runs every test: nothing tested loses its test by being moved out of CI."""
     makefile = (REPO / "Makefile").read_text()
-    recipes = {m.group(1): m.group(2) for m in re.finditer(r"^([a-z-]+):\n((?:\t.*\n)+)", makefile, re.M)}
+    recipes = {m.group(1): m.group(2) for m in re.finditer(r"^([a-z-]+):[^\n]*\n((?:\t.*\n)+)", makefile, re.M)}
     marks = lambda target: re.search(r'-m "?([^"$]*?)"? --durations', recipes[target]).group(1).strip()  # noqa: E731
     assert marks("test") == "not soak and not recipe"
     assert (marks("test-soak"), marks("test-recipes")) == ("soak", "recipe")

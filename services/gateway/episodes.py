@@ -28,7 +28,7 @@ __all__ = [
     "Call",
     "Episode",
     "EpisodeBook",
-    "KeyError_",
+    "EpisodeKeyError",
     "Row",
     "episode_id",
     "episode_key",
@@ -54,7 +54,7 @@ def parse_episode_id(episode: str) -> tuple[int, int, int] | None:
 _KEY = re.compile(r"^e(\d{1,12})-(\d{1,9})-(\d{1,6})(?:\.([0-9a-f]{16}))?$")
 
 
-class KeyError_(ValueError):
+class EpisodeKeyError(ValueError):
     """An episode key that is not one (malformed, or its MAC does not hold)."""
 
 
@@ -67,14 +67,16 @@ def episode_key(episode: str, secret: bytes | None) -> str:
 
 
 def episode_of_key(key: str, secret: bytes | None) -> str:
-    """The episode a key names; :class:`KeyError_` for one that is not a key (or, with a signing key, is forged)."""
+    """The episode a key names; :class:`EpisodeKeyError` for one that is not a key (or, with a signing key, forged)."""
     found = _KEY.match(key or "")
     if found is None:
         # The key is not echoed back: it may be a secret the client sent here by mistake (another service's API key).
-        raise KeyError_("the API key is not an episode key (e<step>-<row>-<index>, as an episode's claim gives it)")
+        raise EpisodeKeyError(
+            "the API key is not an episode key (e<step>-<row>-<index>, as an episode's claim gives it)"
+        )
     episode = episode_id(int(found[1]), int(found[2]), int(found[3]))
     if secret and not (found[4] and hmac.compare_digest(found[4], _mac(secret, episode))):
-        raise KeyError_(f"the key of episode {episode} is not one this run made")
+        raise EpisodeKeyError(f"the key of episode {episode} is not one this run made")
     return episode
 
 

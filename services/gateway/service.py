@@ -42,7 +42,7 @@ from common.schema import LEARNER_GROUPS_DONE, PromptBatch, WeightAnnouncement
 from services.gateway.api import MAX_REWARD, ApiError
 from services.gateway.calls import Calls, key_hash
 from services.gateway.conversation import append_only_violation
-from services.gateway.episodes import Episode, KeyError_, episode_of_key
+from services.gateway.episodes import Episode, EpisodeKeyError, episode_of_key
 from services.gateway.groups import GroupRecords
 from services.gateway.http import GatewayServer, Request
 from services.gateway.log import EpisodesLog
@@ -214,7 +214,7 @@ class GatewayService(Service):
         one that has ended."""
         try:
             name = episode_of_key(request.key, self.secret)
-        except KeyError_ as exc:
+        except EpisodeKeyError as exc:
             raise ApiError(401, str(exc), "invalid_api_key") from None
         episode = self.book.get(name)
         unknown = episode is None or not episode.started
