@@ -637,3 +637,16 @@ def test_a_tombstone_on_the_weights_topic_is_taken_as_one_and_the_weights_stay(b
     assert runner.counters["tombstones"] == 1 and runner.counters["dead_letters"] == 0
     assert runner.weights.loaded == {"actor": 1}
     assert runner.counters["processed"] == 1
+
+
+def test_a_replica_says_it_is_starting_before_its_models_load(bus, config):
+    """What `streamppo status` shows of a replica whose models still load (minutes on a CPU): starting, and what."""
+    from services.launch.process import _say_starting
+    from services.ops.status import format_status, read_status
+
+    _say_starting(config, "127.0.0.1:9", "scorer", "scorer-0", bus=bus)
+    table = format_status(read_status(bus, config.run.run_id, timeout_s=5))
+    assert "run vowels: 1 replica(s) reporting" in table
+    row = next(line for line in table.splitlines() if line.startswith("scorer-0"))
+    assert row.split()[1] == "starting", row
+    assert f"waiting on building its service: the models it runs load first (model.actor {config.model.actor}" in table

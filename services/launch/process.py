@@ -27,10 +27,10 @@ from pathlib import Path
 from kafka.errors import KafkaError
 
 from common.config import ConfigError, RunConfig
-from common.schema import REPORT_EVERY_S
+from common.schema import REPORT_EVERY_S, ReplicaStatus, encode
 from services.launch import exit_codes
 from services.launch.fleet import Fleet, RunsFolder
-from services.roles import ROLES
+from services.roles import ROLES, STATUS_TOPIC
 from services.runtime import Replica, ServiceRunner
 from services.runtime.metrics import FleetMetrics, ScrapeTarget, ServiceMetrics, parse_ports
 from services.service import ProcessGroup, Service
@@ -118,6 +118,9 @@ def serve(
         metrics, replica_id, role, metrics_port if leader else None, metrics_address, metrics_targets
     )
     try:
+        if leader:  # while its models load (a configuration error in them is said first, whatever the broker does)
+            args = (config, bootstrap, role, replica_id)
+            threading.Thread(target=_say_starting, args=args, name=f"{replica_id}-starting", daemon=True).start()
         return serve_service(ROLES[role].create(config, replica_id), config, bootstrap, metrics, stop, group=group)
     except Exception as exc:
         gone = group.peer_gone(exc) if group is not None else None
@@ -128,6 +131,33 @@ def serve(
     finally:
         if target is not None:
             target.remove()
+
+
+def _say_starting(config: RunConfig, bootstrap: str, role: str, replica_id: str, bus: Bus | None = None) -> None:
+    """One report on the status topic while the replica builds its service (models, an engine: minutes on a CPU),
+    so that ``streamppo status`` shows what is loading rather than nothing."""
+    m = config.model
+    report = ReplicaStatus(
+        replica=replica_id,
+        role=role,
+        run_id=config.run.run_id,
+        state="starting",
+        waiting_for=f"building its service: the models it runs load first (model.actor {m.actor}, on {m.device})",
+        held=0,
+        held_seconds=0.0,
+        lag=0,
+        counters={},
+        created_at=time.time(),
+        url="",
+    )
+    try:
+        bus = bus or kafka_bus(config, bootstrap)
+        producer = bus.producer(replica_id)
+        producer.send(STATUS_TOPIC, encode(report), key=replica_id.encode())
+        producer.close()
+        bus.close()
+    except Exception as exc:  # a report is not worth failing over: the runner's come once it runs
+        log.debug("%s: no starting report (%s)", replica_id, exc)
 
 
 def _serve_metrics(
