@@ -300,13 +300,16 @@ class KafkaBus(Bus):
         """The value of the partition's first record with a value (a null one, which any client may write, names no
         log), or None once a fetch shows no such record (never when one is known to be ``written``). A broker that
         does not answer (it is away) raises: that is not an empty log, and no service may take it for one."""
-        deadline = time.monotonic() + timeout_s
+        deadline, read_to = time.monotonic() + timeout_s, 0  # read_to: past the last record read (all null)
         while time.monotonic() < deadline:
             for records in consumer.poll(timeout_ms=200, max_records=100).values():
                 for record in records:
                     if record.value is not None:
                         return record.value.decode(errors="replace")
-            if not written and consumer.highwater(tp) is not None and consumer.position(tp) >= consumer.highwater(tp):
+                    read_to = record.offset + 1
+            # (Never position(): with a partition's leader away it blocks for as long as that lasts.)
+            end = consumer.highwater(tp)
+            if not written and end is not None and read_to >= end:
                 return None
         raise KafkaTimeoutError(f"no answer to a fetch of {tp.topic} within {timeout_s:.0f} s")
 
