@@ -683,7 +683,12 @@ class ServiceRunner:
         record in has nothing to undo of) counted: None for each, and the caller commits past the record (a group's
         input) or not (the weights feed's).
         """
-        if record.value is None and record.topic in COMPACTED_TOPICS:
+        if record.value is None and record.topic not in COMPACTED_TOPICS:
+            self._dead_letter(
+                record, f"a record with a null value (a tombstone) on {record.topic}, which is not compacted"
+            )
+            return None
+        if record.value is None:
             self.counters["tombstones"] += 1
             log.info(
                 "%s: %s[%d]@%d is a tombstone (key %r): nothing to take",
@@ -722,8 +727,7 @@ class ServiceRunner:
         """What a dead letter can carry of whatever came in, and the error saying what it could not: a null value as
         no bytes; a payload or key too large for a record beside the letter's other fields, cut (the payload's whole
         size and digest said). A dead letter that could not be sent would stop the replica at every restart."""
-        if payload is None:
-            payload, error = b"", f"{error} (the record's value is null)"
+        payload = payload if payload is not None else b""
         room = self.service.config.kafka.max_message_bytes - DEAD_LETTER_FIELDS_BYTES
         if len(payload) > room:
             error = (
