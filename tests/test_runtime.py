@@ -1,6 +1,7 @@
 """Delivery rules of every service: dead letters, de-duplication, commit after produce, bounded staleness."""
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -650,3 +651,25 @@ def test_a_replica_says_it_is_starting_before_its_models_load(bus, config):
     row = next(line for line in table.splitlines() if line.startswith("scorer-0"))
     assert row.split()[1] == "starting", row
     assert f"waiting on building its service: the models it runs load first (model.actor {config.model.actor}" in table
+
+
+def test_an_evaluator_behind_the_learner_takes_the_newest_version_due_and_says_which_it_skipped(make_config, caplog):
+    from conftest import EXAMPLE
+
+    from services.evaluator import EvaluatorService
+
+    config = make_config(
+        "data.batch_size=2", "generation.n=2", "generation.max_new_tokens=4", "learner.mini_batch_size=4",
+        "run.steps=8", f"eval.prompts={EXAMPLE / 'heldout.jsonl'}", "eval.every=2", "eval.max_prompts=2",
+    )  # fmt: skip
+    evaluator = EvaluatorService(config, "evaluator-0")
+    assert evaluator.tick() == [] and evaluator.evaluated == {0}, "v0 first: the model as it starts"
+    for version in (2, 3, 6):  # v2 replaced before a tick; v4 never announced to it at all
+        actor = next(a for a in announce_v1(config, version) if a.model == "actor")
+        assert evaluator.on_weights(actor)
+    assert evaluator.skipped == [2, 4] and evaluator.due == 6
+    assert "skipping v2: v3 came out before it was evaluated" in caplog.text
+    assert "skipping v4: v6 came out before it was evaluated" in caplog.text
+    evaluator.tick()
+    assert evaluator.evaluated == {0, 6} and not evaluator.done()
+    assert [json.loads(line)["policy_version"] for line in (config.run.dir / "eval.jsonl").open()] == [0, 6]

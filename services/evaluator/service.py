@@ -76,18 +76,22 @@ class EvaluatorService(Service):
             partial(load_snapshot_into, self.actor), announcement, self.replica_id, self.loaded
         ):
             return False
-        self.loaded = version
-        if self._is_due(version):
-            if self.due is not None and self.due != version:
-                self.skipped.append(self.due)
-                log.warning(
-                    "%s: skipping v%d, v%d is out before it was evaluated (an evaluation takes longer than the "
-                    "updates between them: raise eval.every, or lower eval.max_prompts)",
-                    self.replica_id,
-                    self.due,
-                    version,
-                )
-            self.due = version
+        previous, self.loaded = self.loaded, version
+        # Versions due that this one replaces before they were evaluated (or that it never saw loaded at all).
+        missed = [v for v in range(previous + 1, version) if self._is_due(v)]
+        if self.due is not None and self.due not in (version, *missed):
+            missed.insert(0, self.due)
+        if missed:
+            self.skipped += missed
+            log.warning(
+                "%s: skipping v%s: v%d came out before %s evaluated (an evaluation takes longer than the updates "
+                "between them: raise eval.every, or lower eval.max_prompts)",
+                self.replica_id,
+                ", v".join(map(str, missed)),
+                version,
+                "it was" if len(missed) == 1 else "they were",
+            )
+        self.due = version if self._is_due(version) else None
         return True
 
     def ready_for(self, message) -> bool:
