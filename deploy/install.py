@@ -154,8 +154,7 @@ RESOLVER_COMPLAINT = "ERROR: pip's dependency resolver does not currently take i
 
 def without_expected_conflicts(stderr: str, package: str) -> str:
     """pip's stderr less its resolver's lines that ``package`` requires another torch build or its audio and vision
-    packages (torchaudio, torchvision, torchcodec), and less
-    the resolver's header when nothing else of it is left."""
+    packages (torchaudio, torchvision, torchcodec), and less the resolver's header when nothing else of it is left."""
     expected = re.compile(rf"^{re.escape(package)} \S+ requires (torch|torchaudio|torchvision|torchcodec)\b")
     kept = [line for line in stderr.splitlines(keepends=True) if not expected.match(line)]
     if all(not line.strip() or line.startswith(RESOLVER_COMPLAINT) for line in kept):

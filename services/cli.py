@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -98,7 +97,7 @@ STATUS_CONNECT_S = 5.0  # how long `status` waits for a broker before it answers
 def _status(args) -> int:
     from kafka.errors import KafkaError
 
-    from services.ops.status import format_status, read_saved_status, read_status, save_status
+    from services.ops.status import format_status, from_the_run_directory, read_status, save_status
     from services.roles import LOG_TOPIC
     from services.transport.kafka import BrokerUnavailable
     from services.transport.run_bus import kafka_bus, run_of
@@ -135,30 +134,11 @@ def _status(args) -> int:
             bus.close()
     except (BrokerUnavailable, KafkaError) as exc:
         print(f"streamppo: the broker does not answer: {exc}", file=sys.stderr)
-        print(_from_the_run_directory(run_dir, read_saved_status(run_dir)))
+        print(from_the_run_directory(run_dir))
         return exit_codes.ERROR
     save_status(run_dir, status)
     print(format_status(status))
     return 0
-
-
-def _from_the_run_directory(run_dir: Path, saved) -> str:
-    """What the run directory tells of a run whose broker does not answer: its last update and the last status read."""
-    from services.ops.status import format_status
-
-    lines = []
-    metrics = run_dir / "metrics.jsonl"
-    try:
-        last = json.loads(metrics.read_text().splitlines()[-1])
-        lines.append(f"last update: step {last['step']}, {time.time() - metrics.stat().st_mtime:.0f} s ago ({metrics})")
-    except (OSError, IndexError, ValueError, KeyError):
-        lines.append(f"no update in {run_dir} yet")
-    if saved is None:
-        lines.append("no status was read from the broker before (it is kept in the run directory when one is)")
-    else:
-        lines.append("the status last read from the broker, every report as old as it is:")
-        lines.append(format_status(saved))
-    return "\n".join(lines)
 
 
 def _first_sentence(doc: str) -> str:

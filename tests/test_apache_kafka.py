@@ -487,15 +487,12 @@ def test_a_replicated_cluster_gets_replicated_topics_and_one_copy_is_warned_of(t
 
     with KafkaCluster(tmp_path / "cluster", 3, settings={"default.replication.factor": "1"}) as cluster:
         run_id = f"rf{uuid.uuid4().hex[:6]}"
-        result = streamppo(
-            "topics",
-            "--config",
-            EXAMPLE / "config.yaml",
-            "--bootstrap",
-            cluster.bootstrap,
-            "--set",
-            f"run.run_id={run_id}",
-        )
+
+        def topics(*settings):
+            settings = [arg for setting in settings for arg in ("--set", setting)]
+            return streamppo("topics", "--config", EXAMPLE / "config.yaml", "--bootstrap", cluster.bootstrap, *settings)
+
+        result = topics(f"run.run_id={run_id}")
         assert result.returncode == 0, result.stderr
         assert "topics: 3 copies each on 3 broker(s)" in result.stdout and "WARNING" not in result.stdout
         admin = KafkaAdminClient(bootstrap_servers=cluster.bootstrap.split(","))
@@ -508,16 +505,6 @@ def test_a_replicated_cluster_gets_replicated_topics_and_one_copy_is_warned_of(t
             assert entries["min.insync.replicas"] == "2"
         finally:
             admin.close()
-        one = streamppo(
-            "topics",
-            "--config",
-            EXAMPLE / "config.yaml",
-            "--bootstrap",
-            cluster.bootstrap,
-            "--set",
-            f"run.run_id={run_id}-1",
-            "--set",
-            "kafka.replication_factor=1",
-        )
+        one = topics(f"run.run_id={run_id}-1", "kafka.replication_factor=1")
         assert one.returncode == 0, one.stderr
         assert "WARNING: 22 topic(s) keep one copy on a cluster of 3 brokers" in one.stdout, one.stdout

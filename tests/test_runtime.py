@@ -48,14 +48,8 @@ def config(make_config):
 
 @pytest.mark.parametrize("topic", ["prompts", "rollouts", "scored", "experience"])
 def test_malformed_input_goes_to_the_dlq_and_the_service_keeps_going(bus, config, topic):
-    from services.advantage import AdvantageService
 
-    service = {
-        "prompts": GeneratorService,
-        "rollouts": ScorerService,
-        "scored": AdvantageService,
-        "experience": LearnerService,
-    }[topic](config, f"{topic}-consumer")
+    service = consumer_of(topic)(config, f"{topic}-consumer")
     runner = started(service, bus)
     upstream = _valid_input(bus, config, topic)
     publish(bus, topic, b"\x93garbage", upstream)
@@ -66,6 +60,18 @@ def test_malformed_input_goes_to_the_dlq_and_the_service_keeps_going(bus, config
     assert letters[0].source_offset == 0 and "msgpack" in letters[0].error
     assert runner.counters["processed"] == 1 and runner.counters["dead_letters"] == 1
     assert len(read_all(bus, service.output_topic)) == (2 if topic == "experience" else 1)
+
+
+def consumer_of(topic: str) -> type:
+    """The service class whose replicas read ``topic``."""
+    from services.advantage import AdvantageService
+
+    return {
+        "prompts": GeneratorService,
+        "rollouts": ScorerService,
+        "scored": AdvantageService,
+        "experience": LearnerService,
+    }[topic]
 
 
 def _valid_input(bus, config, topic) -> bytes:
@@ -592,7 +598,6 @@ HOSTILE_RECORDS = {
 def test_no_record_a_client_can_write_stops_a_replica(bus, make_config, topic, shape):
     """Each is dead-lettered (the letter carries what came in, cut to what a record holds, and says so), committed
     past, and the valid record behind it processed."""
-    from services.advantage import AdvantageService
 
     config = make_config(
         "data.batch_size=2",
@@ -601,12 +606,7 @@ def test_no_record_a_client_can_write_stops_a_replica(bus, make_config, topic, s
         "learner.mini_batch_size=4",
         f"kafka.max_message_bytes={2 << 20}",
     )
-    service = {
-        "prompts": GeneratorService,
-        "rollouts": ScorerService,
-        "scored": AdvantageService,
-        "experience": LearnerService,
-    }[topic](config, f"{topic}-consumer")
+    service = consumer_of(topic)(config, f"{topic}-consumer")
     runner = started(service, bus)
     value, key = HOSTILE_RECORDS[shape]
     publish(bus, topic, value, key=key)
@@ -642,10 +642,10 @@ def test_a_tombstone_on_the_weights_topic_is_taken_as_one_and_the_weights_stay(b
 
 def test_a_replica_says_it_is_starting_before_its_models_load(bus, config):
     """What `streamppo status` shows of a replica whose models still load (minutes on a CPU): starting, and what."""
-    from services.launch.process import _say_starting
+    from services.launch.process import say_starting
     from services.ops.status import format_status, read_status
 
-    _say_starting(config, "127.0.0.1:9", "scorer", "scorer-0", bus=bus)
+    say_starting(bus, config, "scorer", "scorer-0")
     table = format_status(read_status(bus, config.run.run_id, timeout_s=5))
     assert "run vowels: 1 replica(s) reporting" in table
     row = next(line for line in table.splitlines() if line.startswith("scorer-0"))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.schema import TOPIC_MESSAGE
-from services.roles import LOG_TOPIC, ROLES, STATUS_TOPIC, WEIGHTS_TOPIC, Role, pipeline_topics
+from services.roles import COMPACTED_TOPICS, LOG_TOPIC, ROLES, STATUS_TOPIC, WEIGHTS_TOPIC, Role, pipeline_topics
 from services.service import Service
 
 REPO = Path(__file__).resolve().parent.parent
@@ -191,6 +191,7 @@ def test_the_registry_is_consistent_with_the_wire_contract():
             assert topic is None or topic in TOPIC_MESSAGE, (name, topic)
     specs = {spec.name: spec for spec in pipeline_topics(3)}
     assert set(specs) == set(TOPIC_MESSAGE) | {f"{t}.dlq" for t in TOPIC_MESSAGE} | {STATUS_TOPIC, LOG_TOPIC}
+    assert {spec.name for spec in specs.values() if spec.compacted} == COMPACTED_TOPICS  # what the runner reads so
     for compacted in (WEIGHTS_TOPIC, STATUS_TOPIC, LOG_TOPIC):
         assert specs[compacted].compacted and specs[compacted].partitions == 1
     # Every run's roles form a chain; an optional role (environments) answers a channel of one of them instead.

@@ -22,7 +22,7 @@ from common.config import RunConfig
 from common.data import load_prompts, tokenize_prompts
 from common.generation import sample_responses
 from common.models import add_lora, load_actor, load_tokenizer, resolve_model
-from common.report import EVAL_FILE, OUTCOME_FILE
+from common.report import EVAL_FILE, OUTCOME_FILE, load_eval
 from common.rewards import load_reward
 from common.sampling import SamplingParams
 from common.schema import WeightAnnouncement
@@ -54,16 +54,11 @@ class EvaluatorService(Service):
         self.run_dir = Path(config.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / EVAL_FILE
-        self.evaluated = self._evaluated_before()  # versions already in eval.jsonl: a restart does them once
+        # The versions already in eval.jsonl: a restart does them once.
+        self.evaluated = {int(line["policy_version"]) for line in load_eval(self.run_dir)}
         self.loaded = 0  # the actor version in self.actor
         self.due: int | None = 0 if 0 not in self.evaluated else None  # the version to evaluate next
         self.skipped: list[int] = []
-
-    def _evaluated_before(self) -> set[int]:
-        if not self.path.exists():
-            return set()
-        lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-        return {int(line["policy_version"]) for line in lines}
 
     def _is_due(self, version: int) -> bool:
         return version not in self.evaluated and (version % self.eval.every == 0 or version >= self.config.run.steps)
@@ -92,9 +87,6 @@ class EvaluatorService(Service):
                 "it was" if len(missed) == 1 else "they were",
             )
         self.due = version if self._is_due(version) else None
-        return True
-
-    def ready_for(self, message) -> bool:
         return True
 
     def process(self, message) -> list:
@@ -160,9 +152,6 @@ class EvaluatorService(Service):
 
     def _learner_finished(self) -> bool:
         return (self.run_dir / OUTCOME_FILE).exists()
-
-    def waiting_for(self, message) -> str:
-        return ""
 
     def counters(self) -> dict[str, int]:
         return {"evaluations": len(self.evaluated), "eval_skipped": len(self.skipped)}

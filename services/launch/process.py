@@ -39,7 +39,7 @@ from services.transport.run_bus import bootstrap_of, kafka_bus
 
 log = logging.getLogger(__name__)
 
-__all__ = ["default_replica_id", "serve", "serve_fleet", "serve_service"]
+__all__ = ["default_replica_id", "say_starting", "serve", "serve_fleet", "serve_service"]
 
 STATUS_EVERY_S = REPORT_EVERY_S
 # The status topic is also told within this of a change of the counters (status and wait lagged by up to 30 s: the
@@ -118,10 +118,12 @@ def serve(
         metrics, replica_id, role, metrics_port if leader else None, metrics_address, metrics_targets
     )
     try:
-        if leader:  # while its models load (a configuration error in them is said first, whatever the broker does)
-            args = (config, bootstrap, role, replica_id)
-            threading.Thread(target=_say_starting, args=args, name=f"{replica_id}-starting", daemon=True).start()
-        return serve_service(ROLES[role].create(config, replica_id), config, bootstrap, metrics, stop, group=group)
+        # The run's bus is made, and the replica says it is starting, while its models load; a configuration error in
+        # them is still said first, whatever the broker does.
+        starting = _Starting(config, bootstrap, role, replica_id) if leader else None
+        service = ROLES[role].create(config, replica_id)
+        bus = starting.bus() if starting is not None else None
+        return serve_service(service, config, bootstrap, metrics, stop, bus=bus, group=group)
     except Exception as exc:
         gone = group.peer_gone(exc) if group is not None else None
         if gone is None:
@@ -133,9 +135,36 @@ def serve(
             target.remove()
 
 
-def _say_starting(config: RunConfig, bootstrap: str, role: str, replica_id: str, bus: Bus | None = None) -> None:
-    """One report on the status topic while the replica builds its service (models, an engine: minutes on a CPU),
-    so that ``streamppo status`` shows what is loading rather than nothing."""
+class _Starting:
+    """In a thread of its own: the run's bus (its topics made), then one report on the status topic while the replica
+    builds its service (models, an engine: minutes on a CPU), so that ``streamppo status`` shows what is loading."""
+
+    def __init__(self, config: RunConfig, bootstrap: str, role: str, replica_id: str):
+        self.made: list = []  # the bus, or the error that making it raised
+        self.thread = threading.Thread(
+            target=self._run, args=(config, bootstrap, role, replica_id), name=f"{replica_id}-starting", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, config: RunConfig, bootstrap: str, role: str, replica_id: str) -> None:
+        try:
+            bus = kafka_bus(config, bootstrap)
+        except Exception as exc:  # raised to the replica by bus(), as making the bus there would
+            self.made.append(exc)
+            return
+        self.made.append(bus)
+        say_starting(bus, config, role, replica_id)
+
+    def bus(self) -> Bus:
+        """The bus once it is made (the wait serve_service would have had); raises what making it raised."""
+        self.thread.join()
+        if isinstance(self.made[0], Exception):
+            raise self.made[0]
+        return self.made[0]
+
+
+def say_starting(bus: Bus, config: RunConfig, role: str, replica_id: str) -> None:
+    """One report of a replica that is building its service (``starting``, and what loads) on the status topic."""
     m = config.model
     report = ReplicaStatus(
         replica=replica_id,
@@ -151,13 +180,11 @@ def _say_starting(config: RunConfig, bootstrap: str, role: str, replica_id: str,
         url="",
     )
     try:
-        bus = bus or kafka_bus(config, bootstrap)
         producer = bus.producer(replica_id)
         producer.send(STATUS_TOPIC, encode(report), key=replica_id.encode())
         producer.close()
-        bus.close()
-    except Exception as exc:  # a report is not worth failing over: the runner's come once it runs
-        log.debug("%s: no starting report (%s)", replica_id, exc)
+    except KafkaError as exc:  # a report is not worth failing over: the runner's come once it runs
+        log.warning("%s: no starting report (%s)", replica_id, exc)
 
 
 def _serve_metrics(

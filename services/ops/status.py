@@ -33,6 +33,7 @@ __all__ = [
     "PipelineStatus",
     "format_replication",
     "format_status",
+    "from_the_run_directory",
     "read_saved_status",
     "read_status",
     "save_status",
@@ -113,8 +114,7 @@ def format_replication(brokers: int, replication: dict[str, int]) -> str:
         line += (
             f"\nWARNING: {len(single)} topic(s) keep one copy on a cluster of {brokers} brokers "
             f"({', '.join(single[:4])}{', ...' if len(single) > 4 else ''}): a broker's loss loses their partitions; "
-            "topics made by streamppo "
-            "take the cluster's replication unless kafka.replication_factor says otherwise"
+            "topics made by streamppo take the cluster's replication unless kafka.replication_factor says otherwise"
         )
     return line
 
@@ -153,6 +153,23 @@ def read_saved_status(run_dir: Path) -> PipelineStatus | None:
         )
     except (OSError, ValueError, KeyError, TypeError, SchemaError):
         return None
+
+
+def from_the_run_directory(run_dir: Path) -> str:
+    """What the run directory tells of a run whose broker does not answer: its last update and the status last read
+    from the broker (:func:`save_status`)."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    try:
+        last = json.loads(metrics.read_text().splitlines()[-1])
+        lines = [f"last update: step {last['step']}, {time.time() - metrics.stat().st_mtime:.0f} s ago ({metrics})"]
+    except (OSError, IndexError, ValueError, KeyError):
+        lines = [f"no update in {run_dir} yet"]
+    saved = read_saved_status(run_dir)
+    if saved is None:
+        lines.append("no status was read from the broker before (it is kept in the run directory when one is)")
+    else:
+        lines += ["the status last read from the broker, every report as old as it is:", format_status(saved)]
+    return "\n".join(lines)
 
 
 def format_status(status: PipelineStatus) -> str:

@@ -53,7 +53,7 @@ class KafkaSettings:
     session_timeout_ms: int = 6000
     heartbeat_interval_ms: int = 1000
     max_poll_interval_ms: int = 600_000  # one batch of model compute may take minutes
-    replication_factor: int | None = None  # None: the cluster's (see replication_for)
+    replication_factor: int | None = None  # None: the cluster's (KafkaBus._cluster_replication)
     connect_timeout_s: float = 60.0
     idempotent_producer: bool = True
     fetch_max_wait_ms: int = 100  # how long the broker may hold an empty fetch (see KafkaSection)
@@ -108,6 +108,7 @@ class KafkaBus(Bus):
         try:
             existing = probe.topics()
             partitions = {spec.name: probe.partitions_for_topic(spec.name) for spec in specs if spec.name in existing}
+            brokers = {broker.nodeId for broker in probe._client.cluster.brokers()}
         finally:
             probe.close()
         missing = [spec for spec in specs if spec.name not in existing]
@@ -127,7 +128,7 @@ class KafkaBus(Bus):
                 admin.delete_topics(list(wrong))
                 self._wait_until_gone(list(wrong))
                 missing += [spec for spec in kept if spec.name in wrong]
-            replication = self.settings.replication_factor or self._cluster_replication(admin)
+            replication = self.settings.replication_factor or self._cluster_replication(admin, brokers)
             for spec in missing:
                 configs = {
                     "max.message.bytes": str(self.settings.max_message_bytes),
@@ -149,11 +150,11 @@ class KafkaBus(Bus):
         finally:
             admin.close()
 
-    def _cluster_replication(self, admin: KafkaAdminClient) -> int:
+    @staticmethod
+    def _cluster_replication(admin: KafkaAdminClient, brokers: set[int]) -> int:
         """The replication of topics made without ``kafka.replication_factor``: the brokers'
         ``default.replication.factor``, but at least min(3, brokers) (Kafka's own default of 1 would leave one
         broker's loss losing partitions), and never more than the brokers."""
-        brokers, _ = self._cluster_metadata([])
         said = 1
         try:
             resources = [ConfigResource(ConfigResourceType.BROKER, str(min(brokers)))]
@@ -267,14 +268,14 @@ class KafkaBus(Bus):
     def _await_topic(self, probe: KafkaConsumer, topic: str) -> None:
         """Return once the broker's metadata names ``topic``; raise :class:`LogMissing` after ``connect_timeout_s``."""
         deadline = time.monotonic() + self.settings.connect_timeout_s
-        while topic not in self._topics(probe):
-            if time.monotonic() > deadline:
-                raise LogMissing(
-                    f"topic {topic} does not exist on {self.settings.bootstrap} after "
-                    f"{self.settings.connect_timeout_s:.0f}s: the run's topics were not made (`streamppo topics` "
-                    "makes them) or the broker lost them"
-                )
-            time.sleep(0.2)
+        while time.monotonic() < deadline:
+            time.sleep(0.2)  # the caller has just asked
+            if topic in self._topics(probe):
+                return
+        raise LogMissing(
+            f"topic {topic} does not exist on {self.settings.bootstrap} after {self.settings.connect_timeout_s:.0f}s: "
+            "the run's topics were not made (`streamppo topics` makes them) or the broker lost them"
+        )
 
     @staticmethod
     def _topics(consumer: KafkaConsumer, timeout_s: float = ANSWER_TIMEOUT_S) -> set[str]:
