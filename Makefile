@@ -45,7 +45,7 @@ run:
 	$(PYTHON) deploy/install.py --venv $(VENV)
 	$(VENV)/bin/streamppo run --config examples/vowels/config.yaml
 
-lint:
+lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
