@@ -343,6 +343,7 @@ def kill_trial(args, folder: Path, seed: int) -> dict:
         "answered_twice": len(received) - len(set(received)),
         "groups_trained_twice": len(groups) - len(set(groups)),
         "logged_not_answered": len(set(logged) - set(received)),
+        "dropped_stale": updates[-1]["dropped_stale"] if updates else 0,
     }
 
 

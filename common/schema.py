@@ -31,6 +31,7 @@ __all__ = [
     "EpisodeEvent",
     "EpisodeTurn",
     "ExperienceBatch",
+    "ADMITTED_EPOCH",
     "LEARNER_EPOCH",
     "LEARNER_REPLACEMENTS",
     "LEARNER_SETTLED",
@@ -67,6 +68,10 @@ RUN_ID = "run.id"
 # Lineage key of a weight announcement: the epoch of the learner that wrote it, which rises at each learner start,
 # so a reader can ignore a zombie learner (an older epoch) that still announces.
 LEARNER_EPOCH = "learner.epoch"
+# Lineage key of a gateway's call to the generators: the learner epoch of the announcement that the gateway admitted
+# the call by (its header's policy_version is that announcement's version). A generator answers the call with those
+# weights or newer ones: with older ones, its tokens would be too stale for the update the call was admitted to.
+ADMITTED_EPOCH = "gateway.admitted_epoch"
 # Lineage of an actor announcement whose snapshot holds LoRA adapters: "lora", and the base model they adapt.
 ADAPTER = "actor.adapter"
 ADAPTER_BASE = "actor.base"

@@ -318,6 +318,11 @@ def test_an_openai_client_s_episodes_are_trained_once_with_the_tokens_it_sampled
     calls = [e for e in events if e.kind == "call"]
     assert len(calls) == 3 * 2 * 2 * 2 and len({e.event for e in calls}) == len(calls)
     assert all(e.parent for e in calls if e.prompt_text.startswith("</s>")), "the second call extends the first"
+    # Each call names the weights it was admitted by, and was answered with them (generator.ready_for).
+    requests = {r.call: r for r in read_messages(bus, "requests")}
+    answers = {a.call: a for a in read_messages(bus, "completions")}
+    assert requests.keys() == answers.keys() and {r.lineage["gateway.admitted_epoch"] for r in requests.values()}
+    assert all(int(answers[c].token_versions.min()) >= r.policy_version for c, r in requests.items())
     assert sorted(e.outcome for e in events if e.kind == "end") == ["rewarded"] * 12
     rewards = {e.episode: e.reward for e in events if e.kind == "reward"}
     rollouts = read_messages(bus, "rollouts")
@@ -818,6 +823,67 @@ def test_a_generator_started_again_answers_no_call_before_it_has_the_newest_weig
     assert answer.call == "0/0#0/c1" and answer.status == "ok" and len(answer.token_versions)
     assert answer.token_versions.tolist() == [2] * len(answer.token_versions), "sampled by the newest weights"
     assert runner.service.policy_version == 2 and runner.waiting_for() == "waiting for input"
+
+
+def test_a_call_is_answered_with_the_weights_the_gateway_admitted_it_by_or_newer(make_config, chat_tokenizer,
+                                                                                  monkeypatch):  # fmt: skip
+    """The gateway and a generator read the weights topic each on its own: a call the gateway admitted by v2 waits at
+    a generator that has v1 until v2 is loaded (answered with v1, its tokens would be too stale for the update it was
+    admitted to, at max_staleness 0); a call admitted by a learner epoch that a newer one superseded is answered at
+    once; one that names weights never announced (forged) is answered with what the generator has, after a bound."""
+    from test_runtime import announce_v1
+
+    from common.schema import ADMITTED_EPOCH, RUN_ID, CompletionRequest
+    from services.generator import GeneratorService, service as generator_module
+
+    config = gateway_config(make_config, "gateway.port=0", "pipeline.max_staleness=0")
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics(partitions=2))
+    producer = bus.producer("test")
+    weights = {version: announce_v1(config, version, epoch=1) for version in (1, 2)}
+
+    def announce(version):
+        for announcement in weights[version]:
+            producer.send("weights", encode(announcement), key=b"k")
+        producer.flush()
+
+    def call(name, epoch, version):
+        producer.send("requests", encode(CompletionRequest(
+            **new_header(f"0/0#0/{name}", "gateway-0/x", version, {RUN_ID: config.run.run_id, ADMITTED_EPOCH: epoch}),
+            step=0, episode="0/0#0", call=f"0/0#0/{name}", reply_to="gateway-0/x",
+            prompt_tokens=np.asarray(chat_tokenizer.encode(f"say {name}"), np.int64), max_tokens=4,
+            temperature=1.0, top_p=1.0, top_k=0, seed=-1, stop=[],
+        )), key=b"k")  # fmt: skip
+        producer.flush()
+
+    def answers_within(seconds, count):
+        deadline = time.monotonic() + seconds
+        while len(answers := {a.call.rsplit("/", 1)[1]: a for a in read_messages(bus, "completions")}) < count:
+            if time.monotonic() > deadline:
+                break
+            runner.poll_once(0.05)
+        return answers
+
+    announce(1)
+    runner = started(GeneratorService(config), bus)
+    call("ahead", epoch=1, version=2)  # the gateway read v2's announcement before this generator did
+    call("superseded", epoch=0, version=5)  # a rolled-back learner's: epoch 1 went on from a lower version
+    answers = answers_within(10, 2)
+    assert set(answers) == {"superseded"}, "only the superseded epoch's call is answered while v2 is not loaded"
+    assert answers["superseded"].token_versions.tolist() == [1] * len(answers["superseded"].token_versions)
+    said = runner.waiting_for()
+    assert "actor v2 of learner epoch 1" in said and "0/0#0/ahead" in said and "v1 of epoch 1 loaded" in said, said
+
+    announce(2)
+    answers = answers_within(30, 2)
+    assert set(answers) == {"superseded", "ahead"}
+    assert answers["ahead"].token_versions.tolist() == [2] * len(answers["ahead"].token_versions), "sampled by v2"
+
+    monkeypatch.setattr(generator_module, "ADMITTED_WEIGHTS_WAIT_S", 0.5)
+    call("forged", epoch=7, version=40)  # never announced: it must not hold the call, or its partition, for long
+    answers = answers_within(30, 3)
+    assert answers["forged"].status == "ok", "a call naming weights never announced is answered after the bound"
+    assert answers["forged"].token_versions.tolist() == [2] * len(answers["forged"].token_versions)
 
 
 # ---------------------------------------------------------------------------------------------- faults, for real

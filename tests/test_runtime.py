@@ -28,9 +28,10 @@ def bus():
     return bus
 
 
-def announce_v1(config, version=1):
-    """Weights as the learner announces them after an update (here: perturbed v0 weights)."""
+def announce_v1(config, version=1, epoch=0):
+    """Weights as the learner of ``epoch`` announces them after an update (here: perturbed v0 weights)."""
     learner = LearnerService(config)
+    learner.epoch = epoch
     with torch.no_grad():
         for p in learner.trainer.actor.parameters():
             p.add_(0.05 * torch.randn_like(p))

@@ -383,9 +383,45 @@ def test_a_plain_vllm_engine_takes_streamppos_snapshots_through_vllms_weight_tra
         llm.llm_engine.engine_core.shutdown()
 
 
+def test_an_engine_process_that_dies_before_its_teardown_leaves_no_shared_memory_and_no_warning(tiny_model):
+    """vLLM's engine process unlinks its message queue's shared memory in its teardown; when it dies first (its
+    generator exits while it tears down: the parent-death signal, vllm_plugin.py), the resource tracker unlinks it
+    and warned of a leak at the generator's exit (an `up` stop printed it). The sampler quiets that warning alone:
+    the process's own warnings still show, and nothing stays in /dev/shm."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    shm = set(os.listdir("/dev/shm"))
+    script = (
+        "import os, signal, warnings, psutil\n"
+        "from common.config import VllmOptions\n"
+        "from common.models import load_tokenizer\n"
+        "from services.generator.vllm_sampler import VllmSampler\n"
+        "if __name__ == '__main__':\n"
+        f"    t = load_tokenizer({str(tiny_model)!r})\n"
+        f"    s = VllmSampler({str(tiny_model)!r}, 'float32', False, t.eos_token_id, t.pad_token_id,\n"
+        "                    VllmOptions(kv_cache_gib=0.25))\n"
+        "    core = [p for p in psutil.Process().children() if 'EngineCore' in p.name()]\n"
+        "    assert core, [p.name() for p in psutil.Process().children()]\n"
+        "    core[0].send_signal(signal.SIGKILL)\n"
+        "    core[0].wait(30)\n"
+        "    s.close()\n"
+        "    warnings.warn('a warning of the process itself')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "a warning of the process itself" in done.stderr
+    assert "leaked shared_memory" not in done.stderr, done.stderr[-3000:]
+    assert not set(os.listdir("/dev/shm")) - shm, "shared memory left behind"
+
+
 def test_sigterm_ends_a_run_with_its_engine(model_cache, tmp_path):
     """`streamppo run` stopped by SIGTERM (a scheduler, `timeout`) shuts its vLLM engine down: no engine process
-    is left behind with the model in memory."""
+    is left behind with the model in memory, nothing in /dev/shm, and no warning of shared memory leaked (the
+    resource tracker's, which vLLM's engine process causes: services/generator/vllm_sampler.py)."""
     import os
     import signal
     import subprocess
@@ -400,8 +436,10 @@ def test_sigterm_ends_a_run_with_its_engine(model_cache, tmp_path):
     run_dir = tmp_path / "run"
     settings = [f"run.dir={run_dir}", f"model.cache_dir={model_cache}", "generation.backend=vllm", "run.steps=10000"]
     command = [sys.executable, "-m", "services.cli", "run", "--config", str(EXAMPLE / "config.yaml"), "--no-progress"]
+    shm = set(os.listdir("/dev/shm"))
+    said = tmp_path / "stderr.log"
     run = subprocess.Popen(
-        command + [arg for s in settings for arg in ("--set", s)], cwd=REPO, stderr=subprocess.DEVNULL
+        command + [arg for s in settings for arg in ("--set", s)], cwd=REPO, stderr=said.open("w")
     )
     try:
         deadline = time.monotonic() + 300
@@ -414,6 +452,8 @@ def test_sigterm_ends_a_run_with_its_engine(model_cache, tmp_path):
         assert run.wait(timeout=120) == exit_codes.INTERRUPTED
         gone, alive = psutil.wait_procs(engine, timeout=30)
         assert not alive, [p.pid for p in alive]
+        assert "leaked shared_memory" not in said.read_text()
+        assert not set(os.listdir("/dev/shm")) - shm, "shared memory left behind"
     finally:
         if run.poll() is None:
             run.kill()

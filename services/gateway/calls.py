@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.config import RunConfig
-from common.schema import Completion, CompletionRequest, EpisodeEvent, new_header
+from common.schema import ADMITTED_EPOCH, Completion, CompletionRequest, EpisodeEvent, new_header
 from services.gateway.api import Answer, ApiError, now
 from services.gateway.conversation import Prompt, Prompts
 from services.gateway.episodes import Episode, EpisodeBook
@@ -127,12 +127,13 @@ class Calls:
         context: int,
         log: EpisodesLog,
         lineage_of: Callable[[Episode], dict],
-        version: Callable[[], int],
+        admitted_by: Callable[[], tuple[int, int]],
         counts: Counter[str],
         producer: str,
     ):
         self.config, self.tokenizer, self.model_name, self.context = config, tokenizer, model_name, context
-        self.log, self.lineage_of, self.version, self.counts, self.producer = log, lineage_of, version, counts, producer
+        self.log, self.lineage_of, self.counts, self.producer = log, lineage_of, counts, producer
+        self.admitted_by = admitted_by  # (learner epoch, version) of the announcement the gateway admits by
         self.prompts = Prompts(tokenizer)
         self.in_flight = CallsInFlight()
         self.reply_to = f"{producer}/{uuid.uuid4().hex[:12]}"  # the answers this process waits for
@@ -164,9 +165,10 @@ class Calls:
         if not prompt.parent and episode.calls:
             self.counts["splits"] += 1  # a new row of the episode (see episodes.py)
         gen = self.config.generation
+        epoch, version = self.admitted_by()
         self.sampling.send(
             CompletionRequest(
-                **new_header(call_id, self.producer, self.version(), self.lineage_of(episode)),
+                **new_header(call_id, self.producer, version, {**self.lineage_of(episode), ADMITTED_EPOCH: epoch}),
                 step=episode.step,
                 episode=episode.id,
                 call=call_id,

@@ -38,7 +38,7 @@ from transformers import AutoConfig
 from common.admission import Admission
 from common.config import RunConfig
 from common.models import load_tokenizer, resolve_model
-from common.schema import LEARNER_GROUPS_DONE, PromptBatch, WeightAnnouncement
+from common.schema import LEARNER_EPOCH, LEARNER_GROUPS_DONE, PromptBatch, WeightAnnouncement
 from services.gateway.api import MAX_REWARD, ApiError
 from services.gateway.calls import Calls, key_hash
 from services.gateway.conversation import append_only_violation
@@ -71,6 +71,7 @@ class GatewayService(Service):
         self.secret = config.signing_key()
         self.counts: Counter[str] = Counter()
         self.policy_version = 0
+        self.epoch = 0  # of the learner whose announcement the gateway admits by
         self.admission = Admission(config)
         version = lambda: self.policy_version  # noqa: E731
         self.log = EpisodesLog(
@@ -79,8 +80,9 @@ class GatewayService(Service):
         self.book = self.log.book
         self.offers = Offers(config, self.admission, self.book, self.run_id)
         context = _context_length(path, config)
-        self.calls = Calls(config, self.tokenizer, self.model_name, context, self.log, self.offers.lineage_of, version,
-                           self.counts, self.replica_id)  # fmt: skip
+        admitted_by = lambda: (self.epoch, self.policy_version)  # noqa: E731
+        self.calls = Calls(config, self.tokenizer, self.model_name, context, self.log, self.offers.lineage_of,
+                           admitted_by, self.counts, self.replica_id)  # fmt: skip
         self.groups = GroupRecords(config, self.tokenizer, self.replica_id, str(path), self.counts)
         self.inbox: queue.Queue[Request] = queue.Queue()
         self.server: GatewayServer | None = None
@@ -140,8 +142,10 @@ class GatewayService(Service):
             self.agents.stop()
 
     def on_weights(self, announcement: WeightAnnouncement) -> bool:
-        # Nothing to load: the learner's progress (for the bound) and the version (for the status) are what count.
-        self.policy_version = max(self.policy_version, announcement.policy_version)
+        # Nothing to load: the learner's progress (for the bound), and the version its calls must be answered with.
+        # The feed offers only what supersedes the last (a new learner epoch may go back to a lower version).
+        self.policy_version = announcement.policy_version
+        self.epoch = int(announcement.lineage.get(LEARNER_EPOCH, 0))
         done = int(
             announcement.lineage.get(LEARNER_GROUPS_DONE, announcement.policy_version * self.admission.per_update)
         )

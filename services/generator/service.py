@@ -34,6 +34,8 @@ from common.rollouts import SampledRows, rollout_batch
 from common.sampling import Samples, SamplingParams
 from common.schema import (
     ADAPTER_BASE,
+    ADMITTED_EPOCH,
+    LEARNER_EPOCH,
     LEARNER_GROUPS_DONE,
     Completion,
     CompletionRequest,
@@ -52,6 +54,10 @@ log = logging.getLogger(__name__)
 
 STEP_S = 0.05  # streaming: how long one collect() lets the engine run before it sends what finished
 CALLS_IN_FLIGHT = 256  # a gateway run: the calls sampled at once at most (vLLM's default max_num_seqs)
+# A gateway run: how long a call admitted by weights this replica has not loaded waits for them, then is answered
+# with the weights it has. Far above reading and loading a snapshot; a call that names weights never announced (a
+# forged one) costs that long, and never more.
+ADMITTED_WEIGHTS_WAIT_S = 60.0
 
 
 @dataclass
@@ -80,6 +86,7 @@ class GeneratorService(Service):
         )
         self.model_id = str(path)
         self.policy_version = 0  # the configured initial weights are version 0
+        self.epoch = 0  # of the learner that announced the weights loaded
         self.digest = ""  # of the snapshot loaded ("": the configured initial weights)
         self.admission = Admission(config)  # bounded staleness, by the learner's progress in the announcements
         self.queue: deque[tuple[PromptBatch, int]] = deque()  # streaming: the groups admitted, not yet started
@@ -88,6 +95,7 @@ class GeneratorService(Service):
         self.calls: dict[str, tuple[CompletionRequest, float]] = {}  # a gateway run: the calls in the engine, by
         # request key, with when each began (perf_counter)
         self.answered: list[Completion] = []  # a gateway run: answers ready to go (calls that could not be sampled)
+        self.waiting_calls: dict[str, float] = {}  # a gateway run: calls waiting for the weights that admitted them
         broadcast = config.weights.broadcast
         if broadcast.address is not None:
             self.sampler.join_broadcast(broadcast.address, broadcast.timeout_s, config.weights.digest, self.replica_id)
@@ -102,6 +110,7 @@ class GeneratorService(Service):
         )
         if self._holds(announcement):  # the learner's progress alone (groups used up without an update)
             self.admission.groups_done = max(self.admission.groups_done, groups_done)
+            self.epoch = max(self.epoch, _epoch_of(announcement))
             return True
         if self.streams and not self.sampler.updates_in_flight:  # generation.in_flight_updates: finish
             while self._source.in_flight():  # the responses being sampled end under the weights that began them
@@ -113,6 +122,7 @@ class GeneratorService(Service):
         ):
             return False
         self.policy_version, self.digest = announcement.policy_version, announcement.digest
+        self.epoch = _epoch_of(announcement)
         self.admission.groups_done = groups_done
         return True
 
@@ -154,7 +164,20 @@ class GeneratorService(Service):
 
     def ready_for(self, message: PromptBatch | CompletionRequest) -> bool:
         if isinstance(message, CompletionRequest):
-            return True  # the gateway handed its episode out within the bound
+            # The gateway admitted the call by an announcement this replica may not have read yet (they read the
+            # weights topic each on its own): answered with older weights, it would be too stale for its update.
+            if self._admitted_by(message) <= (self.epoch, self.policy_version):
+                self.waiting_calls.pop(message.call, None)
+                return True
+            since = self.waiting_calls.setdefault(message.call, time.monotonic())
+            if time.monotonic() - since < ADMITTED_WEIGHTS_WAIT_S:
+                return False
+            del self.waiting_calls[message.call]
+            epoch, version = self._admitted_by(message)
+            log.warning("%s: call %s waited %.0f s for actor v%d of learner epoch %d, which the gateway admitted it by "
+                        "and this replica never loaded; answered with v%d", self.replica_id, message.call,
+                        ADMITTED_WEIGHTS_WAIT_S, version, epoch, self.policy_version)  # fmt: skip
+            return True
         # A prompt batch is taken once its first group may be sampled (common/admission.py). Streaming then samples
         # each group only when it may; a whole batch at once may overrun the bound by its other groups, which the
         # learner drops (with dynamic sampling; otherwise the config keeps updates to whole batches).
@@ -164,8 +187,21 @@ class GeneratorService(Service):
         """Whether the group of ``row`` of prompt batch ``step`` may be sampled now."""
         return self.admission.admits(step, row)
 
-    def waiting_for(self, message: PromptBatch) -> str:
+    def waiting_for(self, message: PromptBatch | CompletionRequest) -> str:
+        if isinstance(message, CompletionRequest):
+            epoch, version = self._admitted_by(message)
+            return (
+                f"actor v{version} of learner epoch {epoch}, which the gateway admitted call {message.call} by "
+                f"(v{self.policy_version} of epoch {self.epoch} loaded)"
+            )
         return self.admission.waiting_for(message.step, self.policy_version)
+
+    @staticmethod
+    def _admitted_by(request: CompletionRequest) -> tuple[int, int]:
+        """(learner epoch, version) of the announcement the gateway admitted ``request`` by; a call of a gateway that
+        does not say is answerable with any weights."""
+        epoch = request.lineage.get(ADMITTED_EPOCH)
+        return (int(epoch), request.policy_version) if isinstance(epoch, int) else (-1, -1)
 
     def process(self, message: PromptBatch) -> list[RolloutBatch]:
         self._check(message)
@@ -420,3 +456,7 @@ class GeneratorService(Service):
         if self.episodes is not None:
             self.episodes.close()
         self.sampler.close()
+
+
+def _epoch_of(announcement: WeightAnnouncement) -> int:
+    return int(announcement.lineage.get(LEARNER_EPOCH, 0))

@@ -26,6 +26,7 @@ import dataclasses
 import gc
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -44,6 +45,13 @@ from services.generator.vllm_plugin import BACKEND, REFUSED
 log = logging.getLogger(__name__)
 
 __all__ = ["VllmSampler"]
+
+# vLLM's engine process unlinks its message queue's shared memory (and a semaphore) in its teardown; when it dies
+# first (its generator exits while it tears down: the parent-death signal, vllm_plugin.py), the resource tracker its
+# processes share unlinks them (nothing is left in /dev/shm) and warns "There appear to be 1 leaked shared_memory
+# objects", which vLLM's maintainers call safe to ignore (vllm-project/vllm#5439). The tracker takes its warning
+# filters from the environment of the process that starts it: the engine's, started after this is set.
+QUIET_RESOURCE_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
 
 
 class VllmSampler:
@@ -119,6 +127,9 @@ class VllmSampler:
         from vllm import LLM
 
         started = time.perf_counter()
+        warnings = os.environ.get("PYTHONWARNINGS", "")
+        if QUIET_RESOURCE_TRACKER not in warnings:
+            os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [warnings, QUIET_RESOURCE_TRACKER]))
         llm = LLM(**self.engine_args)
         if self.good_snapshot is not None and self.lora is None:  # adapters: the LoRA request still holds them
             refused = _transfer(llm, {"chain": self.good_snapshot})
