@@ -434,6 +434,27 @@ def test_a_stopped_up_says_how_to_resume_and_resumes_from_its_run_directory_alon
     assert json.loads((run_dir / "summary.json").read_text())["wall_seconds"] > first_seconds, "both ups counted"
 
 
+def test_a_second_up_on_a_finished_run_directory_trains_from_scratch_and_says_so(tmp_path, model_cache):
+    """`up` on the run directory of a run that finished (`make run`'s, then `up`, both runs/vowels) clears it and
+    trains the run again, saying so; before, its learner took up the finished checkpoint, trained nothing, and
+    printed the earlier run's `done:` line as its own."""
+    steps = 2
+    settings = [*run_settings(tmp_path, model_cache, steps, unique("twice")), "generation.backend=transformers"]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    said = []
+    for _ in range(2):
+        done = subprocess.run(command("up", settings=settings), cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        records = [json.loads(line) for line in metrics.open()]
+        assert [r["step"] for r in records] == list(range(1, steps + 1)), "this up's own updates, each once"
+        said.append((done.stdout, metrics.stat().st_mtime))
+    (first, first_written), (second, second_written) = said
+    assert "cleared the earlier run" not in first
+    assert f"cleared the earlier run in {tmp_path / 'run'} ({steps} updates, its checkpoints and summary)" in second
+    assert second_written > first_written and f"done: {steps} steps" in second, "trained again, not reported again"
+    assert "the run's log (new)" in second, "on a log of its own, not the earlier run's"
+
+
 def test_kafka_python_speaks_every_api_the_project_uses_to_kafka_4(kafka_broker):
     """kafka-python 2.3.3 against Apache Kafka 4.4, which dropped old protocol versions (KIP-896; an open report has
     ListOffsets v0 refused by 4.0, dpkp/kafka-python#2679): admin (create, describe configs, delete topics), the
