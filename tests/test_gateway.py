@@ -834,7 +834,8 @@ def test_a_call_is_answered_with_the_weights_the_gateway_admitted_it_by_or_newer
     from test_runtime import announce_v1
 
     from common.schema import ADMITTED_EPOCH, RUN_ID, CompletionRequest
-    from services.generator import GeneratorService, service as generator_module
+    from services.generator import GeneratorService
+    from services.generator import service as generator_module
 
     config = gateway_config(make_config, "gateway.port=0", "pipeline.max_staleness=0")
     bus = MemoryBus()

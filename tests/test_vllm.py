@@ -438,9 +438,7 @@ def test_sigterm_ends_a_run_with_its_engine(model_cache, tmp_path):
     command = [sys.executable, "-m", "services.cli", "run", "--config", str(EXAMPLE / "config.yaml"), "--no-progress"]
     shm = set(os.listdir("/dev/shm"))
     said = tmp_path / "stderr.log"
-    run = subprocess.Popen(
-        command + [arg for s in settings for arg in ("--set", s)], cwd=REPO, stderr=said.open("w")
-    )
+    run = subprocess.Popen(command + [arg for s in settings for arg in ("--set", s)], cwd=REPO, stderr=said.open("w"))
     try:
         deadline = time.monotonic() + 300
         while not (run_dir / "metrics.jsonl").exists() and not list((run_dir / "weights").glob("actor-*")):
