@@ -39,7 +39,7 @@ venv:
 	$(PYTHON) deploy/install.py --venv $(VENV) --extras $(EXTRAS)
 
 kafka: venv
-	$(PY) -m services.transport.apache_kafka fetch
+	$(PY) -m services.transport.brokers.apache_kafka fetch
 
 run:
 	$(PYTHON) deploy/install.py --venv $(VENV)

@@ -28,9 +28,9 @@ import numpy as np
 from common.batch_store import BatchStore
 from common.schema import ExperienceBatch, decode, encode, new_header
 from services.transport import TopicSpec
-from services.transport.apache_kafka import KAFKA_VERSION, KafkaBroker
+from services.transport.brokers.apache_kafka import KAFKA_VERSION, KafkaBroker
+from services.transport.brokers.local_broker import LocalBroker
 from services.transport.kafka import KafkaBus, KafkaSettings
-from services.transport.local_broker import LocalBroker
 
 REPO = Path(__file__).resolve().parent.parent
 # A 0.5B model's update batch as the learner takes it (verl's quickstart shape, scaled to one record): 64 responses of

@@ -20,7 +20,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from services.transport.local_broker import LocalBroker, free_port
+from services.transport.brokers.local_broker import LocalBroker, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "deploy" / "compose"

@@ -25,9 +25,9 @@ from common.schema import EpisodeTurn, new_header  # noqa: E402
 from services.environment import EnvironmentService  # noqa: E402
 from services.environment.tools import calculate  # noqa: E402
 from services.runtime import Replica  # noqa: E402
+from services.runtime.run_bus import kafka_bus  # noqa: E402
 from services.service import Service  # noqa: E402
-from services.transport.local_broker import LocalBroker  # noqa: E402
-from services.transport.run_bus import kafka_bus  # noqa: E402
+from services.transport.brokers.local_broker import LocalBroker  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

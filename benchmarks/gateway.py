@@ -96,7 +96,7 @@ class Run:
     roles given."""
 
     def __init__(self, folder: Path, settings: dict, roles: list[str]):
-        from services.transport.apache_kafka import KafkaBroker
+        from services.transport.brokers.apache_kafka import KafkaBroker
 
         self.folder, self.roles = folder, roles
         folder.mkdir(parents=True, exist_ok=True)
@@ -151,7 +151,7 @@ class Run:
     def read(self, topic: str) -> list:
         from services.ops.runlog.reader import BusReader
         from services.roles import pipeline_topics
-        from services.transport.run_bus import kafka_bus
+        from services.runtime.run_bus import kafka_bus
 
         config = load_config(self.config_path)
         bus = kafka_bus(config, make=False)
@@ -164,7 +164,7 @@ class Run:
     def waiting(self) -> list[str]:
         """What each replica that holds input says it waits for (`streamppo status`)."""
         from services.ops.status import read_status
-        from services.transport.run_bus import kafka_bus
+        from services.runtime.run_bus import kafka_bus
 
         config = load_config(self.config_path)
         bus = kafka_bus(config, make=False)
@@ -282,7 +282,7 @@ def kill_trial(args, folder: Path, seed: int) -> dict:
         "generation": {"n": 2, "max_new_tokens": 24, "streaming": True, "backend": "transformers"},
         "reward": {"function": "recipes.rewards:no_score"},
         "algorithm": {"estimator": "grpo", "kl_in": "loss", "kl_estimator": "k3"},
-        "learner": {"mini_batch_size": 4, "checkpoint_every": 2},
+        "learner": {"mini_batch_size": 4, "checkpoint_every": 2, "groups_per_update": args.groups_per_update},
         "gateway": {"episode_timeout_s": 96},  # the promises issue's run
     }
     run = Run(folder, settings, ["learner", "advantage", "scorer", "generator", "gateway", "feed"])
@@ -409,6 +409,12 @@ def main() -> None:
     parser.add_argument("--kill", nargs="+", default=["gateway", "generator"], help="kills: the roles killed")
     parser.add_argument("--clients", type=int, default=1, help="kills: `streamppo agents` processes")
     parser.add_argument("--max-staleness", type=int, default=1, help="kills: pipeline.max_staleness")
+    parser.add_argument(
+        "--groups-per-update",
+        type=int,
+        default=2,
+        help="kills: learner.groups_per_update (3: updates end inside a prompt batch of 2, as after a group dropped)",
+    )
     parser.add_argument("--trials", type=int, default=1, help="kills: runs, each with seed + its number")
     parser.add_argument("--workers", type=int, default=128, help="throughput: agents at once (128: every episode)")
     parser.add_argument("--dir", default=str(REPO / "runs" / "bench-gateway"))

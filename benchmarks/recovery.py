@@ -87,7 +87,7 @@ def bench_recovery() -> dict:
 
 def resume_after_broker_loss(steps: int = 30, lost_after: int = 10) -> dict:
     """Seconds from `streamppo up --resume` on a new, empty broker to the first update after the checkpoint."""
-    from services.transport.local_broker import LocalBroker, free_port
+    from services.transport.brokers.local_broker import LocalBroker, free_port
 
     port, run_id = free_port(), f"loss{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory() as tmp:

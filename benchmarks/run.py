@@ -39,8 +39,8 @@ from common.models import load_actor, resolve_model  # noqa: E402
 from common.schema import RolloutBatch, decode, encode  # noqa: E402
 from recipes.models import build_tiny_char_llama  # noqa: E402
 from services.transport import MemoryBus, TopicSpec  # noqa: E402
+from services.transport.brokers.local_broker import LocalBroker  # noqa: E402
 from services.transport.kafka import KafkaBus, KafkaSettings  # noqa: E402
-from services.transport.local_broker import LocalBroker  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path.home() / ".cache" / "streamppo"
@@ -551,7 +551,7 @@ def bench_scaling(batches: int = 24) -> dict:
     from common.config import load_config
     from services.feeder import FeederService
     from services.generator import GeneratorService
-    from services.transport.run_bus import kafka_bus
+    from services.runtime.run_bus import kafka_bus
 
     model = smollm2_sized_model()
     rows = {}

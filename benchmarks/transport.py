@@ -40,8 +40,8 @@ from services.roles import pipeline_topics  # noqa: E402
 from services.runtime import Replica  # noqa: E402
 from services.service import Service  # noqa: E402
 from services.transport import TopicSpec  # noqa: E402
+from services.transport.brokers.local_broker import LocalBroker  # noqa: E402
 from services.transport.kafka import KafkaBus, KafkaSettings  # noqa: E402
-from services.transport.local_broker import LocalBroker  # noqa: E402
 
 N, T, P = 64, 128, 32
 

@@ -21,7 +21,7 @@ import torch
 
 from common.broadcast import WeightReceiver, WeightSender
 from common.weights import Snapshot, WeightStore, load_snapshot_into, load_state_into
-from services.transport.local_broker import free_port
+from services.transport.brokers.local_broker import free_port
 
 __all__ = ["StorePath", "broadcast_paths", "interleaved", "scratch_dir"]
 

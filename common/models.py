@@ -8,6 +8,8 @@ from transformers' Auto classes: no model code is written here.
 from __future__ import annotations
 
 import fcntl
+import functools
+import importlib.metadata
 import logging
 import os
 import shutil
@@ -28,6 +30,8 @@ from transformers import (
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "BUILTIN_MODELS_GROUP",
+    "builtin_models",
     "FrozenModels",
     "ModelLoadError",
     "actor_skeleton",
@@ -41,6 +45,21 @@ __all__ = [
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The entry-point group under which an installed package registers the models ``builtin:<name>`` names: each entry
+# a mapping of name -> (build(folder), revision). streamppo's own are the recipes' (pyproject.toml).
+BUILTIN_MODELS_GROUP = "streamppo.models"
+
+
+@functools.cache
+def builtin_models() -> dict[str, tuple[Callable[[Path], None], int]]:
+    """Every model ``builtin:<name>`` can name, as the installed packages register them (:data:`BUILTIN_MODELS_GROUP`):
+    name -> (builder, revision). The revision is part of the cache folder's name, so a changed builder never leaves an
+    old build in use."""
+    found: dict = {}
+    for entry in importlib.metadata.entry_points(group=BUILTIN_MODELS_GROUP):
+        found.update(entry.load())
+    return found
 
 
 def _build_builtin(name: str, build, directory: Path) -> None:
@@ -65,12 +84,13 @@ class ModelLoadError(RuntimeError):
 def resolve_model(spec: str, cache_dir: Path) -> Path:
     """Turn a model spec into a local folder: ``builtin:<name>`` is prepared into ``cache_dir`` once."""
     if spec.startswith("builtin:"):
-        from recipes.models import BUILTIN_MODELS  # the models the examples and tests use, built locally
-
-        name = spec.removeprefix("builtin:")
-        if name not in BUILTIN_MODELS:
-            raise ModelLoadError(f"unknown builtin model {name!r}; known: {sorted(BUILTIN_MODELS)}")
-        build, revision = BUILTIN_MODELS[name]
+        name, known = spec.removeprefix("builtin:"), builtin_models()
+        if name not in known:
+            raise ModelLoadError(
+                f"unknown builtin model {name!r}; known: {sorted(known)} (registered by installed packages under the "
+                f"entry-point group {BUILTIN_MODELS_GROUP}: is streamppo installed, `make setup`?)"
+            )
+        build, revision = known[name]
         directory = Path(cache_dir) / "models" / f"{name}-r{revision}"
         if not directory.is_dir():
             directory.parent.mkdir(parents=True, exist_ok=True)

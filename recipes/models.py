@@ -120,7 +120,8 @@ def copy_all_minilm_l6_v2(directory: Path) -> None:
         shutil.copy(source / name, directory / name)
 
 
-# name -> (builder, revision). The revision is part of the cache folder's name, so changing a builder never
+# name -> (builder, revision), registered for `builtin:<name>` by pyproject.toml's entry point (group
+# streamppo.models, common/models.py). The revision is part of the cache folder's name, so changing a builder never
 # leaves an old build in use. Every one is made locally: built from code, or converted from a wheel's files.
 BUILTIN_MODELS = {
     "tiny-char-llama": (build_tiny_char_llama, 2),

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import yaml
 
-from services.launch import exit_codes
 from services.ops.runlog.commands import add_log_commands
 from services.roles import ROLES
+from services.runtime import exit_codes
 
 __all__ = ["build_parser", "main"]
 
@@ -78,7 +78,7 @@ def _topics(args) -> int:
     from common.config import load_config
     from services.ops.status import format_replication
     from services.roles import pipeline_topics
-    from services.transport.run_bus import kafka_bus
+    from services.runtime.run_bus import kafka_bus
 
     config = load_config(args.config, args.set)
     bus = kafka_bus(config, args.bootstrap, replace_wrong_topics=True)  # creates (or replaces) what is missing
@@ -99,8 +99,8 @@ def _status(args) -> int:
 
     from services.ops.status import format_status, from_the_run_directory, read_status, save_status
     from services.roles import LOG_TOPIC
+    from services.runtime.run_bus import kafka_bus, run_of
     from services.transport.kafka import BrokerUnavailable
-    from services.transport.run_bus import kafka_bus, run_of
 
     config, bootstrap = run_of(args.config, args.set, args.run_dir, args.bootstrap)
     run_dir = Path(args.run_dir or config.run.dir)
@@ -170,7 +170,7 @@ def _wait(args) -> int:
     from services.ops.status import wait_for_run
     from services.ops.summary import summarise_run
     from services.roles import roles_of
-    from services.transport.run_bus import kafka_bus
+    from services.runtime.run_bus import kafka_bus
 
     config = load_config(args.config, args.set)
     ending = {role.name for role in roles_of(config) if role.ends_run}
@@ -223,7 +223,7 @@ def _end_with_the_run(config, pool) -> dict:
 
     from services.ops.status import wait_for_run
     from services.roles import ROLES, roles_of
-    from services.transport.run_bus import kafka_bus
+    from services.runtime.run_bus import kafka_bus
 
     ended: dict = {}
     if not config.kafka.bootstrap:
@@ -250,7 +250,7 @@ def _up(args) -> int:
     from common.config import ConfigError, load_config
     from services.launch.cluster import parse_replicas, resumed_run, up
     from services.launch.preflight import check_broker_answers, check_run_inputs
-    from services.transport.run_bus import bootstrap_of
+    from services.runtime.run_bus import bootstrap_of
 
     overrides = [*args.set, *(["run.resume=true"] if args.resume else [])]
     config_path, replica_specs = args.config, args.replicas
@@ -282,8 +282,7 @@ def _up(args) -> int:
 
 def _models(args) -> int:
     from common.config import ConfigError
-    from common.models import resolve_model
-    from recipes.models import BUILTIN_MODELS
+    from common.models import builtin_models, resolve_model
 
     if args.action == "merge":
         from services.learner.export import merge_adapter
@@ -294,10 +293,10 @@ def _models(args) -> int:
         print(f"merged into {merge_adapter(Path(args.name), args.out, base)}")
         return 0
     if args.action == "list":
-        for name, (build, _revision) in BUILTIN_MODELS.items():
+        for name, (build, _revision) in builtin_models().items():
             print(f"builtin:{name:<24} {_first_sentence(build.__doc__ or '')}")
         return 0
-    names = list(BUILTIN_MODELS) if args.name == "all" else [args.name.removeprefix("builtin:")]
+    names = list(builtin_models()) if args.name == "all" else [args.name.removeprefix("builtin:")]
     for name in names:
         print(resolve_model(f"builtin:{name}", args.cache_dir))
     return 0

@@ -145,6 +145,10 @@ class Service(ABC):
     When the run's log is lost (the broker lost its data), :meth:`take_up_new_log` drops the work in flight and the
     lifecycle starts again at 2 on the new log, with the models kept.
 
+    Before any replica of the run starts, :meth:`check_inputs` (a class method) is asked of every role the run has
+    (``streamppo up``, ``run``): what the role would find wrong at its start (a file it reads, a model folder, a
+    library), found once, with the loaders it uses then.
+
     A service that :attr:`streams` works on several inputs at once, and its outputs go on as they are ready: instead
     of :meth:`process`, the runner calls :meth:`admit` for each input while the service has :meth:`room`, and
     :meth:`collect` for what is ready (:meth:`under_way` says whether more is coming without input); an input is
@@ -296,6 +300,14 @@ class Service(ABC):
         covers was made durable first. False: this service cannot; its process exits (``exit_codes.LOG_REPLACED``)
         to be started again in resume mode."""
         return False
+
+    # ------------------------------------------------------------------ before a run
+
+    @classmethod
+    def check_inputs(cls, config: RunConfig) -> None:
+        """Raise what a replica of this role would raise at its start for ``config``'s inputs (a
+        :class:`~common.config.ConfigError`, or a loader's ``DatasetError``, ``RewardError``, ``ModelLoadError``
+        naming the setting), with the loaders it uses; builtin models are built into the cache now, once."""
 
     # ------------------------------------------------------------------ replicas of several processes
 

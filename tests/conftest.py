@@ -129,7 +129,7 @@ def _suite_broker() -> str:
 def pytest_report_header(config):
     from helpers import docker_answers, image_available
 
-    from services.transport.apache_kafka import KAFKA_VERSION
+    from services.transport.brokers.apache_kafka import KAFKA_VERSION
 
     broker = {
         "env": f"$KAFKA_BOOTSTRAP_SERVERS ({os.environ.get('KAFKA_BOOTSTRAP_SERVERS')})",
@@ -162,7 +162,7 @@ def kafka_broker(tmp_path_factory):
     if which == "env":
         yield [f"kafka.bootstrap={os.environ['KAFKA_BOOTSTRAP_SERVERS']}"]
     elif which == "kafka":
-        from services.transport.apache_kafka import KafkaBroker, KafkaUnavailable
+        from services.transport.brokers.apache_kafka import KafkaBroker, KafkaUnavailable
 
         try:
             broker = KafkaBroker(tmp_path_factory.mktemp("kafka")).start()
@@ -182,7 +182,7 @@ def kafka_broker(tmp_path_factory):
 
 
 def _local_broker(log_path: Path):
-    from services.transport.local_broker import LocalBroker
+    from services.transport.brokers.local_broker import LocalBroker
 
     with LocalBroker(log_path=log_path) as broker:
         yield [f"kafka.bootstrap={broker.bootstrap}", "kafka.idempotent_producer=false"]

@@ -1,6 +1,6 @@
 """What only a real Apache Kafka can show: a broker killed and started again on its log, a cluster of three that
 loses brokers, the compacted weights topic compacted, records at the size limit, a group rebalanced as scorers come and
-go. Each test starts brokers of its own (services/transport/apache_kafka.py) from Maven Central's jars."""
+go. Each test starts brokers of its own (services/transport/brokers/apache_kafka.py) from Maven Central's jars."""
 
 import dataclasses
 import json
@@ -18,9 +18,9 @@ from conftest import EXAMPLE, REPO
 from helpers import assert_each_group_once, run_settings, started
 
 from common.schema import encode
+from services.runtime.run_bus import kafka_bus
 from services.transport import TopicSpec
-from services.transport.apache_kafka import KafkaBroker, KafkaCluster
-from services.transport.run_bus import kafka_bus
+from services.transport.brokers.apache_kafka import KafkaBroker, KafkaCluster
 
 pytestmark = pytest.mark.slow  # brokers and services as processes
 
@@ -268,7 +268,7 @@ def test_the_weights_topic_is_compacted_and_a_late_replica_reads_only_the_newest
 def test_a_cluster_id_that_would_start_with_a_dash_formats_and_serves(tmp_path):
     """The id of seed-48 hashed to one starting with "-", which kafka-storage's command line took for an option: one
     start in 64 failed to format its log. The id is drawn again, and the broker formats and answers."""
-    from services.transport.apache_kafka import KafkaBroker, _kafka_uuid
+    from services.transport.brokers.apache_kafka import KafkaBroker, _kafka_uuid
 
     assert all(not _kafka_uuid(f"seed-{i}").startswith("-") and len(_kafka_uuid(f"seed-{i}")) == 22 for i in range(500))
     broker = KafkaBroker(tmp_path / "kafka", cluster_id="seed-48").start()
@@ -283,7 +283,7 @@ def test_a_broker_whose_controller_port_is_held_says_so_and_exits(tmp_path):
     start() fails at once with Kafka's own cause, not a stack trace's last lines."""
     import socket
 
-    from services.transport.apache_kafka import KafkaUnavailable
+    from services.transport.brokers.apache_kafka import KafkaUnavailable
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ import torch
 from common.broadcast import WeightReceiver, WeightSender, split_address
 from common.models import load_actor
 from common.weights import WeightIntegrityError, load_state_into, snapshot_state
-from services.transport.local_broker import free_port
+from services.transport.brokers.local_broker import free_port
 
 pytestmark = pytest.mark.slow  # gloo groups and their timeouts
 

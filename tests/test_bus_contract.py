@@ -43,7 +43,7 @@ def contract(request):
     if request.param == "memory":
         yield Contract(MemoryBus(), settle_s=0.0)
         return
-    from services.transport.run_bus import kafka_bus
+    from services.runtime.run_bus import kafka_bus
 
     broker = request.getfixturevalue("kafka_broker" if request.param == "kafka" else "memory_broker")
     bus = kafka_bus(request.getfixturevalue("make_config")(*broker))

@@ -184,6 +184,26 @@ def test_protos_are_current():
     assert result.returncode == 0, result.stderr
 
 
+def test_the_kafka_client_takes_every_setting_of_the_config_s_section_by_name_with_the_same_defaults():
+    """One place for each Kafka default: the client (services/transport/kafka.py, which knows nothing of the config)
+    and the config's kafka section name a setting alike and agree on its default, and the run's bus passes each one
+    set in the config through (a default that drifted once: connect_timeout_s, 30 s in one and 60 s in the other)."""
+    import dataclasses
+
+    from common.config import KafkaSection
+    from services.runtime.run_bus import kafka_settings
+    from services.transport.kafka import KafkaSettings
+
+    client = {f.name: f.default for f in dataclasses.fields(KafkaSettings) if f.default is not dataclasses.MISSING}
+    shared = set(client) & set(KafkaSection.model_fields)
+    assert {"session_timeout_ms", "connect_timeout_s", "max_message_bytes", "replication_factor"} <= shared
+    assert {name: client[name] for name in shared} == {name: getattr(KafkaSection(), name) for name in shared}
+    changed = KafkaSection(session_timeout_ms=7000, connect_timeout_s=5, fetch_max_wait_ms=7, idempotent_producer=False)
+    settings = kafka_settings(changed, "b:9092")
+    assert (settings.session_timeout_ms, settings.connect_timeout_s, settings.fetch_max_wait_ms) == (7000, 5, 7)
+    assert settings.bootstrap == "b:9092" and not settings.idempotent_producer
+
+
 def test_kafka_security_settings_pass_through_with_secrets_from_the_environment(tmp_path, monkeypatch):
     from services.transport.kafka import KafkaSettings
 
@@ -377,7 +397,7 @@ def test_cli_reports_a_full_weight_store_in_one_line(tmp_path, model_cache, smal
 
 
 def test_cli_reports_an_unreachable_broker_briefly(tmp_path, model_cache):
-    from services.transport.local_broker import free_port
+    from services.transport.brokers.local_broker import free_port
 
     result = streamppo(
         "scorer",
@@ -397,7 +417,7 @@ def test_cli_reports_an_unreachable_broker_briefly(tmp_path, model_cache):
 def test_up_against_a_broker_that_does_not_answer_stops_in_seconds_with_exit_2_and_what_to_check(tmp_path):
     import time
 
-    from services.transport.local_broker import free_port
+    from services.transport.brokers.local_broker import free_port
 
     started = time.monotonic()
     result = streamppo("up", "--config", EXAMPLE / "config.yaml", "--bootstrap", f"127.0.0.1:{free_port()}",
@@ -443,7 +463,7 @@ def test_a_setting_that_names_what_cannot_be_had_fails_fast_with_exit_2(command,
 
 def test_a_service_started_alone_exits_2_on_a_setting_that_names_what_cannot_be_had(tmp_path, model_cache):
     """What `up` (or Kubernetes) sees of a service whose configuration cannot work: exit 2, not restarted."""
-    from services.launch import exit_codes
+    from services.runtime import exit_codes
 
     result = streamppo(
         "scorer",
@@ -538,7 +558,7 @@ def test_status_of_a_run_whose_broker_does_not_answer_answers_from_the_run_direc
 
     from common.schema import ReplicaStatus
     from services.ops.status import PipelineStatus, save_status
-    from services.transport.local_broker import free_port
+    from services.transport.brokers.local_broker import free_port
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

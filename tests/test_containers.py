@@ -21,7 +21,7 @@ import pytest
 from conftest import CONTAINER_IMAGES, REPO
 from helpers import assert_each_group_once, docker_answers, image_available
 
-from services.transport.local_broker import free_port
+from services.transport.brokers.local_broker import free_port
 
 COMPOSE = REPO / "deploy" / "compose"
 FILES = ["docker-compose.yml", "docker-compose.local.yml"]  # the local broker image: no registry to pull Kafka from
@@ -184,7 +184,7 @@ def test_the_broker_images_serve_a_run_of_processes(tmp_path, model_cache, image
     from test_kafka import run_up, unique
     from testcontainers.core.container import DockerContainer
 
-    from services.transport.apache_kafka import _answers as kafka_answers
+    from services.transport.brokers.apache_kafka import _answers as kafka_answers
 
     port, steps, run_id = free_port(), 4, unique("broker-image")
     url = f"tcp://127.0.0.1:{port}"

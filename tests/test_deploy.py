@@ -406,7 +406,7 @@ def test_the_gpu_override_reserves_a_gpu_for_each_model_service():
 def test_every_kafka_a_deployment_runs_keeps_the_contract_s_broker_settings(tmp_path):
     """deploy/contract.yaml's kafka_broker: the broker `up` and the tests start (and the streamppo-kafka image) and the
     compose file's apache/kafka are set alike."""
-    from services.transport.apache_kafka import KafkaBroker
+    from services.transport.brokers.apache_kafka import KafkaBroker
 
     settings = yaml.safe_load((DEPLOY / "contract.yaml").read_text())["kafka_broker"]
     ours = KafkaBroker(tmp_path).properties()

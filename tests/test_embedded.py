@@ -164,7 +164,7 @@ def test_delta_snapshots_train_exactly_as_full_ones(make_config, tmp_path):
 
 def test_broadcast_weights_train_exactly_as_stored_ones(make_config, tmp_path, caplog):
     """The actor sent to the generator over a gloo group: the same run, bit for bit, with the store's reads spared."""
-    from services.transport.local_broker import free_port
+    from services.transport.brokers.local_broker import free_port
 
     port = free_port()
     runs = {}

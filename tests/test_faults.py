@@ -14,7 +14,7 @@ from helpers import assert_each_group_once, run_settings
 
 from common.schema import decode
 from services.launch.cluster import stop_all
-from services.transport.run_bus import kafka_bus
+from services.runtime.run_bus import kafka_bus
 
 pytestmark = pytest.mark.slow
 
@@ -187,7 +187,7 @@ def test_sigterm_and_restart_of_every_service_loses_nothing_and_no_record_a_clie
     work, records of every shape any client can write on every topic (:class:`Saboteur`); and (before the first
     stop) every service's Prometheus metrics scraped while it works. Kills (kill -9) of every role are the chaos
     test's (test_kafka.py)."""
-    from services.transport.local_broker import free_port
+    from services.transport.brokers.local_broker import free_port
 
     steps = 10
     c = cluster(steps, f"kafka.max_message_bytes={2 << 20}")

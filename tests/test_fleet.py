@@ -255,7 +255,7 @@ def test_two_runs_on_shared_fleets_survive_kill_9_of_a_fleet_replica_and_of_one_
 
     from common.config import load_config
     from services.launch.cluster import stop_all
-    from services.transport.local_broker import free_port
+    from services.transport.brokers.local_broker import free_port
 
     steps, runs = 6, tmp_path / "runs"
     runs.mkdir()
@@ -347,7 +347,7 @@ def test_a_fleet_replica_stopped_while_its_broker_is_away_exits_in_seconds(make_
     from conftest import REPO
 
     from services.launch.process import STOP_BROKER_S
-    from services.transport.local_broker import LocalBroker, free_port
+    from services.transport.brokers.local_broker import LocalBroker, free_port
 
     port = free_port()
     runs = tmp_path / "runs"

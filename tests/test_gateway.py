@@ -33,8 +33,8 @@ from services.gateway.episodes import EpisodeBook, EpisodeKeyError, episode_key,
 from services.launch.cluster import stop_all
 from services.ops.runlog.reader import BusReader
 from services.roles import pipeline_topics
+from services.runtime.run_bus import kafka_bus
 from services.transport import MemoryBus
-from services.transport.run_bus import kafka_bus
 
 AGENTS = REPO / "tests" / "agents" / "chat.py"
 
@@ -1041,6 +1041,54 @@ def test_killing_the_gateway_and_the_generator_mid_call_loses_and_repeats_nothin
     expected = [row for episode_rows in logged.values() for row in episode_rows]
     assert sorted(map(str, rows)) == sorted(map(str, expected)), "trained exactly the logged calls, each once"
     assert len(logged) == steps * 2 * 2
+
+
+def test_a_later_batch_the_bound_holds_half_back_never_keeps_the_gateway_from_taking_an_earlier_one(make_config):
+    """After a restart a gateway reads its partitions in any order. With the learner one group into an update
+    (max_staleness 0: it may sample feed positions below 1 + 2), it takes prompt batch 1 first and offers its row 0;
+    row 1 waits for the bound. Batch 0, on another partition and needed by the learner, must still be taken and
+    offered: before, groups waiting for the bound stopped the gateway from taking any batch, the learner waited for
+    batch 0's groups, and the run hung (an outside tester's gateway-kill run, 5 minutes with nothing offered)."""
+    import dataclasses
+
+    from test_runtime import announce_v1
+
+    from common.schema import LEARNER_GROUPS_DONE
+    from services.feeder import FeederService
+    from services.gateway import GatewayService
+
+    config = gateway_config(make_config, "run.steps=2", f"gateway.port={free_port()}", "pipeline.max_staleness=0")
+    assert config.groups_per_update == 2 and config.data.batch_size == 2
+    source = MemoryBus()
+    source.create_topics(pipeline_topics())
+    started(FeederService(config), source)
+    batches = {m.step: m for m in read_messages(source, "prompts")}
+    bus = MemoryBus()
+    bus.create_topics(pipeline_topics(partitions=2))
+    [announcement] = announce_v1(config, 1)
+    one_group_in = dataclasses.replace(announcement, lineage={**announcement.lineage, LEARNER_GROUPS_DONE: 1})
+    publish(bus, "weights", encode(one_group_in))
+    publish(bus, "prompts", encode(batches[1]), partition=1)
+    gateway = started(GatewayService(config), bus)
+    try:
+        deadline = time.monotonic() + 30
+        while batches[1].batch_id not in gateway.in_flight:
+            assert time.monotonic() < deadline, "the gateway took no prompt batch"
+            gateway.poll_once(0.1)
+        gateway.poll_once(0.1)
+        offers = gateway.service.offers
+        assert list(offers.batches[batches[1].batch_id].unoffered) == [1], "row 1 of batch 1 waits for the bound"
+        publish(bus, "prompts", encode(batches[0]), partition=0)
+        deadline = time.monotonic() + 30
+        while batches[0].batch_id not in gateway.in_flight:
+            assert time.monotonic() < deadline, "batch 0 was never taken: " + gateway.waiting_for()
+            gateway.poll_once(0.1)
+        gateway.poll_once(0.1)
+        offered = set(offers.offered)
+        assert {f"0/{row}#{i}" for row in (0, 1) for i in range(2)} <= offered, offered
+        assert "1/1#0" not in offered, "and the bound still holds back what it holds back"
+    finally:
+        gateway.close()
 
 
 def test_a_gateway_holding_prompts_it_cannot_hand_out_says_so_in_status(make_config):

@@ -247,7 +247,7 @@ def test_streamppo_run_that_ends_short_exits_5_and_says_so(tmp_path, model_cache
     from conftest import EXAMPLE
     from test_config import streamppo
 
-    from services.launch import exit_codes
+    from services.runtime import exit_codes
 
     settings = [
         *SMALL,
@@ -270,7 +270,7 @@ def test_a_run_that_ends_short_of_its_steps_by_stale_groups_names_the_stale_rese
     """Groups dropped as too stale past what the reserve replaces: the cause is the reserve, not dynamic sampling."""
     learner = LearnerService(make_config(*SMALL, "run.steps=4", "pipeline.stale_reserve=0.5"))
     assert learner.shortfall() is not None and "no signal" not in learner.shortfall()
-    learner.too_stale = learner.dropped_stale = 9  # the reserve: ceil(4 batches x 0.5) = 2 batches of 2 groups
+    learner.past_bound = learner.dropped_stale = 9  # the reserve: ceil(4 batches x 0.5) = 2 batches of 2 groups
     said = learner.shortfall()
     assert "9 groups were too stale to train, of which pipeline.stale_reserve=0.5 lets 4 be replaced" in said
     assert "raise pipeline.stale_reserve" in said and "max_sampling_factor" not in said

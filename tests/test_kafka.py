@@ -25,10 +25,10 @@ from helpers import (
 from kafka.errors import KafkaError
 
 from common.schema import DeadLetter, SchemaError, decode
+from services.runtime.run_bus import kafka_bus
 from services.transport import TopicSpec
+from services.transport.brokers.local_broker import free_port
 from services.transport.kafka import BrokerUnavailable, KafkaBus, KafkaSettings
-from services.transport.local_broker import free_port
-from services.transport.run_bus import kafka_bus
 
 pytestmark = pytest.mark.slow  # services as processes and a broker per test where it needs one
 
@@ -319,7 +319,7 @@ def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path
     from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
     from services.roles import pipeline_topics
-    from services.transport.local_broker import LocalBroker
+    from services.transport.brokers.local_broker import LocalBroker
 
     with LocalBroker() as broker:
         result = subprocess.run(
@@ -799,7 +799,7 @@ def test_a_weights_topic_the_broker_made_on_its_own_is_refused_by_services_and_r
     tmp_path, make_config
 ):
     from services.transport import TopicMismatch
-    from services.transport.local_broker import LocalBroker
+    from services.transport.brokers.local_broker import LocalBroker
 
     with LocalBroker(log_path=tmp_path / "broker.log") as broker:
         # What a broker does when a client names a topic it lacks (if the client allows it): a topic of its defaults.
@@ -842,7 +842,7 @@ def test_a_broker_replaced_mid_run_costs_seconds_and_no_operator_and_resume_fini
     streams records of 4 groups, and an update takes 8 groups, half a prompt batch, so prompt batches are settled in
     part when the broker goes, and no group is lost or repeated."""
     from common.checkpoint import load_latest_checkpoint
-    from services.transport.local_broker import LocalBroker, free_port
+    from services.transport.brokers.local_broker import LocalBroker, free_port
 
     steps, run_id, port = 16, unique("loss"), free_port()
     prompt_batches = steps * 8 // 16  # updates × groups per update, in batches of 16 prompts
@@ -916,8 +916,8 @@ def test_a_service_stops_on_a_replaced_log_and_makes_nothing_on_the_new_broker(m
     from services.runtime import LOG_CHECK_S
     from services.scorer import ScorerService
     from services.transport import LogReplaced
+    from services.transport.brokers.local_broker import LocalBroker, free_port
     from services.transport.kafka import ANSWER_TIMEOUT_S
-    from services.transport.local_broker import LocalBroker, free_port
 
     port = free_port()
     settings = [f"kafka.bootstrap=127.0.0.1:{port}", "kafka.idempotent_producer=false"]
@@ -957,7 +957,7 @@ def test_a_service_stops_on_a_replaced_log_and_makes_nothing_on_the_new_broker(m
                 time.sleep(0.5)  # as the process runner does: the broker is coming back
         assert stopped is not None and "is gone" in str(stopped), "the replica noticed within seconds"
         assert time.monotonic() - (deadline - 60) < 30 + LOG_CHECK_S
-        runner.leave_lost_log()
+        runner.release_lost_log()
         runner.service.close()
         probe = KafkaBus(KafkaSettings(broker.bootstrap, idempotent_producer=False))._metadata_probe()
         assert probe.topics() == set(), "the old replica made no topic on the new broker"

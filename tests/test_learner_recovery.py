@@ -117,7 +117,7 @@ def test_on_a_new_log_the_learner_checkpoints_first_and_the_feeder_publishes_aga
     assert learner.service.updates == 2 and not (config.checkpoint_dir / "LATEST").exists(), "not yet checkpointed"
 
     for runner in (learner, feeder):
-        runner.leave_lost_log()
+        runner.release_lost_log()
         assert runner.service.take_up_new_log()
     meta = json.loads(
         (config.checkpoint_dir / (config.checkpoint_dir / "LATEST").read_text() / "learner.json").read_text()

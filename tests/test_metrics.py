@@ -12,7 +12,7 @@ from services.learner import LearnerService
 from services.roles import pipeline_topics
 from services.runtime.metrics import ServiceMetrics
 from services.transport import MemoryBus
-from services.transport.local_broker import free_port
+from services.transport.brokers.local_broker import free_port
 
 
 def sample(metrics: ServiceMetrics, name: str, **labels) -> float:

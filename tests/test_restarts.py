@@ -1,6 +1,6 @@
-"""One restart policy for `streamppo up`'s children and the learner's ranks (services/launch/restarts.py)."""
+"""One restart policy for `streamppo up`'s children and the learner's ranks (services/runtime/restarts.py)."""
 
-from services.launch.restarts import RestartPolicy, Restarts
+from services.runtime.restarts import RestartPolicy, Restarts
 
 
 def test_quick_failures_in_a_row_give_up_and_the_pause_grows():

@@ -54,7 +54,7 @@ def test_a_generator_that_lost_its_log_drops_its_groups_in_flight_and_samples_th
     publish(old, "prompts", encode(feeder.batch(0)))
     assert runner.poll_once() and runner.poll_once()  # admits batch 0, sends group 0
     assert [r.groups() for r in rollouts(old)] == [[0]] and generator.under_way(), "group 1 is in flight"
-    runner.leave_lost_log()
+    runner.release_lost_log()
     assert generator.take_up_new_log()
     assert not generator.under_way() and generator.sampler.in_flight() == 0, "nothing of the old log is in flight"
     runner = started(generator, new)

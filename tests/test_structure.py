@@ -68,24 +68,67 @@ def test_no_module_imports_one_that_imports_it_back():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_common_imports_no_service_and_no_core_imports_a_transport():
-    """common/ (what two roles or more share) and recipes/ import no service; a role's folder (its adapter and the
-    core only it uses) imports no transport and no runner: only the runners touch the bus."""
-    from services.roles import ROLES
+def room_of(name: str, role_packages: set[str]) -> tuple[int, str] | None:
+    """The room of a project module and its height: a module may import only from its room and the rooms below."""
+    if name.startswith(("common", "recipes")):
+        return 0, "common"
+    if name.startswith("services.transport"):
+        return 1, "transport"
+    if name in ("services", "services.roles", "services.service"):
+        return 2, "the service contract"
+    if name.startswith("services.runtime"):
+        return 3, "runtime"
+    if any(name == package or name.startswith(package + ".") for package in role_packages):
+        return 4, "a role"
+    if name.startswith("services.ops"):
+        return 5, "ops"
+    if name.startswith("services.launch"):
+        return 6, "launch"
+    if name == "services.cli":
+        return 7, "cli"
+    return None
 
+
+def test_the_rooms_import_downward_only():
+    """common/ (and recipes/) < transport/ < the service contract (roles.py, service.py) < runtime/ < a role's folder
+    < ops/ < launch/ < cli.py: no module imports one of a room above its own, so nothing but the CLI imports launch/
+    (what a host does), and the supervision contract (exit codes, restarts) is the runtime's, which the learner's ranks
+    use too."""
     modules = project_modules()
     role_packages = {role.service.partition(":")[0] for role in ROLES.values()}
-    runners = {"services.transport", "services.runtime", "services.launch"}  # the bus, the runtime, how replicas run
-    # What supervision is made of, which the learner uses for its own ranks (it launches and restarts them): the exit
-    # codes and the restart policy.
-    contract = {"services.launch", "services.launch.exit_codes", "services.launch.restarts"}
+    upward = []
+    for name, path in modules.items():
+        here = room_of(name, role_packages)
+        assert here is not None, f"{name} is in no room"
+        for dep in imports_of(path, modules):
+            there = room_of(dep, role_packages)
+            if there[0] > here[0]:
+                upward.append(f"{name} ({here[1]}) imports {dep} ({there[1]})")
+    assert not upward, upward
+
+
+def test_transport_knows_nothing_of_the_project_and_common_imports_no_service_and_no_recipe():
+    """transport/ is a bus (an interface, memory, Kafka, a namespace; brokers/ to run): it imports nothing of the
+    project but itself. common/ imports neither services nor recipes (builtin models are registered by the recipes'
+    entry point); recipes/ imports no service; a role's folder imports no transport and no runner but the
+    supervision contract: only the runtime touches the bus."""
+    modules = project_modules()
+    role_packages = {role.service.partition(":")[0] for role in ROLES.values()}
+    runners = ("services.transport", "services.runtime", "services.launch")
+    contract = {"services.runtime.exit_codes", "services.runtime.restarts"}
     for name, path in modules.items():
         imported = imports_of(path, modules)
-        if name.startswith(("common", "recipes")):
+        if name.startswith("services.transport"):
+            bad = {dep for dep in imported if not dep.startswith("services.transport")} - {"services"}
+            assert not bad, f"{name} imports {bad}"
+        if name.startswith("common"):
+            bad = {dep for dep in imported if dep.startswith(("services", "recipes"))}
+            assert not bad, f"{name} imports {bad}"
+        if name.startswith("recipes"):
             bad = {dep for dep in imported if dep.startswith("services")}
             assert not bad, f"{name} imports {bad}"
-        if name.startswith(("common", "recipes")) or any(name.startswith(package) for package in role_packages):
-            bad = {dep for dep in imported if dep.startswith(tuple(runners))} - contract | ({"kafka"} & imported)
+        if any(name.startswith(package) for package in role_packages):
+            bad = {dep for dep in imported if dep.startswith(runners)} - contract | ({"kafka"} & imported)
             assert not bad, f"{name} imports {bad}"
 
 

@@ -312,7 +312,7 @@ def test_the_engines_workers_take_the_learners_broadcast(engine, tiny_model, pro
     received, never from the store; another digest or version loads nothing."""
     from common.broadcast import WeightSender
     from common.weights import snapshot_state
-    from services.transport.local_broker import free_port
+    from services.transport.brokers.local_broker import free_port
 
     sender = WeightSender(f"127.0.0.1:{free_port()}", 1, 10.0, "blake3")
     try:
@@ -431,7 +431,7 @@ def test_sigterm_ends_a_run_with_its_engine(model_cache, tmp_path):
     import psutil
     from conftest import EXAMPLE, REPO
 
-    from services.launch import exit_codes
+    from services.runtime import exit_codes
 
     run_dir = tmp_path / "run"
     settings = [f"run.dir={run_dir}", f"model.cache_dir={model_cache}", "generation.backend=vllm", "run.steps=10000"]

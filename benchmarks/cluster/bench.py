@@ -58,7 +58,7 @@ class Cluster:
     """Simulated replicas as processes on one fresh local broker; logs in ``folder``."""
 
     def __init__(self, profile: str, overrides: list[str], folder: Path, scale: float = SCALE):
-        from services.transport.local_broker import LocalBroker
+        from services.transport.brokers.local_broker import LocalBroker
 
         self.profile, self.overrides, self.folder, self.scale = profile, overrides, folder, scale
         self.broker = LocalBroker().start()
@@ -321,8 +321,8 @@ def per_hop(sizes: list[tuple[str, int, int, int, float]], folder: Path, repeat:
     from common.batch_store import BatchStore
     from common.schema import decode, encode
     from services.transport import TopicSpec
+    from services.transport.brokers.local_broker import LocalBroker
     from services.transport.kafka import KafkaBus, KafkaSettings
-    from services.transport.local_broker import LocalBroker
 
     store = BatchStore(folder / "batches")
     rows = []

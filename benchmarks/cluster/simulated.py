@@ -48,8 +48,8 @@ from services.generator import GeneratorService
 from services.launch.process import serve_service
 from services.learner import LearnerService
 from services.learner.experience import Experience
+from services.runtime.run_bus import kafka_bus
 from services.scorer import ScorerService
-from services.transport.run_bus import kafka_bus
 
 VOCAB = 47  # builtin:tiny-char-llama's: stand-in token ids are ones its models can look up
 FIRST_TOKEN = 3  # ids below are pad, bos and eos

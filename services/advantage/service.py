@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 class AdvantageService(Service):
     role = "advantage"
 
+    @classmethod
+    def check_inputs(cls, config: RunConfig) -> None:
+        m = config.model
+        resolve_model((m.critic or m.actor) if config.algorithm.uses_critic else m.actor, m.cache_dir)
+
     def __init__(self, config: RunConfig, replica_id: str | None = None):
         super().__init__(config, replica_id)
         m = config.model

@@ -37,6 +37,12 @@ __all__ = ["EvaluatorService"]
 class EvaluatorService(Service):
     role = "evaluator"
 
+    @classmethod
+    def check_inputs(cls, config: RunConfig) -> None:
+        if config.eval is not None:
+            load_prompts(config.eval.prompts, "eval.prompts")
+        resolve_model(config.model.actor, config.model.cache_dir)
+
     def __init__(self, config: RunConfig, replica_id: str | None = None):
         super().__init__(config, replica_id)
         if config.eval is None:

@@ -29,6 +29,12 @@ log = logging.getLogger(__name__)
 class FeederService(Service):
     role = "feeder"
 
+    @classmethod
+    def check_inputs(cls, config: RunConfig) -> None:
+        prompts = load_prompts(config.data.prompts)  # a file that is not prompt lines, named by its line
+        PromptSchedule(len(prompts), config.data.batch_size, config.data.shuffle, config.run.seed)  # a batch's worth
+        resolve_model(config.model.actor, config.model.cache_dir)  # its tokenizer
+
     def __init__(self, config: RunConfig, replica_id: str | None = None):
         super().__init__(config, replica_id)
         self.prompts = load_prompts(config.data.prompts)

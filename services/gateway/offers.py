@@ -46,9 +46,14 @@ class Offers:
 
     def room(self) -> int:
         """The next prompt batch is taken while fewer than a batch's episodes wait to be taken, and every group held
-        has been offered (the others wait for the bound)."""
+        that the bound allows has been offered. Groups the bound holds back never hold back the next batch: it may be
+        an earlier one (after a restart the partitions are read in any order) whose groups the learner waits for. A
+        batch the bound allows none of waits in the runner (``ready_for``), so what is taken stays within the bound."""
         few = len(self.offered) < self.config.data.batch_size * self.config.generation.n
-        return int(few and not any(batch.unoffered for batch in self.batches.values()))
+        return int(few and not any(self._offerable(batch) for batch in self.batches.values()))
+
+    def _offerable(self, batch: HeldBatch) -> bool:
+        return bool(batch.unoffered) and self.admission.admits(batch.message.step, batch.unoffered[0])
 
     def admit(self, message: PromptBatch) -> None:
         if not 0 <= message.step < self.config.steps_possible:
@@ -61,7 +66,7 @@ class Offers:
         """Offer the episodes of the groups the bound allows (one a predecessor handed out goes on, not offered)."""
         n = self.config.generation.n
         for batch in self.batches.values():
-            while batch.unoffered and self.admission.admits(batch.message.step, batch.unoffered[0]):
+            while self._offerable(batch):
                 row = batch.unoffered.popleft()
                 for index in range(n):
                     episode = self.book.open(episode_id(batch.message.step, row, index), batch.message.batch_id)
@@ -92,8 +97,7 @@ class Offers:
             first = min(bound, key=lambda b: b.message.step)
             said.append(
                 f"{sum(len(b.unoffered) for b in bound)} groups wait for the bound ("
-                f"{self.admission.waiting_for(first.message.step, version)}); no more prompt batches are taken "
-                "meanwhile"
+                f"{self.admission.waiting_for(first.message.step, version)})"
             )
         return "; ".join(said)
 

@@ -59,6 +59,10 @@ WAIT_S = 0.005  # how long one collect() waits for a request: what an answer may
 class GatewayService(Service):
     role = "gateway"
 
+    @classmethod
+    def check_inputs(cls, config: RunConfig) -> None:
+        resolve_model(config.model.actor, config.model.cache_dir)  # its tokenizer and chat template
+
     def __init__(self, config: RunConfig, replica_id: str | None = None):
         super().__init__(config, replica_id)
         self.gateway = config.gateway

@@ -72,6 +72,10 @@ class _Stream:
 class GeneratorService(Service):
     role = "generator"
 
+    @classmethod
+    def check_inputs(cls, config: RunConfig) -> None:
+        resolve_model(config.model.actor, config.model.cache_dir)
+
     def __init__(self, config: RunConfig, replica_id: str | None = None):
         super().__init__(config, replica_id)
         path = resolve_model(config.model.actor, config.model.cache_dir)

@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import load_config
-from services.launch import exit_codes
 from services.launch.embedded import clear_earlier_run
-from services.launch.restarts import Restarts
 from services.roles import ROLES, roles_of
-from services.transport.apache_kafka import KafkaBroker
-from services.transport.local_broker import LocalBroker
-from services.transport.run_bus import RUN_BROKER, RUN_CONFIG
+from services.runtime import exit_codes
+from services.runtime.restarts import Restarts
+from services.runtime.run_bus import RUN_BROKER, RUN_CONFIG
+from services.transport.brokers.apache_kafka import KafkaBroker
+from services.transport.brokers.local_broker import LocalBroker
 
 __all__ = ["parse_replicas", "resumed_run", "stop_all", "up"]
 
@@ -159,7 +159,7 @@ def up(
     """Run the pipeline; returns 0 once every replica of the roles that end the run has finished.
 
     With ``restart="on-failure"`` a child that exits with an error (or is killed) is restarted after a back-off, as
-    :mod:`services.launch.restarts` says; when it gives up, the run stops with that child's exit code. With
+    :mod:`services.runtime.restarts` says; when it gives up, the run stops with that child's exit code. With
     ``restart="never"`` the first failure stops the run. ``config``: the run's configuration (``config_path`` with
     ``overrides``), for what ``up`` reports. ``broker``: which to start when ``bootstrap`` names none (``kafka``,
     or ``memory``).
@@ -277,7 +277,7 @@ def _start_broker(config, which: str = "kafka") -> tuple[KafkaBroker | LocalBrok
     """The run's broker, and the line that says which: Apache Kafka with its log in the run directory (``kafka/``),
     where Java is; the memory broker otherwise, saying why. A new run starts on an empty log; ``run.resume`` takes
     up the one there (on the port it had, where that is free), as after a machine's restart."""
-    from services.transport.apache_kafka import KAFKA_VERSION, KafkaBroker, KafkaUnavailable, kafka_available
+    from services.transport.brokers.apache_kafka import KAFKA_VERSION, KafkaBroker, KafkaUnavailable, kafka_available
 
     why = kafka_available() if which == "kafka" else "--broker memory"
     if why is None and config is not None:
@@ -322,7 +322,7 @@ def _summarise(config, bootstrap: str, seconds: float):
     """The run's ``done:`` line and ``summary.json``, its dead letters counted from the broker's topics."""
     from services.ops.status import read_status
     from services.ops.summary import summarise_run
-    from services.transport.run_bus import kafka_bus
+    from services.runtime.run_bus import kafka_bus
 
     try:
         bus = kafka_bus(config, bootstrap, make=False)

@@ -1,6 +1,7 @@
 """What every service of a run would find wrong at its start, found once, before any is started: ``streamppo up``
-checks the prompt file (and that it holds a batch), the reward function or model, and the models' folders, and
-stops with exit code 2 naming the setting, instead of starting services that would each fail and be restarted.
+asks each role of the run what it checks of its inputs (``Service.check_inputs``: the prompt file and that it holds
+a batch, the reward function or model, the models' folders, the trackers' libraries), and stops with exit code 2
+naming the setting, instead of starting services that would each fail and be restarted.
 
 Each check is the one the service itself makes when it starts (the same loaders), so the two cannot disagree; a
 service that finds such an error anyway (its config changed, a file went away) exits 2 too, and ``up`` does not
@@ -39,21 +40,11 @@ def check_broker_answers(bootstrap: str, within_s: float = BROKER_ANSWER_S) -> N
 
 def check_run_inputs(config: RunConfig) -> None:
     """Raises :class:`~common.config.ConfigError`, :class:`~common.data.DatasetError`,
-    :class:`~common.rewards.RewardError` or :class:`~common.models.ModelLoadError`; builtin models are built into
+    :class:`~common.rewards.RewardError` or :class:`~common.models.ModelLoadError`: the signing key, then what each
+    role of the run checks of its inputs (``Service.check_inputs``), in pipeline order; builtin models are built into
     the cache now, once, as the services would."""
-    from common.data import PromptSchedule, load_prompts
-    from common.models import resolve_model
-    from common.rewards import check_reward
-    from services.learner.trackers import check_trackers
+    from services.roles import roles_of
 
     config.signing_key()  # a key named but not there is a ConfigError
-    check_trackers(config)
-    prompts = load_prompts(config.data.prompts)
-    if config.eval is not None:
-        load_prompts(config.eval.prompts, "eval.prompts")
-    PromptSchedule(len(prompts), config.data.batch_size, config.data.shuffle, config.run.seed)
-    check_reward(config)  # the function, or the judge's or the reward model's folder: the scorer's own factory
-    m = config.model
-    models = [m.actor, m.reference, m.critic if config.algorithm.uses_critic else None]
-    for spec in filter(None, models):
-        resolve_model(spec, m.cache_dir)
+    for role in roles_of(config):
+        role.service_class().check_inputs(config)

@@ -28,22 +28,21 @@ from kafka.errors import KafkaError
 
 from common.config import ConfigError, RunConfig
 from common.schema import REPORT_EVERY_S, ReplicaStatus, encode
-from services.launch import exit_codes
 from services.launch.fleet import Fleet, RunsFolder
 from services.roles import ROLES, STATUS_TOPIC
-from services.runtime import Replica, ServiceRunner
+from services.runtime import Replica, ServiceRunner, exit_codes
 from services.runtime.metrics import FleetMetrics, ScrapeTarget, ServiceMetrics, parse_ports
+from services.runtime.run_bus import bootstrap_of, kafka_bus
 from services.service import ProcessGroup, Service
 from services.transport import Bus
-from services.transport.run_bus import bootstrap_of, kafka_bus
 
 log = logging.getLogger(__name__)
 
 __all__ = ["default_replica_id", "say_starting", "serve", "serve_fleet", "serve_service"]
 
 STATUS_EVERY_S = REPORT_EVERY_S
-# The status topic is also told within this of a change of the counters (status and wait lagged by up to 30 s: the
-# learner said "processed 0" at actor v27); the log line stays at STATUS_EVERY_S.
+# The status topic is also told within this of a change of the counters, so that status and wait are never a
+# cadence behind what a replica did; the log line stays at STATUS_EVERY_S.
 STATUS_CHANGED_S = 2.0
 STALL_WARNING_S = 120.0
 STOP_BROKER_S = 5.0  # what a stopping replica waits for the broker, at most

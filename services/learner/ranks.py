@@ -3,7 +3,7 @@
 With ``learner.parallel.processes`` > 1, ``streamppo learner`` runs that many ranks of this very command on its
 machine under torch's launcher (``torch.distributed.run``); rank 0 leads (the service's lifecycle, the bus) and the
 others follow it (:mod:`.parallel`). When a rank dies the launcher stops the others and exits; all ranks are
-then started again by a new launcher (they resume from the last checkpoint), as :mod:`services.launch.restarts` says,
+then started again by a new launcher (they resume from the last checkpoint), as :mod:`services.runtime.restarts` says,
 after which the error is left to a supervisor (``streamppo up``, Kubernetes); rank 0's own answer (the log replaced, a
 configuration error) is passed on as its exit code and not restarted. The launcher's own restarts are not used:
 with gloo, ranks it restarts in place cannot connect to each other (torch 2.13). SIGTERM and SIGINT are passed on
@@ -20,8 +20,8 @@ import sys
 import time
 
 from common.config import RunConfig
-from services.launch import exit_codes
-from services.launch.restarts import RestartPolicy, Restarts
+from services.runtime.exit_codes import PASSED_ON
+from services.runtime.restarts import RestartPolicy, Restarts
 from services.service import ProcessGroup, Service
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class LearnerRanks(ProcessGroup):
             child = subprocess.Popen(command, env=env)
             code = child.wait()
             # The run's own answer (e.g. the log replaced) is passed on, not restarted.
-            if code == 0 or stopping or code in exit_codes.PASSED_ON:
+            if code == 0 or stopping or code in PASSED_ON:
                 return code
             delay = restarts.after_exit(code, time.monotonic() - started)
             if delay is None:

@@ -67,7 +67,7 @@ from services.learner.groups import GroupBuffer, StepLedger, groups_of
 from services.learner.metrics_log import MetricsLog
 from services.learner.parallel import init_ranks, shard_model
 from services.learner.ranks import LearnerRanks
-from services.learner.trackers import Trackers
+from services.learner.trackers import Trackers, check_trackers
 from services.learner.trainer import PPOTrainer
 from services.service import Dropped, InputError, Progress, Service, check_token_ids
 
@@ -76,6 +76,14 @@ log = logging.getLogger(__name__)
 
 class LearnerService(Service):
     role = "learner"
+
+    @classmethod
+    def check_inputs(cls, config: RunConfig) -> None:
+        m = config.model
+        check_trackers(config)  # a tracker's library not installed
+        resolve_model(m.actor, m.cache_dir)
+        if config.algorithm.uses_critic:
+            resolve_model(m.critic or m.actor, m.cache_dir)
 
     def __init__(self, config: RunConfig, replica_id: str | None = None):
         super().__init__(config, replica_id)
@@ -108,8 +116,8 @@ class LearnerService(Service):
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
         self.before_path = self.run_dir / "generations_before.jsonl"
         self.updates = 0
-        self.dropped_stale = 0  # groups
-        self.too_stale = 0  # of them, those that waited too long (replaced: pipeline.stale_reserve), not forged ones
+        self.dropped_stale = 0  # groups dropped as stale: past the bound, or of a version this learner never published
+        self.past_bound = 0  # of them, those that waited past max_staleness (replaced: pipeline.stale_reserve)
         self.no_signal = 0  # groups the advantage stage dropped (dynamic sampling)
         self.dead_lettered = 0  # groups every episode of which a gateway dead-lettered
         self.groups_done = 0  # groups used up: trained, or dropped (stale, no signal)
@@ -164,7 +172,7 @@ class LearnerService(Service):
         self.buffer.load(folder)
         self.updates, self.dropped_stale = meta["updates"], meta["dropped_stale"]
         self.no_signal = meta.get("no_signal", 0)
-        self.too_stale = meta.get("too_stale", 0)
+        self.past_bound = meta.get("too_stale", 0)  # its checkpoint key
         self.dead_lettered = meta.get("dead_lettered", 0)
         # Checkpoints from before groups: one update trained one whole prompt batch.
         self.groups_done = meta.get("groups_done", self.updates * self.config.data.batch_size)
@@ -207,7 +215,7 @@ class LearnerService(Service):
         return self.announce()
 
     def take_up_new_log(self) -> bool:
-        # What it applied was checkpointed (ServiceRunner.leave_lost_log); its state is the checkpoint's.
+        # What it applied was checkpointed (ServiceRunner.leave_for_new_log); its state is the checkpoint's.
         self.on_new_log = True
         return True
 
@@ -218,7 +226,7 @@ class LearnerService(Service):
     def _used_up(self) -> bool:
         """Whether every prompt batch the run may use is settled and too few groups are left for an update (with
         dynamic sampling, when too many groups had no signal)."""
-        published = self.config.prompt_batches + self.config.replacements_for(self.too_stale)
+        published = self.config.prompt_batches + self.config.replacements_for(self.past_bound)
         return self.ledger.below >= published and len(self.buffer) < self.config.groups_per_update
 
     def finish(self) -> None:
@@ -248,14 +256,14 @@ class LearnerService(Service):
         cfg = self.config
         if self.updates >= cfg.run.steps:
             return None
-        published = cfg.prompt_batches + cfg.replacements_for(self.too_stale)
+        published = cfg.prompt_batches + cfg.replacements_for(self.past_bound)
         causes = []
-        if self.too_stale:
+        if self.past_bound:
             reserve = cfg.replacement_batches * cfg.data.batch_size
             causes.append(
-                f"{self.too_stale} groups were too stale to train, of which pipeline.stale_reserve="
-                f"{cfg.pipeline.stale_reserve:g} lets {min(reserve, self.too_stale)} be replaced"
-                + ("; raise pipeline.stale_reserve" if self.too_stale > reserve else "")
+                f"{self.past_bound} groups were too stale to train, of which pipeline.stale_reserve="
+                f"{cfg.pipeline.stale_reserve:g} lets {min(reserve, self.past_bound)} be replaced"
+                + ("; raise pipeline.stale_reserve" if self.past_bound > reserve else "")
             )
         if self.no_signal:
             causes.append(
@@ -269,8 +277,8 @@ class LearnerService(Service):
             )
         if self.dead_lettered:
             causes.append(f"{self.dead_lettered} groups were dead-lettered whole (gateway.unrewarded: dead_letter)")
-        if self.dropped_stale > self.too_stale:
-            causes.append(f"{self.dropped_stale - self.too_stale} groups were dropped as not of this run's versions")
+        if self.dropped_stale > self.past_bound:
+            causes.append(f"{self.dropped_stale - self.past_bound} groups were dropped as not of this run's versions")
         return (
             f"the run ended after {self.updates} of its {cfg.run.steps} updates: all {published} prompt batches it may "
             f"publish are used ({'; '.join(causes) or 'too few groups are left for an update'}); or lower run.steps"
@@ -299,8 +307,8 @@ class LearnerService(Service):
             )
         impossible = self._never_admitted(message)
         if impossible:
-            # A record that lies (another run's, relabelled with this run's id and a later step): dropped and
-            # counted, it once moved the staleness bound for good and cost the run a third of its updates.
+            # A record that lies (another run's, relabelled with this run's id and a later step) is dropped and
+            # counted, never trained: taken in, it would move the staleness bound for good.
             raise InputError(impossible)
         check_token_ids(message, self.trainer.actor, "actor")
         self.changed = True
@@ -422,7 +430,7 @@ class LearnerService(Service):
                 self.config.pipeline.max_staleness,
             )
         self.dropped_stale += len(stale)
-        self.too_stale += len(stale)
+        self.past_bound += len(stale)
         self.groups_done += len(stale)
         return len(stale)
 
@@ -481,7 +489,7 @@ class LearnerService(Service):
             {
                 "updates": self.updates,
                 "dropped_stale": self.dropped_stale,
-                "too_stale": self.too_stale,
+                "too_stale": self.past_bound,
                 "no_signal": self.no_signal,
                 "dead_lettered": self.dead_lettered,
                 "groups_done": self.groups_done,
@@ -544,7 +552,7 @@ class LearnerService(Service):
                 LEARNER_EPOCH: self.epoch,
                 LEARNER_GROUPS_DONE: self.groups_done,
                 LEARNER_SETTLED: self.ledger.below,
-                LEARNER_REPLACEMENTS: self.config.replacements_for(self.too_stale),
+                LEARNER_REPLACEMENTS: self.config.replacements_for(self.past_bound),
             }
             if name == "actor" and self.config.model.lora is not None:  # the snapshot is adapters for this base
                 lineage |= {ADAPTER: "lora", ADAPTER_BASE: self.config.model.actor}
@@ -583,7 +591,7 @@ class LearnerService(Service):
         lineage = {
             **actor.lineage,
             LEARNER_GROUPS_DONE: self.groups_done,
-            LEARNER_REPLACEMENTS: self.config.replacements_for(self.too_stale),
+            LEARNER_REPLACEMENTS: self.config.replacements_for(self.past_bound),
         }
         batch_id = f"{actor.batch_id}-g{self.groups_done}"
         self._announced_progress()

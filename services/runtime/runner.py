@@ -524,8 +524,8 @@ class ServiceRunner:
         if not self.held:
             in_hand = self.service.in_hand() if self.in_flight else ""
             return f"{len(self.in_flight)} input(s) in hand: {in_hand}" if in_hand else "waiting for input"
-        # The next one in full; those behind it, which wait for the same and more, counted (a generator's normal
-        # on-policy wait held 14 batches, and said each in full on one line).
+        # The next one in full; those behind it, which wait for the same and more, counted: one line stays short
+        # however many are held.
         now = time.monotonic()
         held = sorted(self.held, key=lambda held: (held.message.step, held.record.partition, held.record.offset))
         first = held[0]
@@ -612,15 +612,12 @@ class ServiceRunner:
             if below == pending.offset + 1:
                 del self.uncommitted[partition]
 
-    def leave_lost_log(self, close_within_s: float = 1.0) -> None:
+    def release_lost_log(self, close_within_s: float = 1.0) -> None:
         """After :class:`LogReplaced`: the service's state made durable (a learner checkpoints what it applied, as on
         a stop: the run goes on from it on the new log), and the clients released without sending or committing
         anything, since whatever they would write now could land on the log that took the lost one's place. The
         service is not closed: its models serve a runner on the new log (:meth:`Service.take_up_new_log`)."""
-        if self.settled is None:
-            if self.unsent is not None and self.unsent[0] is not None:
-                self.uncommitted.pop(self.unsent[0].partition, None)
-            self.settled = self._durable(force=True)
+        self._make_durable_once()
         clients = [self.work, self.weights, *self.channels.values()]
         closes = [self.producer.discard, *(client.close for client in clients if client is not None), self.bus.close]
 
@@ -637,9 +634,10 @@ class ServiceRunner:
         releasing.join(timeout=close_within_s)
 
     def leave_for_new_log(self, exc: LogReplaced, go_on: bool = True) -> bool:
-        """:meth:`leave_lost_log`, then whether the service goes on on the new log in this process
-        (:meth:`Service.take_up_new_log`; never when not ``go_on``: a stop was asked for). Says which, in one line."""
-        self.leave_lost_log()
+        """The lost log released (the service's state made durable, the clients let go), then whether the service
+        goes on on the new log in this process (:meth:`Service.take_up_new_log`; never when not ``go_on``: a stop was
+        asked for). Says which, in one line."""
+        self.release_lost_log()
         if go_on and self.service.take_up_new_log():
             log.warning("%s; going on on the new log (models kept, the work in flight on the old one dropped)", exc)
             return True
@@ -655,10 +653,16 @@ class ServiceRunner:
         """The part of closing that needs no broker: the service's state made durable (a learner's checkpoint),
         its engines and files released."""
         if self.settled is None:
-            if self.unsent is not None and self.unsent[0] is not None:  # not all out: its input must come again
+            self._make_durable_once()
+            self.service.close()
+
+    def _make_durable_once(self) -> None:
+        """The service's state made durable, once, whatever comes after (a stop, a lost log): an input whose outputs
+        are not all out is not committed, so it comes again."""
+        if self.settled is None:
+            if self.unsent is not None and self.unsent[0] is not None:
                 self.uncommitted.pop(self.unsent[0].partition, None)
             self.settled = self._durable(force=True)
-            self.service.close()
 
     def disconnect(self) -> None:
         """The broker's part of closing, after :meth:`settle`: commit what the durable state covers, close the

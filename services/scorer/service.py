@@ -9,7 +9,7 @@ import torch
 
 from common.config import RunConfig
 from common.models import FrozenModels, load_actor, load_tokenizer, resolve_model
-from common.rewards import RewardError, load_reward
+from common.rewards import RewardError, check_reward, load_reward
 from common.schema import RolloutBatch, ScoredBatch, derive
 from common.sequences import batched_response_logprobs, pack
 from services.service import InputError, Service, check_token_ids
@@ -17,6 +17,12 @@ from services.service import InputError, Service, check_token_ids
 
 class ScorerService(Service):
     role = "scorer"
+
+    @classmethod
+    def check_inputs(cls, config: RunConfig) -> None:
+        m = config.model
+        resolve_model(m.reference or m.actor, m.cache_dir)
+        check_reward(config)  # the function, or the judge's or the reward model's folder: its own factory
 
     def __init__(self, config: RunConfig, replica_id: str | None = None):
         super().__init__(config, replica_id)

@@ -54,7 +54,7 @@ class KafkaSettings:
     heartbeat_interval_ms: int = 1000
     max_poll_interval_ms: int = 600_000  # one batch of model compute may take minutes
     replication_factor: int | None = None  # None: the cluster's (KafkaBus._cluster_replication)
-    connect_timeout_s: float = 60.0
+    connect_timeout_s: float = 30.0
     idempotent_producer: bool = True
     fetch_max_wait_ms: int = 100  # how long the broker may hold an empty fetch (see KafkaSection)
     # Preferred first; range second, so a group with members of an older build still agrees on one.

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from services.launch import exit_codes
+from services.runtime import exit_codes
 
 __all__ = ["add_log_commands"]
 
@@ -48,7 +48,7 @@ def _open(args):
             "streamppo: name the log: --log DIR (an archive), --config or --run-dir (the run on its broker)"
         )
     from services.roles import pipeline_topics
-    from services.transport.run_bus import kafka_bus, run_of
+    from services.runtime.run_bus import kafka_bus, run_of
 
     config, bootstrap = run_of(args.config, args.set, args.run_dir, args.bootstrap)
     run_dir = args.run_dir or config.run.dir
@@ -66,7 +66,7 @@ def _say_unreadable(reader) -> None:
 
 def _archive(args) -> int:
     from services.ops.runlog.archive import archive_bus
-    from services.transport.run_bus import kafka_bus, run_of
+    from services.runtime.run_bus import kafka_bus, run_of
 
     config, bootstrap = run_of(args.config, args.set, args.run_dir, args.bootstrap)
     bus = kafka_bus(config, bootstrap, make=False)
@@ -138,7 +138,7 @@ def _scoring_config(path: Path, overrides: list[str], base):
 def _rescore(args) -> int:
     from common.rewards import load_reward
     from services.ops.runlog.rescore import rescore
-    from services.transport.run_bus import RUN_CONFIG
+    from services.runtime.run_bus import RUN_CONFIG
 
     reader, config, run_dir = _open(args)
     if config is None and run_dir is not None and (Path(run_dir) / RUN_CONFIG).is_file():

@@ -1,8 +1,8 @@
 """Apache Kafka, started by the project: the broker the design names, run from Maven Central's jars.
 
-    python -m services.transport.apache_kafka fetch         the jars, once, into the cache (``make setup`` runs it)
-    python -m services.transport.apache_kafka run DIR       one broker on DIR, in the foreground (try it; Ctrl-C)
-    python -m services.transport.apache_kafka probe PORT    exit 0 when a Kafka broker serves on PORT
+    python -m services.transport.brokers.apache_kafka fetch       the jars, once, into the cache (``make setup``)
+    python -m services.transport.brokers.apache_kafka run DIR     one broker on DIR, in the foreground (Ctrl-C)
+    python -m services.transport.brokers.apache_kafka probe PORT  exit 0 when a Kafka broker serves on PORT
 
 The module imports nothing of streamppo: the Kafka image (deploy/docker/Dockerfile, target kafka) runs it as a file,
 its jars in ``$STREAMPPO_KAFKA_HOME``.
@@ -37,7 +37,7 @@ from pathlib import Path
 __all__ = ["KAFKA_VERSION", "KafkaBroker", "KafkaCluster", "KafkaUnavailable", "jars", "kafka_available"]
 
 KAFKA_VERSION = "4.4.0"
-POM = Path(__file__).resolve().parents[2] / "deploy" / "kafka" / "pom.xml"
+POM = Path(__file__).resolve().parents[3] / "deploy" / "kafka" / "pom.xml"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the largest record (kafka.max_message_bytes's default): broker and topics
 # The JVM of one node: heap, the client compiler alone (a broker's start is mostly class loading: C2 only costs CPU
 # there), the serial collector (one core's worth of GC threads).

@@ -1,19 +1,21 @@
 """The run's bus: the Kafka bus a config describes, in the run's namespace, with the run's topics.
 
 Kept apart from the services' process code so that a command that only reads the bus (``streamppo status``,
-``topics``) loads no model library.
+``topics``) loads no model library; here, not in ``transport/``, which knows nothing of a run (its config, its roles
+and topics).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from common.config import ConfigError, RunConfig, load_config
+from common.config import ConfigError, KafkaSection, RunConfig, load_config
 from services.roles import LOG_TOPIC, pipeline_topics
 from services.transport.kafka import KafkaBus, KafkaSettings
 from services.transport.namespaced import NamespacedBus
 
-__all__ = ["RUN_BROKER", "RUN_CONFIG", "bootstrap_of", "kafka_bus", "run_of"]
+__all__ = ["RUN_BROKER", "RUN_CONFIG", "bootstrap_of", "kafka_bus", "kafka_settings", "run_of"]
 
 RUN_BROKER = "broker"  # <run.dir>/broker: the address of the broker `streamppo up` runs the run on
 RUN_CONFIG = "config.json"  # <run.dir>/config.json: the run's settings as given (what load_config takes back)
@@ -29,26 +31,22 @@ def kafka_bus(
     (``TopicMismatch``), or with ``replace_wrong_topics`` (``streamppo topics``, ``streamppo up``) replaced.
     """
     k = config.kafka
-    bootstrap = bootstrap_of(config, bootstrap)
-    kafka = KafkaBus(
-        KafkaSettings(
-            bootstrap=bootstrap,
-            max_message_bytes=k.max_message_bytes,
-            replication_factor=k.replication_factor,
-            session_timeout_ms=k.session_timeout_ms,
-            heartbeat_interval_ms=k.heartbeat_interval_ms,
-            idempotent_producer=k.idempotent_producer,
-            fetch_max_wait_ms=k.fetch_max_wait_ms,
-            connect_timeout_s=k.connect_timeout_s,
-            security=k.client_options(),
-        )
-    )
+    kafka = KafkaBus(kafka_settings(k, bootstrap_of(config, bootstrap)))
     bus = NamespacedBus(kafka, config.namespace)
     if not make:
         return bus
     bus.create_topics(pipeline_topics(k.partitions, k.retention), replace_wrong=replace_wrong_topics)
     bus.log_identity(LOG_TOPIC, create=True)  # the topics and their identity are the run's log
     return bus
+
+
+def kafka_settings(section: KafkaSection, bootstrap: str) -> KafkaSettings:
+    """The Kafka client's settings from the config's section: every setting of both by its name, so the config's
+    defaults are the ones that hold (the transport's own serve those who use it alone: benchmarks, tests)."""
+    shared = ({f.name for f in dataclasses.fields(KafkaSettings)} & set(KafkaSection.model_fields)) - {"bootstrap"}
+    return KafkaSettings(
+        bootstrap=bootstrap, security=section.client_options(), **{name: getattr(section, name) for name in shared}
+    )
 
 
 def bootstrap_of(config: RunConfig, given: str | None) -> str:
