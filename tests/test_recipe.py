@@ -221,6 +221,23 @@ def test_the_arithmetic_runs_have_the_same_budget(tmp_path):
             assert getattr(getattr(ppo, section), key) == getattr(getattr(grpo, section), key), f"{section}.{key}"
 
 
+def test_the_cpu_arithmetic_config_trains_and_evaluates_on_the_problems_files(tmp_path):
+    """examples/arithmetic/cpu.yaml (docs/your-model-and-data.md: SmolLM2 learning on a CPU in minutes): it trains on
+    problems.py's training file and its evaluator scores the held-out one while it trains; never the same problems."""
+    from common.config import load_config
+    from services.roles import roles_of
+
+    command = [sys.executable, ARITHMETIC / "problems.py", "--out", tmp_path, "--train", "100", "--heldout", "50"]
+    subprocess.run(command, check=True, capture_output=True)
+    overrides = [f"data.prompts={tmp_path / 'train.jsonl'}", f"eval.prompts={tmp_path / 'heldout.jsonl'}"]
+    config = load_config(ARITHMETIC / "cpu.yaml", overrides)
+    assert config.model.actor == "builtin:smollm2-135m-instruct" and config.reward.function.endswith("final_number_matches")
+    assert "evaluator" in [role.name for role in roles_of(config)] and config.eval.temperature == 0
+    assert config.eval.prompts == tmp_path / "heldout.jsonl" and config.data.prompts == tmp_path / "train.jsonl"
+    as_shipped = load_config(ARITHMETIC / "cpu.yaml", [])
+    assert as_shipped.eval.prompts.name == "heldout.jsonl" and as_shipped.data.prompts.name == "train.jsonl"
+
+
 TOOLS = REPO / "examples" / "tools"
 
 
