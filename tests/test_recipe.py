@@ -231,7 +231,8 @@ def test_the_cpu_arithmetic_config_trains_and_evaluates_on_the_problems_files(tm
     subprocess.run(command, check=True, capture_output=True)
     overrides = [f"data.prompts={tmp_path / 'train.jsonl'}", f"eval.prompts={tmp_path / 'heldout.jsonl'}"]
     config = load_config(ARITHMETIC / "cpu.yaml", overrides)
-    assert config.model.actor == "builtin:smollm2-135m-instruct" and config.reward.function.endswith("final_number_matches")
+    assert config.model.actor == "builtin:smollm2-135m-instruct"
+    assert config.reward.function.endswith("final_number_matches")
     assert "evaluator" in [role.name for role in roles_of(config)] and config.eval.temperature == 0
     assert config.eval.prompts == tmp_path / "heldout.jsonl" and config.data.prompts == tmp_path / "train.jsonl"
     as_shipped = load_config(ARITHMETIC / "cpu.yaml", [])
