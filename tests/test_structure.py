@@ -132,6 +132,26 @@ def test_transport_knows_nothing_of_the_project_and_common_imports_no_service_an
             assert not bad, f"{name} imports {bad}"
 
 
+def test_the_architecture_page_names_every_role_and_topic_the_registry_has():
+    """docs/ARCHITECTURE.md's facts from services/roles.py: its first paragraph counts the roles every run has and
+    names the others, and its topic table has a row for each topic pipeline_topics() makes."""
+    import re
+
+    page = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    first = page.split("\n\n")[1]
+    always = [name for name, role in ROLES.items() if role.requirement == "" and name != "feeder"]
+    counted = {"four": 4, "five": 5, "six": 6, "seven": 7}
+    said = re.search(r"(\w+) in\s+every run, and the feeder", first)
+    assert said and counted[said.group(1)] == len(always), (said and said.group(1), always)
+    for name, role in ROLES.items():
+        if role.requirement:
+            assert {"environment": "environments"}.get(name, name) in first, f"{name} is not named"
+    rows = set(re.findall(r"^\| `([^`]+)` \|", page, flags=re.MULTILINE))
+    topics = {spec.name for spec in pipeline_topics() if not spec.name.endswith(".dlq")}
+    assert topics <= rows | {"<topic>.dlq"}, topics - rows
+    assert "<topic>.dlq" in rows
+
+
 def test_common_holds_what_two_roles_or_more_share():
     """A module of common/ that only one role's folder imports belongs in that folder."""
     from services.roles import ROLES
