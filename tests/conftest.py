@@ -15,9 +15,14 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "vowels"
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: `-m "not slow"` leaves every soak test out
 def pytest_collection_modifyitems(config, items):
-    """The slow tests first, in their order: with pytest-xdist (the README's `-n 2 --dist loadgroup`) the longest
-    runs start at once on both workers instead of leaving one of them a long tail."""
+    """A soak test is slow by definition (pyproject.toml's markers). The slow tests first, in their order: with
+    pytest-xdist (the README's `-n 2 --dist loadgroup`) the longest runs start at once on both workers instead of
+    leaving one of them a long tail."""
+    for item in items:
+        if item.get_closest_marker("soak") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
