@@ -317,7 +317,7 @@ def test_an_update_waits_for_a_group_in_flight_that_it_would_leave_past_the_boun
     learner = LearnerService(config)
     assert learner.process(experience[1]) and learner.trainer.version == 1
     assert learner.process(experience[2]) == [] and learner.trainer.version == 1, "step 0 is in flight: wait"
-    assert learner.waiting_since is not None
+    assert learner.staleness.waiting_since is not None
     (actor, _) = learner.process(experience[0])
     assert learner.trainer.version == 3 and learner.dropped_stale == 0, "both trained, none dropped"
     lines = learner.unsaved_records

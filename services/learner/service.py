@@ -67,6 +67,7 @@ from services.learner.groups import GroupBuffer, StepLedger, groups_of
 from services.learner.metrics_log import MetricsLog
 from services.learner.parallel import init_ranks, shard_model
 from services.learner.ranks import LearnerRanks
+from services.learner.staleness import StalenessBook
 from services.learner.trackers import Trackers, check_trackers
 from services.learner.trainer import PPOTrainer
 from services.service import Dropped, InputError, Progress, Service, check_token_ids
@@ -123,8 +124,7 @@ class LearnerService(Service):
         self.groups_done = 0  # groups used up: trained, or dropped (stale, no signal)
         self.buffer = GroupBuffer()
         self.ledger = StepLedger(config.data.batch_size)
-        self.done_at: dict[int, int] = {0: 0}  # per recent version: the groups used up its announcements said
-        self.waiting_since: float | None = None  # since when the next update waits for a group in flight
+        self.staleness = StalenessBook(config, self.replica_id)
         self.published: list[WeightAnnouncement] = []  # the announcements of the current version
         self.progress: Progress | None = None  # what the last checkpoint covers (input offsets, batch ids handled)
         self.changed = False  # input read, or an update made, since the last checkpoint
@@ -177,7 +177,7 @@ class LearnerService(Service):
         # Checkpoints from before groups: one update trained one whole prompt batch.
         self.groups_done = meta.get("groups_done", self.updates * self.config.data.batch_size)
         self.ledger = StepLedger.from_state(self.config.data.batch_size, meta.get("ledger"), self.updates)
-        self.done_at = {int(v): done for v, done in meta.get("done_at", {}).items()} or {0: 0}
+        self.staleness.done_at = {int(v): done for v, done in meta.get("done_at", {}).items()} or {0: 0}
         # "applied": the unbounded id list of checkpoints written before the window existed
         self.progress = Progress(meta["offsets"], meta.get("handled", meta.get("applied", [])), meta.get("log"))
         # A learner killed between its checkpoint and its metrics lines writes those lines now.
@@ -284,19 +284,13 @@ class LearnerService(Service):
             f"publish are used ({'; '.join(causes) or 'too few groups are left for an update'}); or lower run.steps"
         )
 
-    def _possible_version(self, version: int) -> bool:
-        """Whether this learner, or its predecessor rolled back by a crash, can have announced ``version``: at most
-        ``checkpoint_every`` records since the checkpoint, each of which may complete several updates."""
-        per_record = -(-self.config.data.batch_size // self.config.groups_per_update)
-        return version <= self.trainer.version + self.config.learner.checkpoint_every * per_record
-
     def process(self, message: ExperienceBatch) -> list[WeightAnnouncement]:
         cfg = self.config
         if not 0 <= message.step < cfg.steps_possible:
             raise InputError(
                 f"step {message.step} cannot be real: the run has prompt batches 0..{cfg.steps_possible - 1}"
             )
-        if not self._possible_version(message.newest_version()):
+        if not self.staleness.possible_version(message.newest_version(), self.trainer.version):
             # Sampled by a policy this learner never published: a learner that lost its checkpoint, or weights from
             # elsewhere. Training on it would be off-policy by an unknown amount.
             self.changed = True
@@ -305,7 +299,7 @@ class LearnerService(Service):
                 f"sampled by v{message.newest_version()}, learner at v{self.trainer.version}: newer than this learner "
                 "(or one it took over from) can have published"
             )
-        impossible = self._never_admitted(message)
+        impossible = self.staleness.never_admitted(message, self.trainer.version)
         if impossible:
             # A record that lies (another run's, relabelled with this run's id and a later step) is dropped and
             # counted, never trained: taken in, it would move the staleness bound for good.
@@ -325,39 +319,11 @@ class LearnerService(Service):
             return self.announce()
         return self._progress_announcement() if dropped or no_signal or dead else []
 
-    def _never_admitted(self, message: ExperienceBatch) -> str:
-        """Why a group of ``message`` cannot have been sampled by the version it says ('' when all can): a generator
-        takes the group at feed position p only once an announcement of version u allowed it, p < groups used up at
-        u + (max_staleness + 1) updates' worth, and its oldest token is of u or later. Checked against the versions
-        whose announced progress this learner still knows (a rolled-back predecessor's, above its own, are not), with
-        a margin for what a predecessor may have announced of the same version after the checkpoint this one took up
-        (the groups of the records since: at most checkpoint_every updates' and prompt batches' worth)."""
-        k, per_update, batch = (
-            self.config.pipeline.max_staleness,
-            self.config.groups_per_update,
-            self.config.data.batch_size,
-        )
-        margin = (self.config.learner.checkpoint_every + 1) * (per_update + batch)
-        versions = message.row_versions()
-        for index in message.groups():
-            version = int(versions[message.group_index == index].min())
-            done = self.done_at.get(version)
-            if done is None or version > self.trainer.version:
-                continue
-            position = message.step * batch + int(index)
-            if position >= done + (k + 1) * per_update + margin:
-                return (
-                    f"group {message.step}/{index} cannot have been sampled by v{version}: its announcements let "
-                    f"generators take feed positions below {done + (k + 1) * per_update + margin}, and it is at "
-                    f"{position}"
-                )
-        return ""
-
     def tick(self) -> list[WeightAnnouncement]:
         # Waiting for a group in flight ends after pipeline.hold_timeout_s (it may never come: dead-lettered on
         # the way); the updates it held back are made then.
         updates = self.updates
-        if self.waiting_since is not None and len(self.buffer) >= self.config.groups_per_update:
+        if self.staleness.waiting_since is not None and len(self.buffer) >= self.config.groups_per_update:
             self._train_ready()
         return self.announce() if self.updates > updates else []
 
@@ -367,55 +333,11 @@ class LearnerService(Service):
         while (
             self.updates < self.config.run.steps
             and len(self.buffer) >= self.config.groups_per_update
-            and not self._waits_for_in_flight()
+            and not self.staleness.waits_for_in_flight(self.ledger, self.trainer.version, self.updates + 1)
         ):
             self._update()
             dropped += self._drop_stale()
         return dropped
-
-    def _waits_for_in_flight(self) -> bool:
-        """Whether the next update waits for a group still in flight that was fed before groups that arrived, and
-        that the update would leave past max_staleness: it was taken by a generator at the earliest version whose
-        announced progress allowed it. Waiting keeps long answers, which shorter ones overtake, from being dropped
-        for their length. It ends when the group comes, or after pipeline.hold_timeout_s."""
-        k, per_update = self.config.pipeline.max_staleness, self.config.groups_per_update
-        allowed = max(self.done_at.values()) + (k + 1) * per_update  # beyond it, nothing can be in flight
-        # Taken at the version k behind: trainable now, past the bound after this update. (Taken earlier, it is
-        # past the bound already, and waiting would not save it.)
-        at_risk = [
-            position
-            for position in self.ledger.unsettled(allowed)
-            if self._taken_at(position) == self.trainer.version - k
-        ]
-        if not at_risk:
-            self.waiting_since = None
-            return False
-        now = time.monotonic()
-        if self.waiting_since is None:
-            self.waiting_since = now
-            log.info(
-                "%s: update %d waits for %d groups in flight (the first: step %d, row %d)",
-                self.replica_id,
-                self.updates + 1,
-                len(at_risk),
-                *divmod(at_risk[0], self.config.data.batch_size),
-            )
-        if now - self.waiting_since < self.config.pipeline.hold_timeout_s:
-            return True
-        log.warning(
-            "%s: %d groups in flight for %.0f s; update %d goes on without them",
-            self.replica_id,
-            len(at_risk),
-            now - self.waiting_since,
-            self.updates + 1,
-        )
-        self.waiting_since = None
-        return False
-
-    def _taken_at(self, position: int) -> int:
-        """The earliest version whose announced progress let a generator take the group at feed ``position``."""
-        k, per_update = self.config.pipeline.max_staleness, self.config.groups_per_update
-        return min((v for v, done in self.done_at.items() if done + (k + 1) * per_update > position), default=0)
 
     def _drop_stale(self) -> int:
         """Drop the waiting groups more than ``max_staleness`` versions behind; how many."""
@@ -494,7 +416,7 @@ class LearnerService(Service):
                 "dead_lettered": self.dead_lettered,
                 "groups_done": self.groups_done,
                 "ledger": self.ledger.state(),
-                "done_at": {str(v): done for v, done in self.done_at.items()},
+                "done_at": {str(v): done for v, done in self.staleness.done_at.items()},
                 "handled": self.progress.handled,
                 "offsets": self.progress.offsets,
                 "log": self.progress.log,
@@ -573,14 +495,8 @@ class LearnerService(Service):
         for record in self.unsaved_records:  # the update's metrics line names what it made (streamppo replay)
             if record["step"] == version:
                 record["digests"] = {a.model: a.digest for a in announcements}
-        self._announced_progress()
+        self.staleness.announced(self.trainer.version, self.groups_done)
         return announcements
-
-    def _announced_progress(self) -> None:
-        """Remember what the newest announcement of this version let generators take (see _taken_at)."""
-        self.done_at[self.trainer.version] = self.groups_done
-        oldest = self.trainer.version - self.config.pipeline.max_staleness - 1
-        self.done_at = {v: done for v, done in self.done_at.items() if v >= oldest}
 
     def _progress_announcement(self) -> list[WeightAnnouncement]:
         """The actor's announcement again, with the groups used up now: generators admit prompt batches by it, and
@@ -594,5 +510,5 @@ class LearnerService(Service):
             LEARNER_REPLACEMENTS: self.config.replacements_for(self.past_bound),
         }
         batch_id = f"{actor.batch_id}-g{self.groups_done}"
-        self._announced_progress()
+        self.staleness.announced(self.trainer.version, self.groups_done)
         return [dataclasses.replace(actor, batch_id=batch_id, lineage=lineage, created_at=time.time())]
