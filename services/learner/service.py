@@ -26,7 +26,6 @@ it. When groups are used up without an update (dropped), the actor's announcemen
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -34,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from common.broadcast import WeightSender
 from common.checkpoint import load_latest_checkpoint, next_epoch, save_checkpoint
 from common.config import RunConfig
 from common.models import (
@@ -47,18 +45,13 @@ from common.models import (
 )
 from common.report import OUTCOME_FILE
 from common.schema import (
-    ADAPTER,
-    ADAPTER_BASE,
     LEARNER_EPOCH,
     LEARNER_GROUPS_DONE,
     LEARNER_REPLACEMENTS,
     LEARNER_SETTLED,
-    RUN_ID,
     ExperienceBatch,
     WeightAnnouncement,
-    new_header,
 )
-from common.weights import Snapshot, WeightStore
 from services.learner.checkpoints import checkpoint_nbytes
 from services.learner.evaluation import answer_eval_prompts, episode_rows, write_generations
 from services.learner.experience import Experience
@@ -66,6 +59,7 @@ from services.learner.export import export_final_models
 from services.learner.groups import GroupBuffer, StepLedger, groups_of
 from services.learner.metrics_log import MetricsLog
 from services.learner.parallel import init_ranks, shard_model
+from services.learner.publishing import Publisher
 from services.learner.ranks import LearnerRanks
 from services.learner.staleness import StalenessBook
 from services.learner.trackers import Trackers, check_trackers
@@ -111,7 +105,7 @@ class LearnerService(Service):
             max_response_length=config.max_response_tokens,
             total_updates=config.run.steps,
         )
-        self.store = WeightStore(config.weight_store, config.weights.digest, config.weights.full_every)
+        self.publisher = Publisher(config, self.replica_id, self.ranks.world_size)
         self.run_dir = Path(config.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
@@ -125,14 +119,12 @@ class LearnerService(Service):
         self.buffer = GroupBuffer()
         self.ledger = StepLedger(config.data.batch_size)
         self.staleness = StalenessBook(config, self.replica_id)
-        self.published: list[WeightAnnouncement] = []  # the announcements of the current version
         self.progress: Progress | None = None  # what the last checkpoint covers (input offsets, batch ids handled)
         self.changed = False  # input read, or an update made, since the last checkpoint
         self.since_checkpoint = 0  # updates since the last checkpoint
         self.unsaved_records: list[dict] = []  # metrics lines of those updates, written with the next checkpoint
         self.started = time.time()
         self.epoch = 0  # taken in start(): 0 only for a learner that announces without having started (tests)
-        self.sender: WeightSender | None = None  # the broadcast path, opened in start() when configured
         self.on_new_log = False  # goes on on a log that replaced a lost one (take_up_new_log)
         self.trackers = Trackers()  # run.trackers: rank 0's alone
         # A run of episodes: the conversations of the first update since this start and of the last (generations.md).
@@ -158,8 +150,7 @@ class LearnerService(Service):
 
     def close(self) -> None:
         self.trackers.close()
-        if self.sender is not None:
-            self.sender.close()
+        self.publisher.close()
         self.trainer.release()
 
     def _resume(self) -> list[dict] | None:
@@ -200,11 +191,7 @@ class LearnerService(Service):
         (self.run_dir / OUTCOME_FILE).unlink(missing_ok=True)  # the run goes on: it has no outcome yet
         self.epoch = next_epoch(self.config.checkpoint_dir)
         log.info("%s: learner epoch %d", self.replica_id, self.epoch)
-        broadcast = self.config.weights.broadcast
-        if broadcast.address is not None and self.sender is None:
-            self.sender = WeightSender(
-                broadcast.address, broadcast.receivers, broadcast.timeout_s, self.config.weights.digest
-            )
+        self.publisher.open_broadcast()
         if self.trainer.version == 0 and self.config.data.eval_prompts and not self.on_new_log:
             before = self.trainer.answer(answer_eval_prompts, self.tokenizer, self.config, 0)
             self.before_path.write_text("".join(json.dumps(row) + "\n" for row in before))
@@ -436,64 +423,22 @@ class LearnerService(Service):
 
     # ------------------------------------------------------------------ internals
 
-    def _publish(self, name: str, version: int) -> tuple[Snapshot, str]:
-        """Snapshot ``name`` into the store, and the actor also to the generators when the broadcast is configured.
-
-        Returns:
-            The snapshot, and the digest of the broadcast every receiver holds (``""`` when none was made).
-        """
-        dtype = self.config.weights.dtype
-        if self.ranks.world_size > 1:  # a part from each rank; one call that all ranks run at a time
-            sent = self.sender.send(version, self.trainer.full_state(name, dtype)) if self._broadcasts(name) else ""
-            snapshot = self.store.save_sharded(
-                name,
-                version,
-                lambda folder: self.trainer.write_snapshot_parts(name, dtype, folder, self.store.digest),
-            )
-            return snapshot, sent
-        state = self.trainer.full_state(name, dtype)
-        if not self._broadcasts(name):
-            return self.store.save_state(name, version, state), ""
-        return self.sender.send_and_save(self.store, name, version, state)
-
-    def _broadcasts(self, name: str) -> bool:
-        return name == "actor" and self.sender is not None
+    def _progress(self) -> dict:
+        """What the announcements say of the learner's progress (generators admit by it; a feeder on a new log
+        publishes again from the batches settled)."""
+        return {
+            LEARNER_EPOCH: self.epoch,
+            LEARNER_GROUPS_DONE: self.groups_done,
+            LEARNER_SETTLED: self.ledger.below,
+            LEARNER_REPLACEMENTS: self.config.replacements_for(self.past_bound),
+        }
 
     def announce(self) -> list[WeightAnnouncement]:
         """Snapshot actor and critic at the current version into the weight store (the actor also broadcast, when
         configured) and announce both."""
-        version = self.trainer.version
-        announcements = []
-        for name, _, _ in self.trainer.models():
-            snapshot, broadcast_digest = self._publish(name, version)
-            self.store.prune(name, self.config.pipeline.keep_snapshots, version)
-            lineage = {
-                RUN_ID: self.config.run.run_id,
-                "kl_coef": self.trainer.kl_controller.value,
-                "learner": self.replica_id,
-                LEARNER_EPOCH: self.epoch,
-                LEARNER_GROUPS_DONE: self.groups_done,
-                LEARNER_SETTLED: self.ledger.below,
-                LEARNER_REPLACEMENTS: self.config.replacements_for(self.past_bound),
-            }
-            if name == "actor" and self.config.model.lora is not None:  # the snapshot is adapters for this base
-                lineage |= {ADAPTER: "lora", ADAPTER_BASE: self.config.model.actor}
-            announcements.append(
-                WeightAnnouncement(
-                    **new_header(
-                        f"{self.config.run.run_id}-weights-{name}-v{version:08d}", self.replica_id, version, lineage
-                    ),
-                    model=name,
-                    uri=snapshot.uri,
-                    digest=snapshot.digest,
-                    chain=list(snapshot.chain),
-                    num_bytes=snapshot.num_bytes,
-                    broadcast_digest=broadcast_digest,
-                )
-            )
-        self.published = announcements
+        announcements = self.publisher.publish(self.trainer, self._progress())
         for record in self.unsaved_records:  # the update's metrics line names what it made (streamppo replay)
-            if record["step"] == version:
+            if record["step"] == self.trainer.version:
                 record["digests"] = {a.model: a.digest for a in announcements}
         self.staleness.announced(self.trainer.version, self.groups_done)
         return announcements
@@ -501,14 +446,9 @@ class LearnerService(Service):
     def _progress_announcement(self) -> list[WeightAnnouncement]:
         """The actor's announcement again, with the groups used up now: generators admit prompt batches by it, and
         groups used up without an update (dropped) would otherwise leave them waiting."""
-        actor = next((a for a in self.published if a.model == "actor"), None)
-        if actor is None or actor.policy_version != self.trainer.version:
+        progress = {key: self._progress()[key] for key in (LEARNER_GROUPS_DONE, LEARNER_REPLACEMENTS)}
+        again = self.publisher.actor_again(self.trainer.version, progress)
+        if again is None:
             return [a for a in self.announce() if a.model == "actor"]
-        lineage = {
-            **actor.lineage,
-            LEARNER_GROUPS_DONE: self.groups_done,
-            LEARNER_REPLACEMENTS: self.config.replacements_for(self.past_bound),
-        }
-        batch_id = f"{actor.batch_id}-g{self.groups_done}"
         self.staleness.announced(self.trainer.version, self.groups_done)
-        return [dataclasses.replace(actor, batch_id=batch_id, lineage=lineage, created_at=time.time())]
+        return [again]

@@ -105,8 +105,10 @@ def _replay_updates(reader, learner, lines: list[dict], announced: dict, config:
         learner.trainer.train(Experience.concat([groups[key].experience for key in line["groups"]]))
         version = learner.trainer.version
         for name, _, _ in learner.trainer.models():
-            snapshot = learner.store.save_state(name, version, learner.trainer.full_state(name, config.weights.dtype))
-            learner.store.prune(name, 2, version)
+            snapshot = learner.publisher.store.save_state(
+                name, version, learner.trainer.full_state(name, config.weights.dtype)
+            )
+            learner.publisher.store.prune(name, 2, version)
             expected = line.get("digests", {}).get(name, announced.get((name, version)))
             result.checked.append(
                 {
