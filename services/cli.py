@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import yaml
@@ -579,6 +580,8 @@ def _configure_logging(verbose: bool) -> None:
         # deploy/install.py removes there on purpose.
         os.environ.setdefault("TORCH_LOGS", "-torch")
         os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+        if os.environ["PYTHONWARNINGS"] == "ignore::FutureWarning":  # and this process, which read it at its start
+            warnings.filterwarnings("ignore", category=FutureWarning)
     # kafka-python logs every connection it opens and closes at INFO, every failed attempt at ERROR; the services
     # report broker trouble once themselves.
     logging.getLogger("kafka").setLevel(logging.WARNING if verbose else logging.CRITICAL)

@@ -524,3 +524,22 @@ def test_the_compose_files_run_every_role_of_the_role_table_once():
     # Every role of every run that consumes input runs a model; the feeder only reads a file, environments none.
     model_roles = {name for name, role in ROLES.items() if role.input_topic is not None and not role.requirement}
     assert {_role_of(services[name]["command"]) for name in gpu} == model_roles
+
+
+def test_the_kafka_image_s_broker_script_runs_as_a_file_alone():
+    """The Kafka image copies services/transport/brokers/apache_kafka.py to /opt/kafka and runs it as a file, with
+    none of the checkout around it (deploy/docker/Dockerfile): from a folder two levels under the root it must still
+    start (its probe answers 'no broker' with exit 1), as it failed to once its checkout path grew a level."""
+    import shutil
+    import tempfile
+
+    dockerfile = (REPO / "deploy" / "docker" / "Dockerfile").read_text()
+    assert "COPY services/transport/brokers/apache_kafka.py /opt/kafka/apache_kafka.py" in dockerfile
+    shallow = Path(tempfile.mkdtemp(dir="/tmp"))  # /tmp/<name>/apache_kafka.py: as few parents as /opt/kafka's
+    try:
+        script = shutil.copy(REPO / "services" / "transport" / "brokers" / "apache_kafka.py", shallow)
+        probe = subprocess.run([sys.executable, script, "probe", "1"], capture_output=True, text=True, timeout=60)
+    finally:
+        shutil.rmtree(shallow)
+    assert "Traceback" not in probe.stderr, probe.stderr
+    assert probe.returncode == 1

@@ -37,7 +37,10 @@ from pathlib import Path
 __all__ = ["KAFKA_VERSION", "KafkaBroker", "KafkaCluster", "KafkaUnavailable", "jars", "kafka_available"]
 
 KAFKA_VERSION = "4.4.0"
-POM = Path(__file__).resolve().parents[3] / "deploy" / "kafka" / "pom.xml"
+# The checkout's (services/transport/brokers/ is three folders down); the Kafka image runs this file alone, from a
+# folder with fewer parents, and has its jars already.
+_PARENTS = Path(__file__).resolve().parents
+POM = _PARENTS[min(3, len(_PARENTS) - 1)] / "deploy" / "kafka" / "pom.xml"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the largest record (kafka.max_message_bytes's default): broker and topics
 # The JVM of one node: heap, the client compiler alone (a broker's start is mostly class loading: C2 only costs CPU
 # there), the serial collector (one core's worth of GC threads).
