@@ -577,3 +577,19 @@ def test_lora_runs_of_one_process_share_one_engine_and_adapters_without_a_slot_a
     finally:
         for sampler in samplers.values():
             sampler.close()
+
+
+def test_vllm_s_module_scan_reads_torch_s_deprecated_reduce_op_without_a_warning():
+    """vLLM's CPU kernel overrides scan every module's attributes; torch.distributed.reduce_op warned when read, and
+    a race in torch's own catch_warnings let it through PYTHONWARNINGS into a fresh clone's README run. streamppo's
+    vLLM plugin, loaded in each vLLM process, keeps the reading silent and the values."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from services.generator.vllm_plugin import register
+
+    register()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert hasattr(dist.reduce_op, "__dict__") and dist.reduce_op.SUM == dist.ReduceOp.SUM

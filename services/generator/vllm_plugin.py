@@ -54,10 +54,24 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, name="streamppo-die-with-parent", daemon=True).start()
 
 
+def _quiet_deprecated_reduce_op() -> None:
+    """vLLM's CPU kernel overrides scan every attribute of every module loaded (``hasattr(value, "__dict__")``), and
+    reading ``torch.distributed.reduce_op``, a deprecated enum, warns. PYTHONWARNINGS ignores FutureWarnings, but
+    torch's own ``catch_warnings(); simplefilter("always")`` in another thread swaps the filters for a moment (they
+    are one global list), and under load the warning reached a user's run. Reading it no longer warns; its values are
+    torch.distributed.ReduceOp's, as they were."""
+    import torch.distributed.distributed_c10d as c10d
+
+    deprecated = getattr(c10d, "_reduce_op", None)
+    if deprecated is not None:
+        deprecated.__getattribute__ = object.__getattribute__
+
+
 def register() -> None:
     import logging
 
     die_with_parent()
+    _quiet_deprecated_reduce_op()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     reload_log = logging.getLogger(RELOAD_LOGGER)
