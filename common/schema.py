@@ -852,6 +852,11 @@ class WeightAnnouncement(Message):
         if not values["chain"] or values["chain"][-1] != chain_link(values["digest"], values["uri"]):
             raise SchemaError("weights: the chain must end with this snapshot's '<digest> <uri>'")
 
+    @property
+    def learner_epoch(self) -> int:
+        """The epoch of the learner that announced it (:data:`LEARNER_EPOCH`; 0 before epochs existed)."""
+        return int(self.lineage.get(LEARNER_EPOCH, 0))
+
 
 class _Record:
     """A wire type outside the pipeline (no header): its wire fields are all its fields."""

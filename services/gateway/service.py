@@ -38,7 +38,7 @@ from transformers import AutoConfig
 from common.admission import Admission
 from common.config import RunConfig
 from common.models import load_tokenizer, resolve_model
-from common.schema import LEARNER_EPOCH, LEARNER_GROUPS_DONE, PromptBatch, WeightAnnouncement
+from common.schema import LEARNER_GROUPS_DONE, PromptBatch, WeightAnnouncement
 from services.gateway.api import MAX_REWARD, ApiError
 from services.gateway.calls import Calls, key_hash
 from services.gateway.conversation import append_only_violation
@@ -149,7 +149,7 @@ class GatewayService(Service):
         # Nothing to load: the learner's progress (for the bound), and the version its calls must be answered with.
         # The feed offers only what supersedes the last (a new learner epoch may go back to a lower version).
         self.policy_version = announcement.policy_version
-        self.epoch = int(announcement.lineage.get(LEARNER_EPOCH, 0))
+        self.epoch = announcement.learner_epoch
         done = int(
             announcement.lineage.get(LEARNER_GROUPS_DONE, announcement.policy_version * self.admission.per_update)
         )

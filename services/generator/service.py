@@ -35,7 +35,6 @@ from common.sampling import Samples, SamplingParams
 from common.schema import (
     ADAPTER_BASE,
     ADMITTED_EPOCH,
-    LEARNER_EPOCH,
     LEARNER_GROUPS_DONE,
     Completion,
     CompletionRequest,
@@ -114,7 +113,7 @@ class GeneratorService(Service):
         )
         if self._holds(announcement):  # the learner's progress alone (groups used up without an update)
             self.admission.groups_done = max(self.admission.groups_done, groups_done)
-            self.epoch = max(self.epoch, _epoch_of(announcement))
+            self.epoch = max(self.epoch, announcement.learner_epoch)
             return True
         if self.streams and not self.sampler.updates_in_flight:  # generation.in_flight_updates: finish
             while self._source.in_flight():  # the responses being sampled end under the weights that began them
@@ -126,7 +125,7 @@ class GeneratorService(Service):
         ):
             return False
         self.policy_version, self.digest = announcement.policy_version, announcement.digest
-        self.epoch = _epoch_of(announcement)
+        self.epoch = announcement.learner_epoch
         self.admission.groups_done = groups_done
         return True
 
@@ -460,7 +459,3 @@ class GeneratorService(Service):
         if self.episodes is not None:
             self.episodes.close()
         self.sampler.close()
-
-
-def _epoch_of(announcement: WeightAnnouncement) -> int:
-    return int(announcement.lineage.get(LEARNER_EPOCH, 0))

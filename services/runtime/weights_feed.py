@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from common.schema import LEARNER_EPOCH, LEARNER_GROUPS_DONE, WeightAnnouncement
+from common.schema import LEARNER_GROUPS_DONE, WeightAnnouncement
 from services.runtime.metrics import ServiceMetrics
 from services.service import Service
 from services.transport import Consumer, Record
@@ -124,7 +124,7 @@ class WeightsFeed:
 def _progress(announcement: WeightAnnouncement) -> tuple[int, int, int]:
     """(learner epoch, version, groups used up): the order in which announcements supersede each other."""
     return (
-        int(announcement.lineage.get(LEARNER_EPOCH, 0)),
+        announcement.learner_epoch,
         announcement.policy_version,
         int(announcement.lineage.get(LEARNER_GROUPS_DONE, -1)),
     )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import ConfigError, RunConfig
-from common.schema import LEARNER_EPOCH, ExperienceBatch, WeightAnnouncement
+from common.schema import ExperienceBatch, WeightAnnouncement
 from services.learner.experience import Experience
 from services.learner.groups import groups_of
 from services.ops.runlog.reader import LogReader
@@ -41,7 +41,7 @@ def announced_digests(reader: LogReader) -> dict[tuple[str, int], str]:
     announced a version again."""
     best: dict[tuple[str, int], tuple[int, str]] = {}
     for _, message in reader.messages(WeightAnnouncement):
-        key, epoch = (message.model, message.policy_version), int(message.lineage.get(LEARNER_EPOCH, 0))
+        key, epoch = (message.model, message.policy_version), message.learner_epoch
         if key not in best or epoch >= best[key][0]:
             best[key] = (epoch, message.digest)
     return {key: digest for key, (_, digest) in best.items()}
