@@ -63,7 +63,8 @@ def main() -> None:
                 f"run.dir={REPO / 'runs' / 'turn-bench'}",
             ],
         )
-        environment = Replica(EnvironmentService(config, "environment-0"), lambda: kafka_bus(config)).start().runner
+        serving = Replica(EnvironmentService(config, "environment-0"), lambda: kafka_bus(config)).start()
+        environment = serving.runner
         stop = threading.Event()
 
         def serve() -> None:
@@ -73,7 +74,7 @@ def main() -> None:
         server = threading.Thread(target=serve, daemon=True)
         server.start()
         asker = _Asker(config, "generator-0")
-        runner = Replica(asker, lambda: kafka_bus(config)).start().runner
+        asking = Replica(asker, lambda: kafka_bus(config)).start()
         lineage = {"run.id": config.run.run_id}
         seconds = []
         for i in range(args.turns + 10):  # the first 10 warm the clients up
@@ -97,8 +98,8 @@ def main() -> None:
             assert replies[0].observation.strip() == "<result>\n7006652\n</result>"
         stop.set()
         server.join()
-        runner.close()
-        environment.close()
+        asking.stop(finished=False)
+        serving.stop(finished=False)
     started = time.perf_counter()
     for _ in range(1000):
         calculate("1234 * 5678")

@@ -118,9 +118,15 @@ def image_available(image: str, pull: bool = False) -> bool:
     return pull and subprocess.run(["docker", "pull", "-q", image], capture_output=True, timeout=600).returncode == 0
 
 
-def started(service, bus, metrics=None):
-    """The runner of ``service`` on ``bus``, started as its replica starts it (services/runtime/replica.py): its
-    channels connected and what its ``start()`` returns produced."""
+def started_replica(service, bus, metrics=None):
+    """The replica of ``service`` on ``bus``, started (services/runtime/replica.py): its channels connected and what
+    its ``start()`` returns produced. A test that stops it stops it as a host does: ``stop(finished=False)``."""
     from services.runtime import Replica
 
-    return Replica(service, lambda: bus, metrics).start().runner
+    return Replica(service, lambda: bus, metrics).start()
+
+
+def started(service, bus, metrics=None):
+    """The runner of ``service``'s replica on ``bus``, started (:func:`started_replica`), for a test that never
+    stops it."""
+    return started_replica(service, bus, metrics).runner

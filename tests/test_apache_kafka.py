@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import EXAMPLE, REPO
-from helpers import assert_each_group_once, run_settings, started
+from helpers import assert_each_group_once, run_settings, started_replica
 
 from common.schema import encode
 from services.runtime.run_bus import kafka_bus
@@ -256,12 +256,13 @@ def test_the_weights_topic_is_compacted_and_a_late_replica_reads_only_the_newest
                 producer.send(WEIGHTS_TOPIC, encode(announcement), key=announcement.model.encode())
             producer.flush()
             time.sleep(2)
-        late = started(GeneratorService(config, "generator-late"), bus)
+        late_replica = started_replica(GeneratorService(config, "generator-late"), bus)
+        late = late_replica.runner
         deadline = time.monotonic() + 60
         while late.weights.loaded.get("actor") != versions:
             assert time.monotonic() < deadline, late.weights.loaded
             late.poll_once(0.2)
-        late.close()
+        late_replica.stop(finished=False)
     print(f"\n{left} announcements left of {2 * versions} written; the late replica loaded v{versions}")
 
 

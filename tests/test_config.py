@@ -185,7 +185,7 @@ def test_protos_are_current():
 
 
 def test_the_kafka_client_takes_every_setting_of_the_config_s_section_by_name_with_the_same_defaults():
-    """One place for each Kafka default: the client (services/transport/kafka.py, which knows nothing of the config)
+    """One place for each Kafka default: the client (services/transport/kafka/, which knows nothing of the config)
     and the config's kafka section name a setting alike and agree on its default, and the run's bus passes each one
     set in the config through (a default that drifted once: connect_timeout_s, 30 s in one and 60 s in the other)."""
     import dataclasses
@@ -506,7 +506,7 @@ def test_cli_reports_a_bad_metrics_port_range(tmp_path, spec):
 
 
 def test_the_config_reference_is_the_code_s():
-    """docs/config-reference.md holds every setting as common/config.py declares it (`streamppo config-reference
+    """docs/config-reference.md holds every setting as common/config/ declares it (`streamppo config-reference
     --write docs/config-reference.md` after a change)."""
     from common.config import reference
 

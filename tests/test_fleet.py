@@ -346,7 +346,7 @@ def test_a_fleet_replica_stopped_while_its_broker_is_away_exits_in_seconds(make_
 
     from conftest import REPO
 
-    from services.launch.process import STOP_BROKER_S
+    from services.launch.host import STOP_BROKER_S
     from services.transport.brokers.local_broker import LocalBroker, free_port
 
     port = free_port()

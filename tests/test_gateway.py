@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import yaml
 from conftest import REPO
-from helpers import broker_address, is_local_broker, publish, read_messages, started
+from helpers import broker_address, is_local_broker, publish, read_messages, started, started_replica
 from openai import OpenAI
 
 from common.config import load_config
@@ -565,7 +565,8 @@ def test_a_claim_whose_answer_was_lost_gets_the_same_episode_from_the_gateway_st
     claim_url = f"http://127.0.0.1:{port}/episodes/claim"
     tasks = []
     for life in range(2):  # the gateway, then the same replica started again
-        gateway = started(GatewayService(config, "gateway-0"), bus)
+        gateway_replica = started_replica(GatewayService(config, "gateway-0"), bus)
+        gateway = gateway_replica.runner
         stop = threading.Event()
         loop = threading.Thread(target=lambda g=gateway, s=stop: [g.poll_once(0.01) for _ in iter(s.is_set, True)])
         loop.start()
@@ -578,7 +579,7 @@ def test_a_claim_whose_answer_was_lost_gets_the_same_episode_from_the_gateway_st
         finally:
             stop.set()
             loop.join(10)
-            gateway.close()
+            gateway_replica.stop(finished=False)
     assert tasks[1]["episode"] == tasks[0]["episode"] and tasks[1]["api_key"] == tasks[0]["api_key"]
     assert tasks[1]["prompt"] == tasks[0]["prompt"] and other["episode"] != tasks[0]["episode"]
     starts = [e for e in read_messages(bus, "episodes") if e.kind == "start"]
@@ -598,7 +599,8 @@ def test_max_calls_holds_for_calls_in_flight_at_once(make_config):
     bus = MemoryBus()
     bus.create_topics(pipeline_topics())
     started(FeederService(config), bus)
-    gateway = started(GatewayService(config), bus)
+    gateway_replica = started_replica(GatewayService(config), bus)
+    gateway = gateway_replica.runner
     stop = threading.Event()
     loop = threading.Thread(target=lambda: [gateway.poll_once(0.01) for _ in iter(stop.is_set, True)], daemon=True)
     loop.start()
@@ -619,7 +621,7 @@ def test_max_calls_holds_for_calls_in_flight_at_once(make_config):
     finally:
         stop.set()
         loop.join(5)
-        gateway.close()
+        gateway_replica.stop(finished=False)
     assert len(read_messages(bus, "requests")) == 4
     assert sorted(statuses) == [400] * 8 + [503] * 4  # the 4 taken were told to try again: no answer came
 
@@ -636,11 +638,12 @@ def test_status_says_where_the_gateway_serves(make_config):
     bus = MemoryBus()
     bus.create_topics(pipeline_topics())
     started(FeederService(config), bus).publish_status()
-    gateway = started(GatewayService(config), bus)
+    gateway_replica = started_replica(GatewayService(config), bus)
+    gateway = gateway_replica.runner
     try:
         gateway.publish_status()
     finally:
-        gateway.close()
+        gateway_replica.stop(finished=False)
     table = format_status(read_status(bus, config.run.run_id, timeout_s=5))
     assert f"    serving http://127.0.0.1:{port}\n" in table, table
     assert table.count("serving http") == 1, "the feeder serves no one"
@@ -661,8 +664,10 @@ def test_a_call_its_client_gave_up_waiting_for_is_answered_to_the_retry_and_samp
     bus = MemoryBus()
     bus.create_topics(pipeline_topics())
     started(FeederService(config), bus)  # publishes the prompt batches
-    generator = started(GeneratorService(config), bus)
-    gateway = started(GatewayService(config), bus)
+    generator_replica = started_replica(GeneratorService(config), bus)
+    generator = generator_replica.runner
+    gateway_replica = started_replica(GatewayService(config), bus)
+    gateway = gateway_replica.runner
     stop = threading.Event()
     loop = threading.Thread(target=lambda: [gateway.poll_once(0.01) for _ in iter(stop.is_set, True)], daemon=True)
     loop.start()
@@ -684,8 +689,8 @@ def test_a_call_its_client_gave_up_waiting_for_is_answered_to_the_retry_and_samp
     finally:
         stop.set()
         loop.join(5)
-        gateway.close()
-        generator.close()
+        gateway_replica.stop(finished=False)
+        generator_replica.stop(finished=False)
     calls = [e for e in read_messages(bus, "episodes") if e.kind == "call"]
     assert [e.event for e in calls] == [retried.json()["id"].removeprefix("call-")], "one sample, the one answered"
     assert len(read_messages(bus, "requests")) == 1 and counts["calls_timed_out"] == 1
@@ -1069,10 +1074,11 @@ def test_a_later_batch_the_bound_holds_half_back_never_keeps_the_gateway_from_ta
     one_group_in = dataclasses.replace(announcement, lineage={**announcement.lineage, LEARNER_GROUPS_DONE: 1})
     publish(bus, "weights", encode(one_group_in))
     publish(bus, "prompts", encode(batches[1]), partition=1)
-    gateway = started(GatewayService(config), bus)
+    gateway_replica = started_replica(GatewayService(config), bus)
+    gateway = gateway_replica.runner
     try:
         deadline = time.monotonic() + 30
-        while batches[1].batch_id not in gateway.in_flight:
+        while batches[1].batch_id not in gateway.streaming.in_flight:
             assert time.monotonic() < deadline, "the gateway took no prompt batch"
             gateway.poll_once(0.1)
         gateway.poll_once(0.1)
@@ -1080,7 +1086,7 @@ def test_a_later_batch_the_bound_holds_half_back_never_keeps_the_gateway_from_ta
         assert list(offers.batches[batches[1].batch_id].unoffered) == [1], "row 1 of batch 1 waits for the bound"
         publish(bus, "prompts", encode(batches[0]), partition=0)
         deadline = time.monotonic() + 30
-        while batches[0].batch_id not in gateway.in_flight:
+        while batches[0].batch_id not in gateway.streaming.in_flight:
             assert time.monotonic() < deadline, "batch 0 was never taken: " + gateway.waiting_for()
             gateway.poll_once(0.1)
         gateway.poll_once(0.1)
@@ -1088,7 +1094,7 @@ def test_a_later_batch_the_bound_holds_half_back_never_keeps_the_gateway_from_ta
         assert {f"0/{row}#{i}" for row in (0, 1) for i in range(2)} <= offered, offered
         assert "1/1#0" not in offered, "and the bound still holds back what it holds back"
     finally:
-        gateway.close()
+        gateway_replica.stop(finished=False)
 
 
 def test_a_gateway_holding_prompts_it_cannot_hand_out_says_so_in_status(make_config):
@@ -1101,16 +1107,17 @@ def test_a_gateway_holding_prompts_it_cannot_hand_out_says_so_in_status(make_con
     bus = MemoryBus()
     bus.create_topics(pipeline_topics())
     started(FeederService(config), bus)  # publishes the prompt batches
-    gateway = started(GatewayService(config), bus)
+    gateway_replica = started_replica(GatewayService(config), bus)
+    gateway = gateway_replica.runner
     try:
         deadline = time.monotonic() + 30
-        while not gateway.in_flight:
+        while not gateway.streaming.in_flight:
             assert time.monotonic() < deadline, "the gateway took no prompt batch"
             gateway.poll_once(0.1)
         gateway.poll_once(0.1)  # offers its episodes
         report = gateway.publish_status()
     finally:
-        gateway.close()
+        gateway_replica.stop(finished=False)
     assert report.state == "waiting", report
     assert "input(s) in hand: prompt batches [0] held" in report.waiting_for
     assert "episodes offered, none taken for" in report.waiting_for and "(no agent claims)" in report.waiting_for

@@ -21,6 +21,7 @@ from helpers import (
     run_settings,
     sampled_by,
     started,
+    started_replica,
 )
 from kafka.errors import KafkaError
 
@@ -141,7 +142,8 @@ def fill(bus, topic, count):
 def test_a_malformed_record_lands_in_the_dlq_over_kafka(bus, kafka_config):
     from services.scorer import ScorerService
 
-    runner = started(ScorerService(kafka_config, unique("scorer")), bus)
+    serving = started_replica(ScorerService(kafka_config, unique("scorer")), bus)
+    runner = serving.runner
     marker = uuid.uuid4().bytes
     producer = bus.producer("test")
     producer.send("rollouts", b"\xc1not msgpack" + marker)
@@ -153,7 +155,7 @@ def test_a_malformed_record_lands_in_the_dlq_over_kafka(bus, kafka_config):
         letters = [decode(r.value) for r in dlq.poll(0.1, max_records=100)]
         letters = [letter for letter in letters if letter.payload.endswith(marker)]
     assert letters and isinstance(letters[0], DeadLetter) and letters[0].source_topic == "rollouts"
-    runner.close()
+    serving.stop(finished=False)
 
 
 def test_replicas_that_make_the_log_at_once_all_read_its_one_identity(kafka_config):
@@ -508,7 +510,8 @@ def test_a_refused_weight_announcement_does_not_block_the_real_one(make_config, 
     producer.flush()
 
     advantage = AdvantageService(config, unique("advantage"))
-    runner = started(advantage, bus)
+    serving = started_replica(advantage, bus)
+    runner = serving.runner
 
     def poll_until(version):
         deadline = time.monotonic() + 30
@@ -520,7 +523,7 @@ def test_a_refused_weight_announcement_does_not_block_the_real_one(make_config, 
     announce(2)  # the learner's real v2
     poll_until(2)
     assert advantage.critic_version == 2, "the real v2 is loaded although a v2 was refused before"
-    runner.close()
+    serving.stop(finished=False)
 
 
 # A run whose batches are quick to make in-process: two prompts, two samples each, staleness up to 1.
@@ -567,11 +570,12 @@ def test_the_learner_trains_groups_as_they_arrive_across_partitions_within_the_s
     producer.flush()
 
     learner = LearnerService(config, unique("learner"))
-    runner = started(learner, bus)
+    serving = started_replica(learner, bus)
+    runner = serving.runner
     deadline = time.monotonic() + 60
     while learner.groups_done < 6 and time.monotonic() < deadline:
         runner.poll_once(0.2)
-    runner.close()
+    serving.stop(finished=False)
     lines = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").read_text().splitlines()]
     trained = [key for line in lines for key in line["groups"]]
     assert len(trained) == len(set(trained)) == 2 * learner.updates, "each group once, two per update"
@@ -612,11 +616,12 @@ def test_forged_and_replayed_experience_neither_takes_a_real_batch_s_place_nor_c
     producer.flush()
 
     learner = LearnerService(config, unique("learner"))
-    runner = started(learner, bus)
+    serving = started_replica(learner, bus)
+    runner = serving.runner
     deadline = time.monotonic() + 60
     while not (learner.done() and runner.counters["dead_letters"]) and time.monotonic() < deadline:
         runner.poll_once(0.2)
-    runner.close()
+    serving.stop(finished=False)
     lines = [json.loads(line) for line in (config.run.dir / "metrics.jsonl").read_text().splitlines()]
     trained = sorted(key for line in lines for key in line["groups"])
     assert trained == sorted(k for m in real for k in m.idempotency_keys()), "the real groups, each once"
@@ -660,7 +665,8 @@ def test_prompt_batches_that_can_never_be_sampled_do_not_block_their_partitions(
 
     generator = GeneratorService(config, unique("generator"))
     bus = kafka_bus(config)
-    runner = started(generator, bus)
+    serving = started_replica(generator, bus)
+    runner = serving.runner
     rollouts = bus.consumer("rollouts", None, unique("audit"))
     sampled, deadline = [], time.monotonic() + 60
     while not sampled and time.monotonic() < deadline:
@@ -682,7 +688,7 @@ def test_prompt_batches_that_can_never_be_sampled_do_not_block_their_partitions(
             ours = "outside the run" in letter.error or "held" in letter.error
             if letter.producer == generator.replica_id and ours:
                 letters.append(letter.error)
-    runner.close()
+    serving.stop(finished=False)
     assert sampled == [0], "the real first batch was sampled"
     assert sum("outside the run" in e for e in letters) == len(keys), letters
     assert sum("waits for the learner to have used up more than 2 groups" in e for e in letters) == 1, letters
@@ -712,7 +718,8 @@ def test_streamppo_status_shows_what_each_replica_waits_for(make_config, kafka_b
     producer.send("prompts.dlq", b"a rejected record")
     producer.flush()
     replica = unique("generator")
-    runner = started(GeneratorService(config, replica), bus)
+    serving = started_replica(GeneratorService(config, replica), bus)
+    runner = serving.runner
     deadline = time.monotonic() + 60
     while not (runner.counters["processed"] == 1 and runner.held) and time.monotonic() < deadline:
         runner.poll_once(0.2)
@@ -727,7 +734,7 @@ def test_streamppo_status_shows_what_each_replica_waits_for(make_config, kafka_b
         return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
 
     result = status(run_id)
-    runner.close()
+    serving.stop(finished=False)
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
     assert f"run {run_id}: 1 replica(s) reporting" in out
@@ -769,7 +776,8 @@ def test_announcements_of_a_replaced_learner_are_ignored_and_a_newer_epoch_rolls
         producer.flush()
 
     advantage = AdvantageService(config, unique("advantage"))
-    runner = started(advantage, bus)
+    serving = started_replica(advantage, bus)
+    runner = serving.runner
 
     def poll(until):
         deadline = time.monotonic() + 30
@@ -792,7 +800,7 @@ def test_announcements_of_a_replaced_learner_are_ignored_and_a_newer_epoch_rolls
     announce(successor, 5)  # the replaced learner of epoch 2 again
     poll(lambda: runner.counters["zombie_announcements"] > 1)
     assert advantage.critic_version == 3
-    runner.close()
+    serving.stop(finished=False)
 
 
 def test_a_weights_topic_the_broker_made_on_its_own_is_refused_by_services_and_replaced_by_topics(
@@ -912,7 +920,7 @@ def test_a_service_stops_on_a_replaced_log_and_makes_nothing_on_the_new_broker(m
     take it for a lost log, and a replica stopped then exits in seconds (it does not wait for the broker's timeouts).
     On the empty one a running replica sends, commits and creates nothing (clients never make topics), and stops
     with LogReplaced once it sees the log's identity gone."""
-    from services.launch.process import STOP_BROKER_S
+    from services.launch.host import STOP_BROKER_S
     from services.runtime import LOG_CHECK_S
     from services.scorer import ScorerService
     from services.transport import LogReplaced

@@ -131,7 +131,7 @@ def test_a_scrape_target_file_is_what_prometheus_file_discovery_reads(tmp_path):
 def test_a_replica_in_a_container_is_named_after_the_container(tmp_path):
     """On the host network every container has the host's name and its service is PID 1: the container's id names
     the replica (it survives the container's restarts); outside one, host and PID do."""
-    from services.launch.process import _container_id
+    from services.launch.host import _container_id
 
     cid = "5f09115f5931ca968e1eddbb3eb9e6627ccfe17a5f554682b1f96417dabfd2e6"
     mountinfo = tmp_path / "mountinfo"

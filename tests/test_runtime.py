@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import publish, read_all, sampled_by, started
+from helpers import publish, read_all, sampled_by, started, started_replica
 from safetensors import safe_open
 
 from common.batch_store import BatchStore
@@ -98,7 +98,8 @@ def test_an_output_that_cannot_be_encoded_sets_its_input_aside_and_the_replica_g
                 outputs[0].scores[:] = np.float32(np.inf)
             return outputs
 
-    runner = started(Overflowing(config, "scorer"), bus)
+    scorer = started_replica(Overflowing(config, "scorer"), bus)
+    runner = scorer.runner
     generator = GeneratorService(config)
     feeder = FeederService(config)
     for step in (0, 1):
@@ -108,7 +109,7 @@ def test_an_output_that_cannot_be_encoded_sets_its_input_aside_and_the_replica_g
     assert "cannot be encoded" in letter.error and "NaN or infinity" in letter.error and letter.source_offset == 0
     (scored,) = [decode(v) for v in read_all(bus, "scored")]
     assert scored.step == 1 and runner.counters["dead_letters"] == 1 and runner.counters["processed"] == 1
-    runner.close()  # both were committed past: a successor in the group reads neither again
+    scorer.stop(finished=False)  # both were committed past: a successor in the group reads neither again
     successor = started(ScorerService(config, "scorer-2"), bus)
     assert not successor.poll_once(0.1) and read_all(bus, "scored") == [encode(scored)]
 
@@ -147,10 +148,10 @@ def test_input_is_committed_only_after_the_output_is_produced(bus, config):
             raise RuntimeError("killed mid-batch")
 
     publish(bus, "prompts", encode(FeederService(config).batch(0)))
-    crashing = started(Exploding(config, "generator-a"), bus)
+    crashing = started_replica(Exploding(config, "generator-a"), bus)
     with pytest.raises(RuntimeError):
-        crashing.poll_once()
-    crashing.close()  # the replica dies; its uncommitted input goes to the next one
+        crashing.step()
+    crashing.stop(finished=False)  # the replica dies; its uncommitted input goes to the next one
     survivor = started(GeneratorService(config, "generator-b"), bus)
     assert survivor.poll_once()
     (rollouts,) = [decode(v) for v in read_all(bus, "rollouts")]
@@ -177,14 +178,15 @@ def test_outputs_that_failed_to_go_out_are_sent_again_before_anything_else_and_o
 
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)))
-    runner = started(GeneratorService(config, "generator"), bus)
-    runner.producer = FailingOnce(runner.producer)
+    generator = started_replica(GeneratorService(config, "generator"), bus)
+    runner = generator.runner
+    runner.sender.producer = FailingOnce(runner.sender.producer)
     with pytest.raises(KafkaTimeoutError):
         runner.poll_once()
     assert read_all(bus, "rollouts") == []
     assert runner.poll_once() and len(read_all(bus, "rollouts")) == 1, "the same outputs, sent again"
     runner.poll_once()  # batch 1: kept aside until actor v1
-    runner.close()
+    generator.stop(finished=False)
     successor = started(GeneratorService(config, "generator-b"), bus)
     successor.poll_once()
     assert [held.message.step for held in successor.held] == [1], "batch 0 was committed once its outputs were out"
@@ -391,15 +393,17 @@ def test_a_record_kept_aside_blocks_neither_its_partition_nor_the_run_and_is_nev
         "learner.mini_batch_size=4",
         "pipeline.hold_timeout_s=0.5",
     )
-    runner = started(GeneratorService(config, "generator"), bus)
+    generator = started_replica(GeneratorService(config, "generator"), bus)
+    runner = generator.runner
     feeder = FeederService(config)
     publish(bus, "prompts", encode(feeder.batch(30)), encode(feeder.batch(0)))  # one key: one partition, in order
     assert runner.poll_once() and [held.message.step for held in runner.held] == [30], "step 30 waits for actor v30"
     assert runner.poll_once(), "reading goes on past it"
     (rollouts,) = [decode(v) for v in read_all(bus, "rollouts")]
     assert rollouts.step == 0
-    runner.close()  # commits what it can: below step 30
-    successor = started(GeneratorService(config, "generator-b"), bus)
+    generator.stop(finished=False)  # commits what it can: below step 30
+    taking_over = started_replica(GeneratorService(config, "generator-b"), bus)
+    successor = taking_over.runner
     assert successor.poll_once() and [held.message.step for held in successor.held] == [30], "not committed past"
     assert successor.poll_once() and successor.counters["processed"] == 1, "step 0 again: committed below 30"
     assert not successor.poll_once()
@@ -407,7 +411,7 @@ def test_a_record_kept_aside_blocks_neither_its_partition_nor_the_run_and_is_nev
     assert successor.poll_once()  # the bound has passed with nothing to do: step 30 is dead-lettered
     (letter,) = [decode(v) for v in read_all(bus, "prompts.dlq")]
     assert "held" in letter.error and "to have used up more than 58 groups" in letter.error
-    successor.close()
+    taking_over.stop(finished=False)
     last = started(GeneratorService(config, "generator-c"), bus)
     assert not last.poll_once() and not last.held, "committed past both"
 
@@ -623,7 +627,7 @@ def test_no_record_a_client_can_write_stops_a_replica(bus, make_config, topic, s
     else:
         assert letter.payload == value
     assert runner.counters["processed"] == 1 and runner.counters["dead_letters"] == 1
-    assert not runner.uncommitted, "the hostile record and the valid one are committed past"
+    assert not runner.offsets.uncommitted, "the hostile record and the valid one are committed past"
 
 
 def test_a_tombstone_on_the_weights_topic_is_taken_as_one_and_the_weights_stay(bus, config):

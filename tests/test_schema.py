@@ -16,19 +16,18 @@ from hypothesis import strategies as st
 from common import schema
 from common.schema import (
     MESSAGE_TYPES,
-    Array,
     DeadLetter,
     ExperienceBatch,
     PromptBatch,
     RolloutBatch,
     SchemaError,
     ScoredBatch,
-    StringList,
     WeightAnnouncement,
     decode,
     describe,
     encode,
 )
+from common.schema.wire import Array, Lineage, StringList
 from services.service import Service
 
 PROTOS = Path(__file__).resolve().parent.parent / "protos"
@@ -58,7 +57,7 @@ def sample_message(cls, rng: np.random.Generator, dims: dict[str, int] | None = 
                 values[name] = rng.standard_normal(shape).astype(wire.dtype)
         elif isinstance(wire, StringList):
             values[name] = [f"text {i} ✓" for i in range(dims[wire.dim])]
-        elif isinstance(wire, schema.Lineage):
+        elif isinstance(wire, Lineage):
             values[name] = {"sampling.temperature": 0.7, "actor.model": "m", "n": 4, "flag": True, "none": None}
         else:
             values[name] = {"str": "x-1", "int": 7, "float": 1.5, "bool": True, "bytes": b"\x00\x01"}[wire.kind]

@@ -71,7 +71,7 @@ def test_each_group_goes_on_as_it_is_sampled_by_the_weights_loaded_then(bus, con
     publish(bus, "prompts", encode(feeder.batch(0)), encode(feeder.batch(1)))
     assert runner.poll_once()  # admits batch 0
     assert runner.poll_once() and [r.groups() for r in rollouts(bus)] == [[0]], "group 0 went on alone"
-    assert feeder.batch(0).batch_id in runner.in_flight, "batch 0 is not done: not committed"
+    assert feeder.batch(0).batch_id in runner.streaming.in_flight, "batch 0 is not done: not committed"
     publish(bus, "weights", *[encode(a) for a in announce_v1(config)])
     while runner.poll_once():
         pass
@@ -83,7 +83,7 @@ def test_each_group_goes_on_as_it_is_sampled_by_the_weights_loaded_then(bus, con
         (1, [1], 1),
     ]
     assert sent[1].batch_id == f"{feeder.batch(0).batch_id}/1-1", "a record's id names its prompt batch and rows"
-    assert not runner.in_flight and runner.counters["processed"] == 2
+    assert not runner.streaming.in_flight and runner.counters["processed"] == 2
 
 
 class _PollTimeouts:

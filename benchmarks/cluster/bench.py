@@ -230,8 +230,8 @@ def stage_throughput(
     from common.batch_store import BatchStore
     from common.config import load_config
     from common.schema import decode, message_key, message_partition
-    from services.launch.process import kafka_bus
     from services.roles import ROLES
+    from services.runtime.run_bus import kafka_bus
 
     profile = PROFILES[profile_name]
     stage_s = profile.stage_seconds()[role] * STAGE_SCALE

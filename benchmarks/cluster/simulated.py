@@ -326,8 +326,7 @@ def main(argv=None) -> int:
         return service
 
     if args.runs is not None:  # the fleet's runs share the replica, and so its accelerator: one cost model
-        from services.launch.fleet import RunsFolder
-        from services.launch.process import serve_fleet
+        from services.launch.fleet import RunsFolder, serve_fleet
 
         runs = RunsFolder(args.runs, args.overrides)
         return serve_fleet(args.role, runs, {}, args.bootstrap, args.replica_id, create=create, rescan_s=0.5)

@@ -18,6 +18,7 @@ share. Runs come and go with their config files in the runs folder; the others g
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import time
@@ -28,19 +29,31 @@ from pathlib import Path
 from kafka.errors import KafkaError
 
 from common.config import ConfigError, RunConfig, load_config
+from services.launch.host import (
+    STATUS_EVERY_S,
+    STOP_BROKER_S,
+    StopFlag,
+    broker_deadline,
+    default_replica_id,
+    host_loop,
+    report_status,
+    serve_metrics,
+)
 from services.roles import ROLES
-from services.runtime import Replica, ServiceRunner
-from services.runtime.metrics import ServiceMetrics
+from services.runtime import Replica, ServiceRunner, exit_codes
+from services.runtime.metrics import FleetMetrics, ServiceMetrics
+from services.runtime.run_bus import bootstrap_of, kafka_bus
 from services.service import Service
 from services.transport import Bus
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Fleet", "RunsFolder", "parse_quotas", "parse_shares"]
+__all__ = ["Fleet", "RunsFolder", "parse_quotas", "parse_shares", "serve_fleet"]
 
 BROKER_BACKOFF_S = 2.0  # a run whose broker errs waits this long before its next turn; the others go on
 SERVE_RETRY_S = 30.0  # a run that could not be served is tried again after this long (or once its file changes)
 QUOTA_BURST_S = 1.0  # a run under a quota may spend this many seconds' worth of tokens at once
+RESCAN_S = 5.0  # how often a fleet looks for runs added to or removed from its folder
 
 
 @dataclass
@@ -203,6 +216,97 @@ class Fleet:
     def close(self) -> None:
         for run_id in list(self.runs):
             self.remove(run_id)
+
+
+def serve_fleet(
+    role: str,
+    runs: RunsFolder,
+    shares: dict[str, float],
+    bootstrap: str | None,
+    replica_id: str | None = None,
+    quotas: dict[str, float] | None = None,
+    metrics_port: str | None = None,
+    metrics_address: str = "0.0.0.0",
+    metrics_targets: Path | None = None,
+    rescan_s: float = RESCAN_S,
+    create: Callable[[RunConfig, str], Service] | None = None,
+) -> int:
+    """Run one replica of ``role`` for every run whose config is in ``runs`` (:class:`Fleet`), until a signal stops
+    it (after the turn in hand): runs are taken up and let go as their files come and go, each with its share (1
+    unless in ``shares``) and quota (none unless in ``quotas``). A run that cannot be served (its config, its model,
+    its broker) is reported once, until its file changes; the others are served. Metrics, as a process replica's,
+    carry a ``run`` label (:class:`~services.runtime.metrics.FleetMetrics`). ``create(config, replica_id)``: a run's
+    service (the role's, by default)."""
+    replica_id = replica_id or default_replica_id(role)
+    stop = StopFlag(replica_id)
+    fleet = Fleet(role, lambda config: kafka_bus(config, bootstrap_of(config, bootstrap)), replica_id, create)
+    metrics = FleetMetrics(
+        role, lambda: {run_id: run.runner.metrics for run_id, run in list(fleet.runs.items())}, fleet.shares
+    )
+    target = serve_metrics(metrics, replica_id, role, metrics_port, metrics_address, metrics_targets)
+    try:
+        host_loop(FleetHost(fleet, runs, shares, quotas or {}, rescan_s), stop)
+    finally:
+        with broker_deadline(replica_id, exit_codes.OK, seconds=STOP_BROKER_S * max(1, len(fleet.runs))):
+            fleet.close()  # each run's replica stopped: settled, its last status reported, disconnected
+        if target is not None:
+            target.remove()
+    return exit_codes.OK
+
+
+class FleetHost:
+    """A fleet, driven by the host loop: its runs folder rescanned every ``rescan_s``, each run's status told every
+    STATUS_EVERY_S (with its share of the replica), one turn at a time. A signal cuts the turns short while no run
+    processes a record; runs are never taken up or let go half-way."""
+
+    def __init__(
+        self, fleet: Fleet, runs: RunsFolder, shares: dict[str, float], quotas: dict[str, float], rescan_s: float
+    ):
+        self.fleet, self.runs, self.shares, self.quotas, self.rescan_s = fleet, runs, shares, quotas, rescan_s
+        self.name = fleet.replica_id
+        self.next_scan = self.next_status = time.monotonic()
+        self.taking = False  # while runs are taken up or let go
+
+    def done(self) -> bool:
+        return False  # a fleet serves until it is stopped
+
+    def busy(self) -> bool:
+        return self.taking or any(run.runner.processing for run in list(self.fleet.runs.values()))
+
+    def on_time(self, now: float) -> None:
+        if now >= self.next_scan:
+            self.next_scan = now + self.rescan_s
+            self.taking = True
+            try:
+                self._take_runs()
+            finally:
+                self.taking = False
+        if now >= self.next_status:
+            self.next_status = now + STATUS_EVERY_S
+            for run_id in list(self.fleet.runs):
+                name = f"{self.name} (run {run_id})"
+                counters = self.fleet.status_counters(run_id)
+                report_status(self.fleet.runs[run_id].runner, name=name, counters=counters)
+            log.info("%s: shares %s", self.name, json.dumps(self.fleet.shares()))
+
+    def step(self, go_on: bool) -> None:
+        self.fleet.poll_once(timeout_s=0.1)
+
+    def _take_runs(self) -> None:
+        fleet, runs = self.fleet, self.runs
+        added, removed = runs.changes()
+        for run_id in removed:
+            if run_id in fleet.runs:
+                fleet.remove(run_id)
+        for config in added:
+            run_id = config.run.run_id
+            try:
+                fleet.add(config, self.shares.get(run_id, 1.0), self.quotas.get(run_id))
+            except Exception as exc:  # a run that cannot be served (its model, its reward, its broker) stops no other
+                log.warning("%s: run %s not served", fleet.replica_id, run_id, exc_info=True)
+                runs.not_served(run_id, f"{type(exc).__name__}: {exc}")
+        for path, error in runs.errors():
+            log.error("%s: %s not served: %s", fleet.replica_id, path, error)
 
 
 class RunsFolder:

@@ -1,16 +1,5 @@
-"""The bus over Kafka (kafka-python): any Kafka-protocol broker, Apache Kafka in production.
-
-Settings are chosen to be valid on Apache Kafka and on the small test broker alike:
-
-- producer: ``acks=all`` with idempotence, so a retried send is not written twice;
-- consumers: manual commits only (the runner commits after the batch's output is flushed), ``earliest``
-  reset for groups, so a new group starts at the beginning of the log; partitions dealt round-robin among a
-  group's members, so that consecutive steps (on consecutive partitions, ``common.schema.message_partition``)
-  go to different replicas and can be worked on at once (kafka-python's default deals each member a block);
-- broadcast readers (``group=None``) join no group: they are assigned every partition of the topic and read it
-  from the beginning at each start, so a restart leaves no orphan group on the broker, and they never commit;
-- lag is the fetch high-watermark minus the position (``ListOffsets`` is not trusted).
-"""
+"""The Kafka bus: its settings, its admin (topics made, checked and replaced; replication read from the cluster), the
+log's identity, and the producers and consumers it makes (:mod:`.clients`)."""
 
 from __future__ import annotations
 
@@ -24,13 +13,12 @@ from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from kafka.errors import KafkaError, KafkaTimeoutError, NoBrokersAvailable, TopicAlreadyExistsError
-from kafka.structs import OffsetAndMetadata
 
-from services.transport.base import Bus, Consumer, LogMissing, Producer, Record, TopicMismatch, TopicSpec
+from services.transport.base import Bus, Consumer, LogMissing, Producer, TopicMismatch, TopicSpec
+from services.transport.kafka.clients import KafkaBusConsumer, KafkaBusProducer
+from services.transport.kafka.groups import WEDGED_AFTER_S, GroupGenerations, WedgeWatch
 
 log = logging.getLogger(__name__)
-
-__all__ = ["BrokerUnavailable", "KafkaBus", "KafkaSettings", "min_insync_replicas"]
 
 
 ANSWER_TIMEOUT_S = 5.0  # how long a log identity check waits for the broker's answer (it takes milliseconds)
@@ -315,7 +303,7 @@ class KafkaBus(Bus):
         raise KafkaTimeoutError(f"no answer to a fetch of {tp.topic} within {timeout_s:.0f} s")
 
     def producer(self, client_id: str) -> Producer:
-        return _KafkaProducer(
+        return KafkaBusProducer(
             self._retrying(
                 "producer",
                 lambda: KafkaProducer(
@@ -355,16 +343,16 @@ class KafkaBus(Bus):
         if group is None:
             kafka_consumer = connect(None)
             kafka_consumer.assign(self._partitions(kafka_consumer, topic))
-            return _KafkaConsumer(kafka_consumer, topic, None, fetch_wait_s=s.fetch_max_wait_ms / 1000)
-        groups = _GroupGenerations(self, topic, group)
+            return KafkaBusConsumer(kafka_consumer, topic, None, fetch_wait_s=s.fetch_max_wait_ms / 1000)
+        groups = GroupGenerations(self, topic, group)
         kafka_consumer = connect(groups.current())
         kafka_consumer.subscribe([topic])
         wedged_after_s = max(3 * s.session_timeout_ms / 1000, WEDGED_AFTER_S)
-        return _KafkaConsumer(
+        return KafkaBusConsumer(
             kafka_consumer,
             topic,
             groups.name,
-            _WedgeWatch(groups, connect, wedged_after_s),
+            WedgeWatch(groups, connect, wedged_after_s),
             fetch_wait_s=s.fetch_max_wait_ms / 1000,
         )
 
@@ -378,221 +366,3 @@ class KafkaBus(Bus):
             if time.monotonic() > deadline:
                 raise BrokerUnavailable(f"topic {topic!r} has no partitions on {self.settings.bootstrap}")
             time.sleep(0.2)
-
-
-WEDGED_AFTER_S = 10.0  # the least time without an assignment, over several joins, that counts as a wedged group
-WEDGED_JOINS = 3  # joins that completed, and never became an assignment, in that time
-
-
-class _GroupGenerations:
-    """A consumer group and the groups its members moved to when it wedged: ``<group>``, ``<group>~1``, ...
-
-    A group moved to gets the committed offsets of the one it replaces before anyone joins it, so the newest
-    generation with committed offsets is the one in use: that is where a new member joins, and nothing committed is
-    read again.
-    """
-
-    def __init__(self, bus: KafkaBus, topic: str, base: str):
-        self.bus, self.topic, self.base, self.generation = bus, topic, base, 0
-
-    @property
-    def name(self) -> str:
-        return self.base if self.generation == 0 else f"{self.base}~{self.generation}"
-
-    def current(self) -> str:
-        while self._committed(f"{self.base}~{self.generation + 1}"):
-            self.generation += 1
-        return self.name
-
-    def move_on(self) -> str:
-        """Move to the next generation, giving it this one's committed offsets (where no member did first)."""
-        offsets = self._committed(self.name)
-        self.generation += 1
-        probe = self._probe(self.name)
-        try:
-            partitions = self.bus._partitions(probe, self.topic)
-            if not any(probe.committed(tp) is not None for tp in partitions):
-                probe.assign(partitions)
-                starts = probe.beginning_offsets(partitions)
-                probe.commit(
-                    {tp: OffsetAndMetadata(offsets.get(tp.partition, starts[tp]), "", -1) for tp in partitions}
-                )
-        finally:
-            probe.close()
-        return self.name
-
-    def _committed(self, group: str) -> dict[int, int]:
-        probe = self._probe(group)
-        try:
-            committed = {tp.partition: probe.committed(tp) for tp in self.bus._partitions(probe, self.topic)}
-        finally:
-            probe.close()
-        return {partition: offset for partition, offset in committed.items() if offset is not None}
-
-    def _probe(self, group: str) -> KafkaConsumer:
-        return self.bus._retrying("metadata", lambda: self.bus._metadata_probe(group))
-
-
-class _WedgeWatch:
-    """Notices a consumer group that has members but never deals out its partitions, and moves to a new one.
-
-    The local broker (tansu 0.6) has a group bug: when a group's follower leaves and then its leader leaves
-    mid-rebalance, it keeps naming the departed leader in every JoinGroup response, its SyncGroup answers "rebalance
-    in progress" for ever, and no member (nor a new one, nor a new member id) gets a partition again
-    (``tests/test_kafka.py`` reproduces it with plain clients). Only another group name escapes it. The sign: joins
-    keep completing but no assignment follows, for longer than a few sessions. A member that waits for a busy one
-    to rejoin (a legitimate long rebalance) completes no join meanwhile, and one with no partition because the
-    group has more members than partitions has a stable assignment: neither is taken for the wedge.
-    """
-
-    def __init__(self, groups: _GroupGenerations, connect, wedged_after_s: float):
-        self.groups, self.connect, self.wedged_after_s = groups, connect, wedged_after_s
-        self.unassigned_since: float | None = None
-        self.joins, self.last_generation = 0, None
-
-    def check(self, consumer: KafkaConsumer) -> KafkaConsumer:
-        """``consumer``, or a consumer of the group's next generation when it is wedged."""
-        if consumer.assignment():
-            self.unassigned_since = None
-            return consumer
-        now = time.monotonic()
-        # kafka-python 2.3 counts no joins; its coordinator makes a new generation object on every completed join.
-        generation = consumer._coordinator._generation
-        if self.unassigned_since is None:
-            self.unassigned_since, self.joins, self.last_generation = now, 0, generation
-        elif generation is not self.last_generation:
-            self.joins, self.last_generation = self.joins + 1, generation
-        if now - self.unassigned_since < self.wedged_after_s or self.joins < WEDGED_JOINS:
-            return consumer
-        wedged = self.groups.name
-        try:
-            consumer.close()
-        except KafkaError as exc:
-            log.debug("leaving the wedged group %s: %s", wedged, exc)
-        moved_to = self.groups.move_on()
-        log.warning(
-            "consumer group %s has given no partition of %s for %.0f s over %d joins (a broker bug: it names a "
-            "departed leader); moving to group %s, with the committed offsets",
-            wedged,
-            self.groups.topic,
-            now - self.unassigned_since,
-            self.joins,
-            moved_to,
-        )
-        self.unassigned_since = None
-        fresh = self.connect(moved_to)
-        fresh.subscribe([self.groups.topic])
-        return fresh
-
-
-class _KafkaProducer(Producer):
-    def __init__(self, producer: KafkaProducer):
-        self.producer = producer
-        self.futures = []
-
-    def send(self, topic: str, value: bytes | None, key: bytes | None = None, partition: int | None = None) -> None:
-        self.futures.append(self.producer.send(topic, value=value, key=key, partition=partition))
-
-    def partitions(self, topic: str) -> int:
-        return len(self.producer.partitions_for(topic))
-
-    def flush(self) -> None:
-        self.producer.flush()
-        futures, self.futures = self.futures, []
-        for future in futures:
-            future.get()  # raises the send's error: an unacknowledged output must not let the input be committed
-
-    def close(self) -> None:
-        self.flush()
-        self.producer.close()
-
-    def discard(self) -> None:
-        self.futures = []
-        sender = self.producer._sender  # kafka-python 2.3: close() flushes first, sending what is queued
-        if sender is not None:
-            sender.force_close()  # what is queued is failed, not sent
-        try:
-            self.producer.close(timeout=0)
-        except KafkaError as exc:  # batches the sender has not failed yet
-            log.debug("discarding a producer: %s", exc)
-
-
-class _KafkaConsumer(Consumer):
-    def __init__(
-        self,
-        consumer: KafkaConsumer,
-        topic: str,
-        group: str | None,
-        wedge: _WedgeWatch | None = None,
-        fetch_wait_s: float = 0.0,
-    ):
-        self.consumer, self.topic, self.group, self.wedge = consumer, topic, group, wedge
-        self.fetch_wait_s = fetch_wait_s
-        self.buffer: list[Record] = []
-
-    def poll(self, timeout_s: float = 0.0, max_records: int = 1) -> list[Record]:
-        if self.wedge is not None:
-            self.consumer = self.wedge.check(self.consumer)
-            self.group = self.wedge.groups.name
-        if not self.buffer:
-            # Never 0 ms: with a zero timeout kafka-python can keep sending fetches without ever reading one back.
-            batches = self.consumer.poll(timeout_ms=max(int(timeout_s * 1000), 10), max_records=max_records)
-            for records in batches.values():
-                self.buffer.extend(
-                    Record(r.topic, r.partition, r.offset, r.key, r.value, r.timestamp / 1000.0) for r in records
-                )
-        out, self.buffer = self.buffer[:max_records], self.buffer[max_records:]
-        return out
-
-    def pause(self, partition: int) -> None:
-        # Records of this partition fetched but not yet returned are fetched again after resume.
-        tp = TopicPartition(self.topic, partition)
-        dropped = [r.offset for r in self.buffer if r.partition == partition]
-        self.buffer = [r for r in self.buffer if r.partition != partition]
-        if tp in self.consumer.assignment():
-            if dropped:
-                self.consumer.seek(tp, min(dropped))
-            self.consumer.pause(tp)
-
-    def resume(self, partition: int) -> None:
-        tp = TopicPartition(self.topic, partition)
-        if tp in self.consumer.assignment():
-            self.consumer.resume(tp)
-
-    def commit(self, record: Record) -> None:
-        if self.group is None:
-            return
-        self.consumer.commit(
-            {TopicPartition(record.topic, record.partition): OffsetAndMetadata(record.offset + 1, "", -1)}
-        )
-
-    def log_ends(self) -> dict[int, int]:
-        ends = {tp.partition: self.consumer.highwater(tp) for tp in self.consumer.assignment()}
-        return {partition: end for partition, end in ends.items() if end is not None}
-
-    def assigned(self) -> set[int]:
-        return {tp.partition for tp in self.consumer.assignment()}
-
-    def at_end(self) -> bool:
-        # An end offset is known once a fetch of the partition was answered; until then nothing says it is read.
-        assigned = self.consumer.assignment()
-        ends = {tp: self.consumer.highwater(tp) for tp in assigned}
-        return (
-            bool(assigned)
-            and not self.buffer
-            and all(end is not None and self.consumer.position(tp) >= end for tp, end in ends.items())
-        )
-
-    def lag(self) -> int:
-        total = 0
-        for tp in self.consumer.assignment():
-            highwater = self.consumer.highwater(tp)
-            if highwater is not None:
-                total += max(highwater - self.consumer.position(tp), 0)
-        return total
-
-    def close(self) -> None:
-        try:
-            self.consumer.close()
-        except KafkaError as exc:
-            log.warning("closing consumer: %s", exc)
