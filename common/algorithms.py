@@ -5,7 +5,7 @@ The configuration validates its choices against these declarations and derives i
 (a setting that only other variants read, set explicitly, is refused; a variant without a critic refuses the
 critic's settings; a group variant needs ``generation.n`` ≥ 2). The functions themselves live in
 :mod:`common.ppo`, each registered under its declared name, and receive exactly the settings declared here as
-keyword arguments (``tests/test_algorithms.py`` holds the two together). This module imports no torch, so the
+keyword arguments (``tests/common/test_algorithms.py`` holds the two together). This module imports no torch, so the
 command line and the configuration stay fast to load.
 
 Adding a variant is its function (registered in ``common/ppo.py``), its declaration here, and its tests.

@@ -3,8 +3,8 @@
 One line of ``metrics.jsonl`` per update holds them (the trainer's, plus the learner's bookkeeping); this table says
 which become Prometheus gauges (``streamppo_learner_<name>``), which the run summary and ``streamppo report``
 average over the first and last updates, which the progress bar shows, and which plot draws each. The dashboard
-queries only exported series (``tests/test_deploy.py``), and the trainer reports only statistics named here
-(``tests/test_trainer.py``).
+queries only exported series (``tests/deploy/test_deploy.py``), and the trainer reports only statistics named here
+(``tests/services/learner/test_trainer.py``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ from helpers import is_local_broker
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Under pytest-xdist each worker, and every process it starts, gets its share of the cores: torch's threads spin while
 # they wait, and two workers that each run a thread per core made a 7 s test take two minutes.
+# The fixtures and runs the tests of processes over a real broker share (tests/processes.py).
+pytest_plugins = ["processes"]
+
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))

@@ -1,6 +1,8 @@
 """Helpers the test modules share: reading and writing a bus's topics, the test broker's overrides."""
 
 import functools
+import subprocess
+from pathlib import Path
 
 from common.schema import decode
 
@@ -130,3 +132,53 @@ def started(service, bus, metrics=None):
     """The runner of ``service``'s replica on ``bus``, started (:func:`started_replica`), for a test that never
     stops it."""
     return started_replica(service, bus, metrics).runner
+
+
+def announce_v1(config, version=1, epoch=0):
+    """Weights as the learner of ``epoch`` announces them after an update (here: perturbed v0 weights)."""
+    import torch
+
+    from services.learner import LearnerService
+
+    learner = LearnerService(config)
+    learner.epoch = epoch
+    with torch.no_grad():
+        for p in learner.trainer.actor.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    learner.trainer.version = version
+    learner.groups_done = version * config.groups_per_update  # each update used up its groups
+    return learner.announce()
+
+
+def streamppo(*args, cwd=None) -> subprocess.CompletedProcess:
+    """`streamppo ARGS` in this process (``services.cli.main``, what the console script calls): its exit code and what
+    it printed. In process: a new interpreter for each (torch's import alone) cost seconds a test."""
+    import contextlib
+    import io
+    import os
+    import signal
+
+    from services.cli import main
+
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
+    cwd = cwd or Path(__file__).resolve().parent.parent  # the repository
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as exc:  # argparse's usage errors
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os.chdir(before)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def one_line_error(result, code: int, *fragments: str) -> None:
+    """``result`` failed with ``code`` and said why in lines naming every fragment, with no traceback."""
+    assert result.returncode == code, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert all(fragment in result.stderr for fragment in fragments), result.stderr[-2000:]

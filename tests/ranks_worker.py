@@ -1,4 +1,5 @@
-"""One rank of a sharded trainer, for tests/test_parallel.py: run under ``torchrun --nproc-per-node N``.
+"""One rank of a sharded trainer, for tests/services/learner/test_parallel.py: run under
+``torchrun --nproc-per-node N``.
 
 ``ranks_worker.py MODEL EXPERIENCE OUT [--load FOLDER] [--save FOLDER] [--snapshot FOLDER] [--updates K]
 [--set key=value ...]``: builds the learner's trainer (FSDP2 over the launcher's ranks), optionally loads a

@@ -434,3 +434,26 @@ def test_no_module_of_the_project_is_over_500_lines_but_the_math():
         if (n := len(path.read_text().splitlines())) > LONGEST_MODULE_LINES
     }
     assert set(long) <= KEPT_WHOLE, {k: v for k, v in long.items() if k not in KEPT_WHOLE}
+
+
+# Test folders that are not a package's: runs of processes, deployment files, long runs, the benchmarks' and the
+# recipes' scripts.
+TEST_ROOMS = {"e2e", "deploy", "soak", "benchmarks", "recipes", "agents"}
+
+
+def test_the_tests_mirror_the_packages_and_the_tiers_select_by_marker_alone():
+    """tests/common/ and tests/services/<room>/ mirror the packages they test; every other folder is one of
+    TEST_ROOMS. A tier is a marker expression (the Makefile's targets name no path), so a test moved between
+    folders stays in its tier."""
+    for path in (REPO / "tests").rglob("test_*.py"):
+        folder = path.parent.relative_to(REPO / "tests")
+        if folder.parts and folder.parts[0] in ("common", "services"):
+            assert (REPO / folder).is_dir(), f"{path.relative_to(REPO)} mirrors no package: {folder} is not one"
+        else:
+            assert not folder.parts or folder.parts[0] in TEST_ROOMS, f"{path.relative_to(REPO)}: not a test room"
+    names = [path.name for path in (REPO / "tests").rglob("test_*.py")]
+    assert len(names) == len(set(names)), "test modules share a name: pytest imports them by name"
+    makefile = (REPO / "Makefile").read_text()
+    for line in makefile.splitlines():
+        if "$(PYTEST)" in line:
+            assert "tests/" not in line, f"a tier names a path: {line.strip()}"

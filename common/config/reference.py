@@ -20,9 +20,9 @@ def reference() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `common/config/` by `streamppo config-reference --write`; `tests/test_config.py` holds it",
-        "equal to the code. A run config is YAML, one mapping per section; every setting can be given on the command",
-        "line as `--set section.key=value`. A mistyped key is refused with the nearest one it could be.",
+        "Generated from `common/config/` by `streamppo config-reference --write`; `tests/common/test_config.py`",
+        "holds it equal to the code. A run config is YAML, one mapping per section; every setting can be given on the",
+        "command line as `--set section.key=value`. A mistyped key is refused with the nearest one it could be.",
     ]
     sections: list[tuple[str, type[BaseModel], str]] = [("", RunConfig, "")]
     while sections:

@@ -3,7 +3,7 @@
 Every message is a msgpack map. Arrays travel as ``{"dtype": str, "shape": [int, ...], "data": bytes}`` with
 little-endian data. Nothing is pickled. Each field's wire type is declared once, in the dataclass field's
 metadata, and that declaration drives encoding, validation on decode, and the published description in
-``protos/`` (kept equal to it by ``tests/test_schema.py``).
+``protos/`` (kept equal to it by ``tests/common/test_schema.py``).
 
 Decoding untrusted bytes either returns a fully validated message or raises :class:`SchemaError`: declared sizes
 are checked against the bytes actually present before anything is allocated, and symbolic dimensions (``N``,

@@ -81,7 +81,7 @@ def _protos(args) -> int:
         path = args.dir / f"{name}.yaml"
         text = (
             "# Generated from common/schema/ by `streamppo protos --write`; "
-            "tests/test_schema.py holds the codec to it.\n"
+            "tests/common/test_schema.py holds the codec to it.\n"
         )
         text += yaml.safe_dump(describe(cls), sort_keys=False, allow_unicode=True, width=120)
         if args.write:

@@ -20,8 +20,8 @@ REFUSED = "streamppo refused the weights, none loaded: "
 
 # What vLLM's in-place reload says of layers a snapshot has no tensors for, each update: the rotary embedding (its
 # cos/sin cache is computed, never loaded) and an LM head tied to the embedding (loaded through it). Both keep their
-# tensors, and the update is right (tests/test_vllm.py: an update in place gives transformers' log-probs, on a model
-# with a tied head); said at every update, it was most of a run's log and read as a failure.
+# tensors, and the update is right (tests/services/generator/test_vllm.py: an update in place gives transformers'
+# log-probs, on a model with a tied head); said at every update, it was most of a run's log and read as a failure.
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 EXPECTED_ON_RELOAD = ("RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights")
 

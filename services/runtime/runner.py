@@ -115,13 +115,16 @@ class ServiceRunner:
         # state covers, so a batch applied before a crash, but not committed, is recognised when it comes again.
         restored = service.restored()
         self.recent = RecentIds(config.pipeline.dedupe_window, restored.handled if restored else ())
-        aside = lambda: [held.record for held in (*self.held, *self.streaming.in_flight.values())]  # noqa: E731
-        self.offsets = Offsets(service, self.work, self.referenced, self.recent, self.log, aside)
+        self.offsets = Offsets(service, self.work, self.referenced, self.recent, self.log, self._aside)
         self.processing = False  # True while an input is processed: a stop request waits for it (see _process)
         # Outputs whose sending failed, and the input they came from (None: a tick's), see _save_send_commit.
         self.unsent: tuple[Record | None, list[Message], bool] | None = None
         self.settled: bool | None = None  # see settle()
         self.channels: dict[str, BusChannel] = {}
+
+    def _aside(self) -> list[Record]:
+        """The input records kept aside, uncommitted: held, or a streaming service's in flight."""
+        return [held.record for held in (*self.held, *self.streaming.in_flight.values())]
 
     def start(self) -> None:
         """Connect the service's channels, then produce what its ``start()`` returns, before any input is read."""

@@ -76,10 +76,11 @@ class WedgeWatch:
     The local broker (tansu 0.6) has a group bug: when a group's follower leaves and then its leader leaves
     mid-rebalance, it keeps naming the departed leader in every JoinGroup response, its SyncGroup answers "rebalance
     in progress" for ever, and no member (nor a new one, nor a new member id) gets a partition again
-    (``tests/test_kafka.py`` reproduces it with plain clients). Only another group name escapes it. The sign: joins
-    keep completing but no assignment follows, for longer than a few sessions. A member that waits for a busy one
-    to rejoin (a legitimate long rebalance) completes no join meanwhile, and one with no partition because the
-    group has more members than partitions has a stable assignment: neither is taken for the wedge.
+    (``tests/services/transport/test_kafka_bus.py`` reproduces it with plain clients). Only another group name
+    escapes it. The sign: joins keep completing but no assignment follows, for longer than a few sessions. A member
+    that waits for a busy one to rejoin (a legitimate long rebalance) completes no join meanwhile, and one with no
+    partition because the group has more members than partitions has a stable assignment: neither is taken for the
+    wedge.
     """
 
     def __init__(self, groups: GroupGenerations, connect, wedged_after_s: float):

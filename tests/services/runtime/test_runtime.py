@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import publish, read_all, sampled_by, started, started_replica
+from helpers import announce_v1, publish, read_all, sampled_by, started, started_replica
 from safetensors import safe_open
 
 from common.batch_store import BatchStore
@@ -26,18 +26,6 @@ def bus():
     bus = MemoryBus()
     bus.create_topics(pipeline_topics(partitions=2))
     return bus
-
-
-def announce_v1(config, version=1, epoch=0):
-    """Weights as the learner of ``epoch`` announces them after an update (here: perturbed v0 weights)."""
-    learner = LearnerService(config)
-    learner.epoch = epoch
-    with torch.no_grad():
-        for p in learner.trainer.actor.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    learner.trainer.version = version
-    learner.groups_done = version * config.groups_per_update  # each update used up its groups
-    return learner.announce()
 
 
 @pytest.fixture
@@ -335,33 +323,6 @@ def test_status_reports_counters_and_lag(bus, config):
     assert status["processed"] == 1 and status["lag"] == 3 and status["held"] == 0
 
 
-def test_the_scorer_uses_a_reward_model_with_its_own_tokenizer(make_config, tiny_model, tmp_path):
-    from transformers import AutoModelForSequenceClassification
-
-    from common.models import load_tokenizer
-
-    rm_dir = tmp_path / "reward-model"
-    torch.manual_seed(0)
-    AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1).save_pretrained(rm_dir)
-    load_tokenizer(tiny_model).save_pretrained(rm_dir)
-    config = make_config(
-        "reward.function=null",
-        f"reward.model={rm_dir}",
-        "data.batch_size=2",
-        "generation.n=2",
-        "generation.max_new_tokens=4",
-        "learner.mini_batch_size=4",
-    )
-    rollouts = GeneratorService(config).process(FeederService(config).batch(0))[0]
-    scored = ScorerService(config).process(rollouts)[0]
-    assert scored.scores.shape == (4,) and scored.lineage["reward.model"] == str(rm_dir)
-    rm, tokenizer = AutoModelForSequenceClassification.from_pretrained(rm_dir), load_tokenizer(rm_dir)
-    with torch.no_grad():
-        for i in range(4):
-            enc = tokenizer(rollouts.prompt_text[i], rollouts.response_text[i], return_tensors="pt")
-            assert rm(**enc).logits[0, 0].item() == pytest.approx(float(scored.scores[i]), abs=1e-4)
-
-
 def test_the_learners_kl_coefficient_reaches_the_advantage_service(config):
     from services.advantage import AdvantageService
 
@@ -414,9 +375,6 @@ def test_a_record_kept_aside_blocks_neither_its_partition_nor_the_run_and_is_nev
     taking_over.stop(finished=False)
     last = started(GeneratorService(config, "generator-c"), bus)
     assert not last.poll_once() and not last.held, "committed past both"
-
-
-# ---------------------------------------------------------------------------------- partitions and large batches
 
 
 def test_consecutive_steps_go_to_consecutive_partitions(bus, make_config):

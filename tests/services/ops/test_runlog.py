@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import REPO
 
 from common.batch_store import BatchStore
 from common.log_archive import ArchiveError, LogArchive
@@ -19,7 +20,6 @@ from services.ops.runlog.archive import batch_reference
 from services.ops.runlog.reader import ArchiveReader
 from services.ops.runlog.rescore import average_ranks, compare_scores
 
-REPO = Path(__file__).resolve().parent.parent
 STEPS = 3
 
 

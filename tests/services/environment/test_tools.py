@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from common.config import EnvironmentSection, SandboxSection
 from services.environment.sandbox import Sandbox, bwrap_available
@@ -257,7 +258,7 @@ def test_runs_in_a_container_without_an_init_leave_no_zombie():
     )
     done = subprocess.run(
         ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
-        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600,
+        cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["0", "0"], "every run ran, and no zombie is left"
@@ -267,7 +268,7 @@ def test_runs_in_a_container_without_an_init_leave_no_zombie():
 def test_the_code_sees_the_system_s_files_and_its_scratch_folder_only():
     """Not the service's files, the run directories, homes, /etc: a key at mode 0644 beside the project is unseen."""
     sandbox = Sandbox(SandboxSection(isolation="bwrap"))
-    readme = Path(__file__).resolve().parent.parent / "README.md"
+    readme = REPO / "README.md"
     result = sandbox.run_python(f"print(open({str(readme)!r}).read())")
     assert result.status == "error" and "No such file or directory" in result.output
     listing = sandbox.run_python("import os; print(sorted(os.listdir('/')))")
@@ -288,7 +289,5 @@ def test_processes_that_probe_bwrap_at_once_all_find_it():
         "results = [bwrap_available.__wrapped__() for _ in range(5)]\n"
         "sys.exit(0 if all(r is None for r in results) else print(results) or 1)\n"
     )
-    probes = [
-        subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent) for _ in range(4)
-    ]
+    probes = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO) for _ in range(4)]
     assert [p.wait(timeout=300) for p in probes] == [0, 0, 0, 0]

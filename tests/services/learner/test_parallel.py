@@ -13,8 +13,8 @@ from common.models import enable_activation_checkpointing, load_actor, load_crit
 from common.sequences import lengths_to_mask, micro_batches
 from services.learner.trainer import PPOTrainer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ranks_worker.py is there
+sys.path.insert(0, TESTS)
 from conftest import sampled_experience  # noqa: E402
 from ranks_worker import trainer_settings  # noqa: E402
 
@@ -49,7 +49,7 @@ def run_ranks(ranks: int, tiny_model, experience_path, out, *args, settings=()):
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={ranks}",
-        os.path.join(HERE, "ranks_worker.py"),
+        os.path.join(TESTS, "ranks_worker.py"),
         str(tiny_model),
         str(experience_path),
         str(out),
@@ -106,7 +106,7 @@ def test_a_single_process_checkpoint_is_refused_by_a_sharded_learner_with_a_clea
     single = single_trainer(tiny_model, tokenizer)
     (tmp_path / "ckpt").mkdir()
     single.save(tmp_path / "ckpt")
-    command = [sys.executable, os.path.join(HERE, "ranks_worker.py"), str(tiny_model), str(path), str(tmp_path / "o")]
+    command = [sys.executable, os.path.join(TESTS, "ranks_worker.py"), str(tiny_model), str(path), str(tmp_path / "o")]
     result = subprocess.run(command + ["--load", str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "was written by a single-process learner; this one is sharded" in result.stderr

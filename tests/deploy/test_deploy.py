@@ -209,7 +209,7 @@ def test_scaled_values_reach_the_manifests():
 
 @pytest.mark.parametrize("values", [None, SCALED], ids=["default", "scaled"])
 def test_the_configmap_is_a_config_the_services_accept(values, tmp_path, monkeypatch):
-    """The chart's ConfigMap goes through the same validation as any run config (common/config.py)."""
+    """The chart's ConfigMap goes through the same validation as any run config (common/config/)."""
     (configmap,) = [d for d in by_kind(manifests(values), "ConfigMap") if "run.yaml" in d["data"]]
     path = tmp_path / "run.yaml"
     path.write_text(configmap["data"]["run.yaml"])
@@ -270,7 +270,7 @@ def test_the_compose_file_is_valid_and_runs_every_service():
     services = project["services"]
     assert {"kafka", "generator", "scorer", "advantage", "learner", "feed", "prometheus", "grafana"} <= set(services)
     # No one-shot job the services wait for: they make their topics themselves (Compose 2.40 on Docker 20.10 never
-    # returned from `up` once such a job had completed; tests/test_containers.py runs the file).
+    # returned from `up` once such a job had completed; tests/deploy/test_containers.py runs the file).
     assert "topics" not in services
     assert services["scorer"]["deploy"]["replicas"] == 3
     assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller", "KRaft, no ZooKeeper"

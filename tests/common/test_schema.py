@@ -3,12 +3,12 @@
 import dataclasses
 import struct
 import time
-from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
 import yaml
+from conftest import REPO
 from helpers import started
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,7 +30,7 @@ from common.schema import (
 from common.schema.wire import Array, Lineage, StringList
 from services.service import Service
 
-PROTOS = Path(__file__).resolve().parent.parent / "protos"
+PROTOS = REPO / "protos"
 
 
 # The fields that rollouts version 4 (experience 5) added for multi-turn episodes, and version 5 (experience 6) for

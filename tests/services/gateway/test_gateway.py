@@ -775,7 +775,7 @@ def test_a_generator_started_again_answers_no_call_before_it_has_the_newest_weig
     """A generator that starts while a call waits on requests (its predecessor was killed mid-call) reads the weights
     topic to its end first, even where the broker answers its first fetches of it empty (as under load): the call is
     sampled by v2, the newest announced, never by the initial weights, whose tokens would be too stale to train on."""
-    from test_runtime import announce_v1
+    from helpers import announce_v1
 
     from common.schema import RUN_ID, CompletionRequest
     from services.generator import GeneratorService
@@ -836,7 +836,7 @@ def test_a_call_is_answered_with_the_weights_the_gateway_admitted_it_by_or_newer
     a generator that has v1 until v2 is loaded (answered with v1, its tokens would be too stale for the update it was
     admitted to, at max_staleness 0); a call admitted by a learner epoch that a newer one superseded is answered at
     once; one that names weights never announced (forged) is answered with what the generator has, after a bound."""
-    from test_runtime import announce_v1
+    from helpers import announce_v1
 
     from common.schema import ADMITTED_EPOCH, RUN_ID, CompletionRequest
     from services.generator import GeneratorService
@@ -1056,7 +1056,7 @@ def test_a_later_batch_the_bound_holds_half_back_never_keeps_the_gateway_from_ta
     batch 0's groups, and the run hung (an outside tester's gateway-kill run, 5 minutes with nothing offered)."""
     import dataclasses
 
-    from test_runtime import announce_v1
+    from helpers import announce_v1
 
     from common.schema import LEARNER_GROUPS_DONE
     from services.feeder import FeederService

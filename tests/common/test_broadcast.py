@@ -10,10 +10,10 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 
 from common.broadcast import WeightReceiver, WeightSender, split_address
 from common.models import load_actor
@@ -22,7 +22,7 @@ from services.transport.brokers.local_broker import free_port
 
 pytestmark = pytest.mark.slow  # gloo groups and their timeouts
 
-REPO = Path(__file__).resolve().parent.parent
+
 TIMEOUT_S = 5.0
 
 

