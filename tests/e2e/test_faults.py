@@ -231,7 +231,7 @@ def test_environment_replicas_and_a_generator_killed_mid_episode_lose_no_episode
         "generation.max_new_tokens=12",
         "generation.streaming=true",
         "learner.mini_batch_size=4",
-        "environment.name=tests.test_episodes:Counter",
+        "environment.name=tests.services.environment.test_episodes:Counter",
         "environment.max_turns=3",
         "environment.turn_timeout_s=120",
     )

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO
 
 from common.batch_store import BatchStore
 from common.log_archive import ArchiveError, LogArchive
@@ -19,6 +18,9 @@ from common.schema import ExperienceBatch, PromptBatch, RolloutBatch, ScoredBatc
 from services.ops.runlog.archive import batch_reference
 from services.ops.runlog.reader import ArchiveReader
 from services.ops.runlog.rescore import average_ranks, compare_scores
+
+# Not from conftest: `streamppo rescore` imports this module, outside pytest, for its reward function.
+REPO = Path(__file__).resolve().parents[3]
 
 STEPS = 3
 
@@ -193,12 +195,12 @@ def test_rescore_scores_the_retained_responses_with_another_reward_and_compares(
     """The new reward from a whole run config (with --reward-set), or from a file of the reward section alone."""
     config, run_dir = archived_run
     out = tmp_path / "rescore"
-    new_reward = {"function": "tests.test_runlog:response_letters"}
+    new_reward = {"function": "tests.services.ops.test_runlog:response_letters"}
     reward_file = tmp_path / "reward.yaml"
     reward_file.write_text(yaml.safe_dump({"reward": new_reward} if given == "reward section" else new_reward))
     reward_args = (
         ["--reward-config", str(REPO / "examples" / "vowels" / "config.yaml"), "--reward-set",
-         "reward.function=tests.test_runlog:response_letters"]
+         "reward.function=tests.services.ops.test_runlog:response_letters"]
         if given == "run config"
         else ["--reward-config", str(reward_file)]
     )  # fmt: skip
@@ -214,7 +216,7 @@ def test_rescore_scores_the_retained_responses_with_another_reward_and_compares(
     summary = json.loads((out / "summary.json").read_text())
     expected = compare_scores(np.array([r["old"] for r in rows]), np.array([r["new"] for r in rows]))
     assert summary["spearman"] == pytest.approx(expected["spearman"])
-    assert summary["new_reward"] == {"reward.function": "tests.test_runlog:response_letters"}
+    assert summary["new_reward"] == {"reward.function": "tests.services.ops.test_runlog:response_letters"}
     report = (out / "report.md").read_text()
     worst = max(rows, key=lambda r: abs(r["rank_shift"]))
     assert f"{worst['rank_shift']:+.3f}" in report.split("## Largest disagreements")[1].splitlines()[4]
