@@ -17,34 +17,30 @@ import os
 import secrets
 from pathlib import Path
 
-from common.config.base import ConfigError, read_secret
 from common.schema import Message, encode
 
-__all__ = ["RUN_KEY_FILE", "SIGNATURE", "Signer", "run_key"]
+__all__ = ["RUN_KEY_FILE", "SIGNATURE", "Signer", "make_run_key"]
 
 SIGNATURE = "signature"  # the lineage key
 RUN_KEY_FILE = "signing.key"  # in the run directory: the run's own key (pipeline.run_key)
 
 
-def run_key(run_dir: Path) -> bytes:
-    """The run's own signing key in ``run_dir``: made once (a random key, mode 0600, linked into place so that of
-    services starting at once one writes it and every one reads the same), then read."""
+def make_run_key(run_dir: Path) -> Path:
+    """The file of the run's own signing key in ``run_dir``, made once (a random key, mode 0600, linked into place so
+    that of services starting at once one writes it and every one reads the same). Raises OSError when it cannot."""
     path = run_dir / RUN_KEY_FILE
     if not path.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        made = run_dir / f".{RUN_KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+        made.write_text(secrets.token_hex(32) + "\n")
+        made.chmod(0o600)
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            made = run_dir / f".{RUN_KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
-            made.write_text(secrets.token_hex(32) + "\n")
-            made.chmod(0o600)
-            try:
-                os.link(made, path)  # fails if another service made it first: its key is the run's
-            except FileExistsError:
-                pass
-            finally:
-                made.unlink()
-        except OSError as exc:
-            raise ConfigError(f"pipeline.run_key: cannot make the run's key in {run_dir}: {exc.strerror}") from None
-    return read_secret(None, path, "the run's signing key").encode()
+            os.link(made, path)  # fails if another service made it first: its key is the run's
+        except FileExistsError:
+            pass
+        finally:
+            made.unlink()
+    return path
 
 
 class Signer:

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from common.config.base import ConfigError, DType, Section, read_secret
 from common.schema import TOPIC_MESSAGE, BatchMessage
+from common.signing import make_run_key
 
 
 class PipelineSection(Section):
@@ -81,9 +82,13 @@ class PipelineSection(Section):
         messages are not signed. With ``run_key`` and no other source, the run's own key in ``run_dir``, made by
         whoever asks first. Never logged."""
         if self.signing_key_env is None and self.signing_key_file is None:
-            from common.signing import run_key  # the signing module reads the config's errors: deferred
-
-            return run_key(Path(run_dir)) if self.run_key and run_dir is not None else None
+            if not self.run_key or run_dir is None:
+                return None
+            try:
+                path = make_run_key(Path(run_dir))
+            except OSError as exc:
+                raise ConfigError(f"pipeline.run_key: cannot make the run's key in {run_dir}: {exc.strerror}") from None
+            return read_secret(None, path, "the run's signing key").encode()
         return read_secret(self.signing_key_env, self.signing_key_file, "pipeline signing key").encode()
 
 
