@@ -1,16 +1,27 @@
-"""How long the pipeline pauses when one service process is killed (``kill -9``), under ``streamppo up``.
+"""How long the pipeline pauses when one service process is killed (``kill -9``) or stopped (SIGSTOP), under
+``streamppo up`` on Apache Kafka, with the Kafka client settings the project had before kafka-python 3 and those it
+has now, side by side in one run.
 
-Each trial runs ``streamppo up`` (local broker, two scorer replicas, tiny model, transformers generator), waits for
-a few updates, kills one replica of a role with SIGKILL and lets ``up`` restart it. The pause is the longest gap
-between two new lines of ``metrics.jsonl`` after the kill, less the median gap before it: the time the kill cost.
-Trials are run with the consumer sessions Kafka brokers allow by default (6 s) and with the short ones ``up``
-uses on its local broker.
+Each trial runs ``streamppo -v up`` (Apache Kafka started by ``up``, tiny model, transformers generator, 6 s consumer
+sessions: Apache Kafka's least by default), waits for a number of updates, causes its fault to replica 0 of a role,
+and lets ``up`` restart it. Per trial: the time from the fault to the next update (``metrics.jsonl`` gains a line),
+the longest gap between updates after the fault less the median gap before it (the pause), for a restarted
+replica the seconds from its restart to its "serving" line (its start time), the groups dropped as too stale, and
+whether every version and every group was trained once.
+
+The two settings differ only in the clients and the supervisor, not in the broker:
+
+- before: dynamic members (a death is learned from the session timeout), kafka-python's 30 s request timeout and
+  reconnect backoff (the settings of 1ea791d under kafka-python 2.3.3, on kafka-python 3);
+- now: static members that ``up`` removes from their groups the moment it sees them exit, 5 s requests, 1 s
+  reconnect backoff.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -21,66 +32,135 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SESSIONS = {"6 s sessions (Kafka's default minimum)": (6000, 1000), "1 s sessions (streamppo up)": (1000, 250)}
+SESSION = ("kafka.session_timeout_ms=6000", "kafka.heartbeat_interval_ms=1000")
+SETTINGS = {
+    "before": ("kafka.static_members=false", "kafka.request_timeout_ms=30000", "kafka.reconnect_backoff_max_ms=30000"),
+    "now": (),
+}
+# (role, its replicas, the fault): kill -9, or SIGSTOP for 20 s then SIGCONT
+FAULTS = (
+    ("scorer", 2, "kill"),
+    ("scorer", 1, "kill"),
+    ("generator", 2, "kill"),
+    ("generator", 1, "kill"),
+    ("learner", 1, "kill"),
+    ("scorer", 2, "stop"),
+)
+STOPPED_S = 20.0
 
 
-def _start_up(overrides: list[str], *extra: str) -> subprocess.Popen:
-    """`streamppo up` on the example, quiet, in a session of its own (so that its services can be killed with it)."""
-    args = [sys.executable, "-m", "services.cli", "up", "--config", str(REPO / "examples/vowels/config.yaml"), *extra]
-    args += [a for o in overrides for a in ("--set", o)]
-    return subprocess.Popen(
-        args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+class _Up:
+    """`streamppo -v up` in a session of its own, its output in a file read as it grows (each line's arrival timed)."""
+
+    def __init__(self, folder: Path, overrides: list[str], replicas: list[str]):
+        self.output = folder / "up.log"
+        args = [sys.executable, "-m", "services.cli", "-v", "up", "--config", str(REPO / "examples/vowels/config.yaml")]
+        args += ["--replicas", *replicas] if replicas else []
+        args += [a for o in overrides for a in ("--set", o)]
+        with open(self.output, "w") as out:
+            self.process = subprocess.Popen(
+                args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.read, self.lines = 0, []  # (time.monotonic(), line)
+
+    def tail(self) -> None:
+        text = self.output.read_text(errors="replace")
+        complete = text[self.read :].rpartition("\n")[0]
+        if complete:
+            now = time.monotonic()
+            self.lines += [(now, line) for line in complete.split("\n")]
+            self.read += len(complete) + 1
+
+    def first(self, pattern: str, after: float) -> float | None:
+        return next((at for at, line in self.lines if at >= after and re.search(pattern, line)), None)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def _pids(role: str, run_id: str) -> list[int]:
+    found = subprocess.run(
+        ["pgrep", "-f", f"replica-id {role}-0 .*run.run_id={run_id}"], capture_output=True, text=True
     )
+    return [int(pid) for pid in found.stdout.split()]
 
 
-def stall_after_kill(role: str, session_ms: int, heartbeat_ms: int, steps: int = 30, kill_after: int = 10) -> dict:
+def trial(setting: str, role: str, replicas: int, fault: str, steps: int = 24, fault_after: int = 8) -> dict:
     run_id = f"rec{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory() as tmp:
-        metrics = Path(tmp) / "run" / "metrics.jsonl"
+        folder = Path(tmp)
+        metrics = folder / "run" / "metrics.jsonl"
         overrides = [
             f"run.steps={steps}",
-            f"run.dir={tmp}/run",
+            f"run.dir={folder}/run",
             f"run.run_id={run_id}",
             "generation.backend=transformers",
-            f"kafka.session_timeout_ms={session_ms}",
-            f"kafka.heartbeat_interval_ms={heartbeat_ms}",
+            *SESSION,
+            *SETTINGS[setting],
         ]
-        up = _start_up(overrides, "--replicas", "scorer=2")
-        seen, killed_at, deadline = [], None, time.monotonic() + 600
+        up = _Up(folder, overrides, [f"{role}={replicas}"] if replicas > 1 else [])
+        seen, fault_at, resumed, deadline = [], None, False, time.monotonic() + 900
         try:
-            while up.poll() is None and time.monotonic() < deadline:
+            while up.process.poll() is None and time.monotonic() < deadline:
+                up.tail()
                 lines = len(metrics.read_text().splitlines()) if metrics.exists() else 0
                 seen += [time.monotonic()] * (lines - len(seen))
-                if killed_at is None and lines >= kill_after:
-                    subprocess.run(["pkill", "-9", "-f", f"replica-id {role}-0 .*run.run_id={run_id}"], check=True)
-                    killed_at = time.monotonic()
+                if fault_at is None and lines >= fault_after:
+                    pids = _pids(role, run_id)
+                    for pid in pids:
+                        os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                    fault_at = time.monotonic()
+                if fault == "stop" and fault_at is not None and not resumed and time.monotonic() > fault_at + STOPPED_S:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGCONT)
+                    resumed = True
                 time.sleep(0.02)
+            up.tail()
         finally:
-            if up.poll() is None:
-                os.killpg(up.pid, signal.SIGTERM)
-                up.wait(timeout=120)
-    before = [b - a for a, b in zip(seen[: kill_after - 1], seen[1:kill_after])]
-    after = [b - a for a, b in zip(seen[kill_after - 1 :], seen[kill_after:])]
+            up.stop()
+        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        code = up.process.returncode
+    name = f"{role}-0"
+    restarted = up.first(rf"{name} exited with code", fault_at) if fault_at is not None else None
+    serving = up.first(rf"{name} \|.*{name}: serving", restarted) if restarted is not None else None
+    before = [b - a for a, b in zip(seen[: fault_after - 1], seen[1:fault_after])]
+    after = [b - a for a, b in zip(seen[fault_after - 1 :], seen[fault_after:])]
+    groups = [key for record in records for key in record.get("groups", [])]
     return {
+        "setting": setting,
         "role": role,
-        "updates": len(seen),
-        "median_gap_s": statistics.median(before),
-        "longest_gap_after_kill_s": max(after),
-        "stall_s": max(after) - statistics.median(before),
+        "replicas": replicas,
+        "fault": "kill -9" if fault == "kill" else f"SIGSTOP {STOPPED_S:.0f} s",
+        "exit_code": code,
+        "updates": len(records),
+        "median_gap_s": statistics.median(before) if before else None,
+        "to_next_update_s": next((at - fault_at for at in seen if fault_at is not None and at > fault_at), None),
+        "pause_s": max(after) - statistics.median(before) if after and before else None,
+        "start_s": serving - restarted if serving is not None else None,
+        "dropped_stale": records[-1].get("dropped_stale", 0) if records else None,
+        "every_version_once": [r["step"] for r in records] == list(range(1, steps + 1)),
+        "every_group_once": len(groups) == len(set(groups)),
     }
 
 
 def bench_recovery() -> dict:
     rows = []
-    for label, (session_ms, heartbeat_ms) in SESSIONS.items():
-        for role in ("scorer", "generator", "learner"):
-            print(f"[recovery] {label}: kill -9 {role}-0", file=sys.stderr, flush=True)
-            rows.append({"sessions": label, **stall_after_kill(role, session_ms, heartbeat_ms)})
-    print("[recovery] broker loss, then up --resume on a new broker", file=sys.stderr, flush=True)
+    for role, replicas, fault in FAULTS:
+        for setting in SETTINGS:  # side by side: each fault under both settings, one after the other
+            print(f"[recovery] {setting}: {fault} {role}-0 of {replicas}", file=sys.stderr, flush=True)
+            rows.append(trial(setting, role, replicas, fault))
+    print("[recovery] broker loss (local broker), then up --resume on a new one", file=sys.stderr, flush=True)
     return {
         "broker_loss": resume_after_broker_loss(),
-        "setup": "streamppo up, local broker, 2 scorer replicas, tiny model, transformers generator, "
-        "checkpoint_every 1; kill -9 of replica 0 of the role after 10 updates; `up` restarts it after 1 s",
+        "setup": "streamppo up on Apache Kafka (one broker, started by up), tiny model, transformers generator, 6 s "
+        "consumer sessions, checkpoint_every 1; the fault to replica 0 of the role after 8 of 24 updates; `up` "
+        "restarts a killed replica after 1 s",
+        "settings": {name: list(values) or ["the defaults"] for name, values in SETTINGS.items()},
         "trials": rows,
     }
 
@@ -98,10 +178,15 @@ def resume_after_broker_loss(steps: int = 30, lost_after: int = 10) -> dict:
             f"run.run_id={run_id}",
             "generation.backend=transformers",
             "kafka.idempotent_producer=false",
+            "kafka.static_members=false",
         ]
 
         def up(*extra):
-            return _start_up(overrides, "--bootstrap", f"127.0.0.1:{port}", *extra)
+            args = [sys.executable, "-m", "services.cli", "up", "--config", str(REPO / "examples/vowels/config.yaml")]
+            args += ["--bootstrap", f"127.0.0.1:{port}", *extra, *(a for o in overrides for a in ("--set", o))]
+            return subprocess.Popen(
+                args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            )
 
         def lines() -> int:
             return len(metrics.read_text().splitlines()) if metrics.exists() else 0
@@ -129,3 +214,11 @@ def resume_after_broker_loss(steps: int = 30, lost_after: int = 10) -> dict:
         "exit_code": code,
         "every_version_once": applied == list(range(1, steps + 1)),
     }
+
+
+if __name__ == "__main__":
+    only = sys.argv[1:]  # e.g. "scorer:2:kill" to run one fault under both settings
+    chosen = [f for f in FAULTS if not only or ":".join(map(str, f)) in only]
+    for role, replicas, fault in chosen:
+        for setting in SETTINGS:
+            print(json.dumps(trial(setting, role, replicas, fault)), flush=True)

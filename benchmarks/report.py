@@ -242,25 +242,51 @@ def write_markdown(results: dict, path: Path) -> None:
         ]
     if "recovery" in s:
         rc = s["recovery"]
-        out += ["## 7. Recovery from kill -9", "", rc["setup"], ""]
-        out += _table(
-            ["consumer sessions", "killed", "median gap (s)", "longest gap after (s)", "pause (s)"],
-            [
-                [t["sessions"], t["role"], t["median_gap_s"], t["longest_gap_after_kill_s"], t["stall_s"]]
-                for t in rc["trials"]
-            ],
-        )
-        out += [
-            "The pause of a killed scorer is the broker noticing the dead member (the session timeout) plus the "
-            "rebalance; a killed generator or learner is restarted by `up` (1 s back-off) and loads its models again.",
-            "",
-            "The local broker (tansu) holds every JoinGroup for 1 s and drops members under 1 s sessions at random "
-            "(500 ms sessions rebalanced every 1–2 s), so 1 s sessions are its floor. Before `up` shared the cores "
-            "among its services (`OMP_NUM_THREADS` = cores ÷ services), every service ran a thread per core: the "
-            "restarted scorer loading its models made the learner's 0.2 s update take 2.6 s, and the scorer pause "
-            "was 3.51 s (generator 6.16 s, learner 5.63 s) with 1 s sessions.",
-            "",
-        ]
+        out += ["## 7. Recovery from a killed or stopped replica", "", rc["setup"] + ".", ""]
+        if "settings" in rc:
+            out += [f"- {name}: `{' '.join(values)}`" for name, values in rc["settings"].items()] + [""]
+            out += _table(
+                [
+                    "fault",
+                    "of",
+                    "settings",
+                    "to next update (s)",
+                    "pause (s)",
+                    "restart to serving (s)",
+                    "dropped stale",
+                    "versions once",
+                    "groups once",
+                ],
+                [
+                    [
+                        f"{t['fault']} {t['role']}-0",
+                        t["replicas"],
+                        t["setting"],
+                        t["to_next_update_s"],
+                        t["pause_s"],
+                        "—" if t["start_s"] is None else t["start_s"],
+                        t["dropped_stale"],
+                        t["every_version_once"],
+                        t["every_group_once"],
+                    ]
+                    for t in rc["trials"]
+                ],
+            )
+            out += [
+                "To next update: from the fault to the next line of `metrics.jsonl`. Pause: the longest gap between "
+                "updates after the fault less the median gap before it. Restart to serving: from `up`'s line that the "
+                "replica exited to the restarted replica's `serving` line (interpreter, imports, models, the bus).",
+                "",
+                *rc.get("notes", []),
+            ]
+        else:  # results of the benchmark before kafka-python 3 (local broker, consumer sessions compared)
+            out += _table(
+                ["consumer sessions", "killed", "median gap (s)", "longest gap after (s)", "pause (s)"],
+                [
+                    [t["sessions"], t["role"], t["median_gap_s"], t["longest_gap_after_kill_s"], t["stall_s"]]
+                    for t in rc["trials"]
+                ],
+            )
         if "broker_loss" in rc:
             bl = rc["broker_loss"]
             out += [

@@ -193,7 +193,7 @@ def _local_broker(log_path: Path):
     from services.transport.brokers.local_broker import LocalBroker
 
     with LocalBroker(log_path=log_path) as broker:
-        yield [f"kafka.bootstrap={broker.bootstrap}", "kafka.idempotent_producer=false"]
+        yield [f"kafka.bootstrap={broker.bootstrap}", "kafka.idempotent_producer=false", "kafka.static_members=false"]
 
 
 @pytest.fixture(scope="session")

@@ -206,11 +206,32 @@ class KafkaSection(Section):
         "Apache Kafka accepts ≥ 6000 unless its group.min.session.timeout.ms is lowered.",
     )
     heartbeat_interval_ms: int = Field(1000, gt=0, description="How often a consumer tells its group it is alive.")
+    static_members: bool = Field(
+        True,
+        description="A replica joins its consumer group under its replica id (Kafka's group.instance.id): started "
+        "again, it is the same member, and the supervisor that saw it die (streamppo up) removes it from the group "
+        "at once rather than after the session timeout. Off for a broker without static membership (the local "
+        "test broker).",
+    )
     connect_timeout_s: float = Field(
         30.0,
         gt=0,
         description="How long a service waits for an unreachable broker "
         "(one that is still starting) before it stops with an error.",
+    )
+    request_timeout_ms: int = Field(
+        5000,
+        gt=100,
+        description="How long a client waits for a broker's answer before it gives up on that broker and asks the "
+        "cluster for the partitions' new leaders: a broker that stops answering without closing its connections "
+        "(its host lost, its link cut) costs this much, not kafka-python's 30 s. A healthy broker answers every "
+        "request the services send within a second; raise it where records of many MB cross a slow link.",
+    )
+    reconnect_backoff_max_ms: int = Field(
+        1000,
+        gt=0,
+        description="The longest wait between attempts to reconnect to a broker (kafka-python's own: 30 s), so "
+        "that a broker back after a cut is used again within a second.",
     )
     fetch_max_wait_ms: int = Field(
         100,
@@ -238,6 +259,15 @@ class KafkaSection(Section):
     ssl_certfile: Path | None = Field(None, description="With SSL: the client's certificate (mutual TLS).")
     ssl_keyfile: Path | None = Field(None, description="With SSL: the client certificate's key.")
     ssl_password_env: str | None = Field(None, description="Environment variable with the key's password.")
+
+    @model_validator(mode="after")
+    def _a_request_outlasts_an_empty_fetch(self):
+        if self.request_timeout_ms <= self.fetch_max_wait_ms:
+            raise ValueError(
+                f"request_timeout_ms ({self.request_timeout_ms}) must exceed fetch_max_wait_ms "
+                f"({self.fetch_max_wait_ms}): the broker may hold a fetch that long before it answers"
+            )
+        return self
 
     @model_validator(mode="after")
     def _security_is_complete(self):

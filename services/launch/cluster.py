@@ -29,12 +29,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kafka.errors import KafkaError
+
 from common.config import load_config
 from services.launch.embedded import clear_earlier_run
 from services.roles import ROLES, roles_of
 from services.runtime import exit_codes
 from services.runtime.restarts import Restarts
-from services.runtime.run_bus import RUN_BROKER, RUN_CONFIG
+from services.runtime.run_bus import RUN_BROKER, RUN_CONFIG, kafka_bus
 from services.transport.brokers.apache_kafka import KafkaBroker
 from services.transport.brokers.local_broker import LocalBroker
 
@@ -101,6 +103,30 @@ class _Child:
     restarts: Restarts = field(default_factory=Restarts)
     restart_at: float | None = None  # when a restart is due
     env: dict[str, str] | None = None
+
+
+class _Members:
+    """Tells the run's consumer groups of a replica that died, the moment ``up`` sees it exit
+    (:meth:`~services.transport.base.Bus.remove_member`): the others take its partitions now, not after its session
+    timeout, and the replica started again joins as itself."""
+
+    def __init__(self, config, bootstrap: str):
+        self.config, self.bootstrap, self.bus = config, bootstrap, None
+
+    def remove(self, name: str) -> None:
+        try:
+            if self.bus is None:
+                self.bus = kafka_bus(self.config, self.bootstrap, make=False)
+            groups = self.bus.remove_member(name)
+        except (KafkaError, OSError) as exc:  # BrokerUnavailable is an OSError
+            print(f"{name} not removed from its consumer groups ({exc}): they wait for its session", flush=True)
+            return
+        if groups:
+            print(f"{name} removed from its consumer group ({', '.join(groups)}): its partitions move now", flush=True)
+
+    def close(self) -> None:
+        if self.bus is not None:
+            self.bus.close()
 
 
 class _Updates:
@@ -174,7 +200,11 @@ def up(
         # (benchmarks/RESULTS.md). The memory broker rejects kafka-python's idempotent produce (no producer id);
         # re-delivery is still harmless there, as every consumer de-duplicates by batch id.
         overrides = [
-            *(["kafka.idempotent_producer=false"] if isinstance(broker, LocalBroker) else []),
+            *(
+                ["kafka.idempotent_producer=false", "kafka.static_members=false"]
+                if isinstance(broker, LocalBroker)
+                else []
+            ),
             f"kafka.session_timeout_ms={LOCAL_SESSION_TIMEOUT_MS}",
             f"kafka.heartbeat_interval_ms={LOCAL_HEARTBEAT_MS}",
             *overrides,  # the user's settings win
@@ -192,7 +222,7 @@ def up(
         print("messages signed with a key made for the run (pipeline.run_key; in its run directory)")
     common = ["--config", str(config_path), "--bootstrap", bootstrap]
     common += [arg for override in overrides for arg in ("--set", override)]
-    updates = None
+    updates, members = None, None
     if config is not None:
         run_dir = Path(config.run.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -205,6 +235,7 @@ def up(
         (run_dir / RUN_CONFIG).write_text(children_config.model_dump_json(indent=2, exclude_unset=True))
         (run_dir / RUN_BROKER).write_text(bootstrap + "\n")
         updates = _Updates(run_dir / "metrics.jsonl", config.run.steps, f"streamppo status --run-dir {run_dir}")
+        members = _Members(children_config, bootstrap)
         before = _up_record(run_dir).get("seconds", 0.0) if config.run.resume else 0.0
         (run_dir / RUN_UP).write_text(json.dumps({"replicas": replicas, "seconds": before}))
     flags = ["-v"] if verbose else []
@@ -241,7 +272,7 @@ def up(
                 _resume_on_the_new_log(children, replaced)
                 continue
             for child in children.values():
-                code = _supervise(child, restart)
+                code = _supervise(child, restart, members)
                 if code is not None:
                     return code
             if updates is not None:
@@ -252,12 +283,14 @@ def up(
                     updates.poll()
                     _summarise(config, bootstrap, before + time.time() - started)  # every up of the run
                 return exit_codes.RUN_SHORT if exit_codes.RUN_SHORT in ended else exit_codes.OK
-            time.sleep(0.5)
+            time.sleep(0.2)  # how soon a replica's death is seen (and told to its groups)
         return exit_codes.INTERRUPTED
     finally:
         if signals:
             print("stopping every service (Ctrl-C again to kill them at once)", flush=True)
         stop_all([child.process for child in children.values() if child.process is not None], hurry=lambda: signals > 1)
+        if members is not None:
+            members.close()
         if broker is not None:
             broker.stop()
         if config is not None:
@@ -397,8 +430,9 @@ def _resume_on_the_new_log(children: dict[str, _Child], found_by: list[str]) -> 
         _spawn(child)
 
 
-def _supervise(child: _Child, restart: str) -> int | None:
-    """Restart ``child`` when it failed and its back-off is over; the exit code that stops the run, or None."""
+def _supervise(child: _Child, restart: str, members: _Members | None = None) -> int | None:
+    """Restart ``child`` when it failed and its back-off is over; the exit code that stops the run, or None. A child
+    that failed is first removed from its consumer groups (``members``)."""
     now = time.monotonic()
     if child.restart_at is not None:
         if now >= child.restart_at:
@@ -408,6 +442,8 @@ def _supervise(child: _Child, restart: str) -> int | None:
     if code is None or code in (exit_codes.OK, exit_codes.RUN_SHORT):  # running, or finished (the learner short)
         return None
     failed = code if code > 0 else 1  # killed by a signal
+    if members is not None:
+        members.remove(child.name)
     if restart == "never" or code in exit_codes.PERMANENT:
         why = exit_codes.PERMANENT.get(code)
         print(f"{child.name} exited with code {code}{f' ({why})' if why else ''}; stopping", flush=True)

@@ -92,7 +92,12 @@ class ServiceRunner:
         self.sender = Sender(self.producer, self.referenced, self.signer, self.counters, service.output_topic)
         self.intake = Intake(service, self.producer, self.referenced, self.signer, self.counters, self.count)
         self.work = (
-            bus.consumer(service.input_topic, group=consumer_group(service.role, self.log), client_id=self.replica_id)
+            bus.consumer(
+                service.input_topic,
+                group=consumer_group(service.role, self.log),
+                client_id=self.replica_id,
+                member=self.replica_id,  # a restart under the same id is the same member; see Bus.remove_member
+            )
             if service.input_topic is not None
             else None
         )

@@ -163,10 +163,21 @@ class Bus(ABC):
     def producer(self, client_id: str) -> Producer: ...
 
     @abstractmethod
-    def consumer(self, topic: str, group: str | None, client_id: str) -> Consumer:
+    def consumer(self, topic: str, group: str | None, client_id: str, member: str | None = None) -> Consumer:
         """A consumer of ``topic`` in ``group`` (None: all partitions, no group), from the beginning of what the
         group has not committed. Clients never make topics on their own: a topic that does not exist (on a broker
-        that lost its data) is not made by reading or writing it."""
+        that lost its data) is not made by reading or writing it.
+
+        ``member``: the consumer's lasting name in its group (a replica's id), which a consumer started again under
+        it takes up, and by which :meth:`remove_member` takes its partitions from it. A named member that closes
+        leaves the group as any other does."""
+
+    def remove_member(self, member: str, within: str = "") -> list[str]:
+        """Take the partitions of the consumers named ``member`` from every group they are in (of the groups whose
+        names begin with ``within``), at once: their process died (the supervisor that saw it says so), and the
+        group would otherwise wait for the session timeout before the others get them. The groups it was removed
+        from."""
+        return []
 
     def close(self) -> None:
         pass

@@ -57,8 +57,17 @@ class MemoryBus(Bus):
     def producer(self, client_id: str) -> Producer:
         return _MemoryProducer(self)
 
-    def consumer(self, topic: str, group: str | None, client_id: str) -> Consumer:
-        return _MemoryConsumer(self, topic, group, client_id)
+    def consumer(self, topic: str, group: str | None, client_id: str, member: str | None = None) -> Consumer:
+        return _MemoryConsumer(self, topic, group, client_id, member)
+
+    def remove_member(self, member: str, within: str = "") -> list[str]:
+        removed = []
+        with self._lock:
+            for (group, topic), members in self._members.items():
+                if group.startswith(within) and member in members:
+                    self._leave(group, topic, member)
+                    removed.append(group)
+        return removed
 
     # -- used by producers and consumers, under the lock
 
@@ -113,10 +122,10 @@ class _MemoryProducer(Producer):
 class _MemoryConsumer(Consumer):
     _ids = 0
 
-    def __init__(self, bus: MemoryBus, topic: str, group: str | None, client_id: str):
+    def __init__(self, bus: MemoryBus, topic: str, group: str | None, client_id: str, member: str | None = None):
         self.bus, self.topic, self.group = bus, topic, group
         _MemoryConsumer._ids += 1
-        self.member = f"{client_id}-{_MemoryConsumer._ids}"
+        self.member = member or f"{client_id}-{_MemoryConsumer._ids}"
         self.positions: dict[int, int] = {}
         self.paused: set[int] = set()
         self.generation = -1
@@ -132,6 +141,8 @@ class _MemoryConsumer(Consumer):
         """After a membership change, take the new share of partitions from their committed offsets."""
         if self.group is None:
             return
+        if not self.closed and self.member not in self.bus._members[(self.group, self.topic)]:
+            self.bus._join(self.group, self.topic, self.member)  # removed while alive: it joins again, as in Kafka
         generation = self.bus._generation[(self.group, self.topic)]
         if generation == self.generation:
             return

@@ -39,9 +39,13 @@ class NamespacedBus(Bus):
     def producer(self, client_id: str) -> Producer:
         return _Producer(self.bus.producer(client_id), self)
 
-    def consumer(self, topic: str, group: str | None, client_id: str) -> Consumer:
+    def consumer(self, topic: str, group: str | None, client_id: str, member: str | None = None) -> Consumer:
         group = self.name(group) if group is not None else None
-        return _Consumer(self.bus.consumer(self.name(topic), group, client_id), self)
+        return _Consumer(self.bus.consumer(self.name(topic), group, client_id, member), self)
+
+    def remove_member(self, member: str, within: str = "") -> list[str]:
+        """Of this run's groups only: a replica's name is its own within a run, not across runs."""
+        return [self.local(group) for group in self.bus.remove_member(member, within=self.name(within))]
 
     def close(self) -> None:
         self.bus.close()

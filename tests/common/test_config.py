@@ -115,10 +115,22 @@ def test_the_kafka_client_takes_every_setting_of_the_config_s_section_by_name_wi
     shared = set(client) & set(KafkaSection.model_fields)
     assert {"session_timeout_ms", "connect_timeout_s", "max_message_bytes", "replication_factor"} <= shared
     assert {name: client[name] for name in shared} == {name: getattr(KafkaSection(), name) for name in shared}
-    changed = KafkaSection(session_timeout_ms=7000, connect_timeout_s=5, fetch_max_wait_ms=7, idempotent_producer=False)
+    changed = KafkaSection(
+        session_timeout_ms=7000, connect_timeout_s=5, fetch_max_wait_ms=7, idempotent_producer=False,
+        request_timeout_ms=2500, static_members=False,
+    )  # fmt: skip
     settings = kafka_settings(changed, "b:9092")
     assert (settings.session_timeout_ms, settings.connect_timeout_s, settings.fetch_max_wait_ms) == (7000, 5, 7)
     assert settings.bootstrap == "b:9092" and not settings.idempotent_producer
+    assert settings.request_timeout_ms == 2500 and not settings.static_members
+
+
+def test_a_request_timeout_no_longer_than_the_broker_may_hold_a_fetch_is_refused():
+    """Every fetch would time out before the broker answered it (kafka-python refuses such a consumer, naming
+    neither setting as the config does)."""
+    with pytest.raises(ConfigError, match=r"request_timeout_ms \(500\) must exceed fetch_max_wait_ms \(500\)"):
+        load_config(EXAMPLE / "config.yaml", ["kafka.request_timeout_ms=500", "kafka.fetch_max_wait_ms=500"])
+    assert load_config(EXAMPLE / "config.yaml", ["kafka.request_timeout_ms=501", "kafka.fetch_max_wait_ms=500"])
 
 
 def test_kafka_security_settings_pass_through_with_secrets_from_the_environment(tmp_path, monkeypatch):

@@ -181,7 +181,7 @@ def test_the_broker_images_serve_a_run_of_processes(tmp_path, model_cache, image
     """Each broker image in a container (testcontainers' DockerContainer, host network, a free port): Apache Kafka's,
     ready once it answers an ApiVersions request, and the memory broker's, once it answers on its port; `streamppo
     up` over it trains every version once."""
-    from test_kafka import run_up, unique
+    from processes import run_up, unique
     from testcontainers.core.container import DockerContainer
 
     from services.transport.brokers.apache_kafka import _answers as kafka_answers

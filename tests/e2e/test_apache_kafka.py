@@ -14,7 +14,7 @@ import uuid
 import pytest
 from conftest import EXAMPLE, REPO
 from helpers import run_settings, started_replica
-from processes import command, unique
+from processes import STREAMING, Run, command, unique
 
 from common.schema import encode
 from services.runtime.run_bus import kafka_bus
@@ -177,7 +177,7 @@ def test_a_second_up_on_a_finished_run_directory_trains_from_scratch_and_says_so
 
 
 def test_kafka_python_speaks_every_api_the_project_uses_to_kafka_4(kafka_broker):
-    """kafka-python 2.3.3 against Apache Kafka 4.4, which dropped old protocol versions (KIP-896; an open report has
+    """kafka-python 3.0.12 against Apache Kafka 4.4, which dropped old protocol versions (KIP-896; an open report has
     ListOffsets v0 refused by 4.0, dpkp/kafka-python#2679): admin (create, describe configs, delete topics), the
     idempotent producer, a group's commit and committed offsets, ListOffsets (earliest, latest, by time)."""
     from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
@@ -188,8 +188,8 @@ def test_kafka_python_speaks_every_api_the_project_uses_to_kafka_4(kafka_broker)
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="api-check")
     try:
         admin.create_topics([NewTopic(topic, 2, 1, topic_configs={"cleanup.policy": "compact"})])
-        (described,) = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
-        entries = {e[0]: e[1] for r in described.resources for e in r[4]}
+        described = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)], config_filter="all")
+        entries = {name: config["value"] for name, config in described["topic"][topic].items()}
         assert entries["cleanup.policy"] == "compact"
         producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
         sent_at = int(time.time() * 1000)
@@ -221,9 +221,9 @@ def test_kafka_python_speaks_every_api_the_project_uses_to_kafka_4(kafka_broker)
 def test_a_replicated_cluster_gets_replicated_topics_and_one_copy_is_warned_of(tmp_path, make_config):
     """Three brokers whose default.replication.factor is Kafka's own (1), no kafka.replication_factor: the run's
     topics get 3 copies and min.insync.replicas 2; `topics` says so, and warns of a run whose setting asks for one."""
+    from helpers import streamppo
     from kafka import KafkaAdminClient
     from kafka.admin import ConfigResource, ConfigResourceType
-    from test_config import streamppo
 
     from services.roles import pipeline_topics
 
@@ -241,12 +241,65 @@ def test_a_replicated_cluster_gets_replicated_topics_and_one_copy_is_warned_of(t
         try:
             names = [f"{run_id}.{spec.name}" for spec in pipeline_topics()]
             described = admin.describe_topics(names)
-            assert {len(p["replicas"]) for t in described for p in t["partitions"]} == {3}
-            configs = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, names[0])])
-            entries = {e[0]: e[1] for r in configs for res in r.resources for e in res[4]}
+            assert {len(p["replica_nodes"]) for t in described for p in t["partitions"]} == {3}
+            configs = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, names[0])], config_filter="all")
+            entries = {name: config["value"] for name, config in configs["topic"][names[0]].items()}
             assert entries["min.insync.replicas"] == "2"
         finally:
             admin.close()
         one = topics(f"run.run_id={run_id}-1", "kafka.replication_factor=1")
         assert one.returncode == 0, one.stderr
         assert "WARNING: 22 topic(s) keep one copy on a cluster of 3 brokers" in one.stdout, one.stdout
+
+
+def test_one_of_two_scorers_killed_under_up_is_removed_and_the_other_holds_its_partitions_at_once(
+    tmp_path, model_cache
+):
+    """kill -9 of one scorer of two under `up`, with 20 s consumer sessions: up sees it exit and removes it from its
+    group (it is a static member, named by its replica id), and the other scorer holds every partition of the
+    group well within half the session, which alone would have freed them otherwise; the killed one, started
+    again, joins as itself, and every version and group is trained once."""
+    from kafka import KafkaAdminClient
+
+    session_s = 20
+    with KafkaBroker(tmp_path / "kafka") as broker:
+        run = Run(
+            tmp_path, model_cache, broker.bootstrap, 10, "--replicas", "scorer=2",
+            settings=[*STREAMING, f"kafka.session_timeout_ms={session_s * 1000}", "kafka.heartbeat_interval_ms=250"],
+        )  # fmt: skip
+        admin = KafkaAdminClient(bootstrap_servers=[broker.bootstrap], client_id="test-groups")
+        try:
+
+            def held() -> dict[str, set[int]]:
+                """The partitions each member of the run's scorer group holds, by its group.instance.id."""
+                prefix = f"{run.run_id}.scorer."
+                groups = [g["group_id"] for g in admin.list_groups() if g["group_id"].startswith(prefix)]
+                members: dict[str, set[int]] = {}
+                for group in admin.describe_groups(groups).values() if groups else ():
+                    for member in group["members"]:
+                        assigned = (member.get("member_assignment") or {}).get("assigned_partitions") or ()
+                        members.setdefault(member["group_instance_id"], set()).update(
+                            p for topic in assigned for p in topic["partitions"]
+                        )
+                return members
+
+            run.wait_updates(2)
+            deadline = time.monotonic() + 60
+            while not all((before := held()).get(f"scorer-{i}") for i in (0, 1)):
+                assert time.monotonic() < deadline, f"both scorers never held partitions: {before}"
+                time.sleep(0.1)
+            every = before["scorer-0"] | before["scorer-1"]
+            subprocess.run(["pkill", "-9", "-f", f"replica-id scorer-0 .*run.run_id={run.run_id}"], check=True)
+            killed = time.monotonic()
+            while held().get("scorer-1") != every:
+                assert time.monotonic() - killed < session_s, f"scorer-1 holds {held()} {session_s} s after the kill"
+                time.sleep(0.05)
+            took = time.monotonic() - killed
+            print(f"scorer-1 held every partition {took:.2f} s after scorer-0's kill -9 ({session_s} s sessions)")
+            records = run.finish()
+        finally:
+            admin.close()
+            run.stop()
+    assert took < session_s / 2, f"scorer-1 held scorer-0's partitions {took:.1f} s after the kill"
+    assert "scorer-0 removed from its consumer group" in run.log(), run.log()[-3000:]
+    run.assert_every_version_and_group_once(records)

@@ -130,10 +130,10 @@ def test_streamppo_topics_creates_the_pipeline_topics_on_a_fresh_broker(tmp_path
         admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
         try:
             topics = ["experience", "experience.dlq", "prompts", "weights"]
-            (answer,) = admin.describe_configs(
-                [ConfigResource(ConfigResourceType.TOPIC, f"vowels.{t}") for t in topics]
-            )
-            kept = {res[3].removeprefix("vowels."): {c[0]: c[1] for c in res[4]} for res in answer.resources}
+            answer = admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, f"vowels.{t}") for t in topics], config_filter="all"
+            )["topic"]
+            kept = {name.removeprefix("vowels."): {k: c["value"] for k, c in cs.items()} for name, cs in answer.items()}
         finally:
             admin.close()
         assert kept["experience"]["retention.ms"] == kept["experience.dlq"]["retention.ms"] == str(2 * 3_600_000)

@@ -67,10 +67,10 @@ def wait_in_sync(bootstrap: str, timeout_s: float = 180.0) -> None:
         admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), client_id="test-isr")
         try:
             lagging = [
-                (topic["topic"], p["partition"])
+                (topic["name"], p["partition_index"])
                 for topic in admin.describe_topics()
                 for p in topic["partitions"]
-                if sorted(p["isr"]) != sorted(p["replicas"])
+                if sorted(p["isr_nodes"]) != sorted(p["replica_nodes"])
             ]
         finally:
             admin.close()
@@ -86,7 +86,7 @@ def partition_leaders(bootstrap: str, topic: str) -> set[int]:
     admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), client_id="test-leaders")
     try:
         (described,) = admin.describe_topics([topic])
-        return {partition["leader"] for partition in described["partitions"]}
+        return {partition["leader_id"] for partition in described["partitions"]}
     finally:
         admin.close()
 

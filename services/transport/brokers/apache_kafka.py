@@ -212,6 +212,13 @@ class KafkaBroker:
             "min.insync.replicas": "2" if self.replication >= 3 else "1",
             "group.initial.rebalance.delay.ms": "0",
             "group.min.session.timeout.ms": "1000",  # the services' short sessions (up, the tests): allowed
+            # A broker that stops answering (its host lost, its link cut, no connection reset) is fenced in
+            # seconds, and a follower that falls behind leaves the in-sync set in seconds (deploy/contract.yaml).
+            "broker.heartbeat.interval.ms": "500",
+            "broker.session.timeout.ms": "3000",
+            "replica.lag.time.max.ms": "6000",
+            "controller.quorum.fetch.timeout.ms": "2000",
+            "controller.quorum.election.timeout.ms": "1000",
             "message.max.bytes": str(MAX_MESSAGE_BYTES),
             "replica.fetch.max.bytes": str(MAX_MESSAGE_BYTES),
             "replica.fetch.response.max.bytes": str(2 * MAX_MESSAGE_BYTES),

@@ -4,15 +4,17 @@ log's identity, and the producers and consumers it makes (:mod:`.clients`)."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
+from kafka import errors as KafkaErrors
+from kafka.admin import ConfigResource, ConfigResourceType, MemberToRemove, NewTopic
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
-from kafka.errors import KafkaError, KafkaTimeoutError, NoBrokersAvailable, TopicAlreadyExistsError
+from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
 
 from services.transport.base import Bus, Consumer, LogMissing, Producer, TopicMismatch, TopicSpec
 from services.transport.kafka.clients import KafkaBusConsumer, KafkaBusProducer
@@ -22,12 +24,27 @@ log = logging.getLogger(__name__)
 
 
 ANSWER_TIMEOUT_S = 5.0  # how long a log identity check waits for the broker's answer (it takes milliseconds)
+LEAVE_TIMEOUT_S = 3.0  # how long a closing static member tries to reach the brokers to leave its group
 
 
 def min_insync_replicas(replication: int) -> int:
     """The copies a write must reach (with the producers' acks=all) before it counts as sent: 2 of 3 or more, so
     that one broker's loss neither loses an acknowledged record nor stops writes; 1 of 1 or 2."""
     return 2 if replication >= 3 else 1
+
+
+def instance_id(member: str) -> str:
+    """``member`` as a group.instance.id, which Kafka allows only ASCII letters, digits, '.', '_' and '-' in."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", member)[:249] or "_"
+
+
+def making_no_topics(client):
+    """``client`` (a producer or consumer), never making a topic by naming it: kafka-python 3.0.12 builds its
+    metadata cache without the client's ``allow_auto_create_topics``, so its metadata requests ask the broker to
+    make every topic they name."""
+    cluster = client._client.cluster if isinstance(client, KafkaConsumer) else client._metadata
+    cluster.config["allow_auto_create_topics"] = False
+    return client
 
 
 class BrokerUnavailable(ConnectionError):
@@ -43,10 +60,15 @@ class KafkaSettings:
     max_poll_interval_ms: int = 600_000  # one batch of model compute may take minutes
     replication_factor: int | None = None  # None: the cluster's (KafkaBus._cluster_replication)
     connect_timeout_s: float = 30.0
+    request_timeout_ms: int = 5000  # a broker that answers nothing for this long is left for another (see KafkaSection)
+    reconnect_backoff_max_ms: int = 1000  # a broker back (a cut healed) is reconnected to within this
     idempotent_producer: bool = True
     fetch_max_wait_ms: int = 100  # how long the broker may hold an empty fetch (see KafkaSection)
-    # Preferred first; range second, so a group with members of an older build still agrees on one.
+    # Preferred first; range second, so a group with members of an older build still agrees on one. Not
+    # kafka-python 3.0.12's cooperative-sticky: its groups were seen to rebalance every second for tens of seconds
+    # while a member read nothing (docs/operating.md, "Kafka clients").
     partition_assignment: tuple = (RoundRobinPartitionAssignor, RangePartitionAssignor)
+    static_members: bool = True  # a consumer named as a member joins with it as its group.instance.id (KIP-345)
     # Passed through to kafka-python (security_protocol, sasl_*, ssl_*); holds secrets, so never printed.
     security: dict = field(default_factory=dict, repr=False)
 
@@ -57,7 +79,13 @@ class KafkaBus(Bus):
         self._common = {
             "bootstrap_servers": settings.bootstrap.split(","),
             # One connection attempt; _retrying() repeats it with back-off up to connect_timeout_s.
-            "api_version_auto_timeout_ms": int(min(settings.connect_timeout_s, 10.0) * 1000),
+            "bootstrap_timeout_ms": int(min(settings.connect_timeout_s, 10.0) * 1000),
+            # A broker that stops answering without closing its connections (its host lost, a link cut) is given up
+            # on after the request timeout, and its partitions' new leaders looked up; kafka-python's 30 s would
+            # stop the pipeline for as long. Its backoff between reconnects grows to 30 s, and a broker that
+            # comes back would wait for it.
+            "request_timeout_ms": settings.request_timeout_ms,
+            "reconnect_backoff_max_ms": settings.reconnect_backoff_max_ms,
             # kafka-python refuses network frames over 1 MB by default; a fetch carries up to max_message_bytes.
             "receive_message_max_bytes": settings.max_message_bytes + (1 << 20),
             # A broker that lost its data must not make topics with its defaults because a client named one: the
@@ -74,7 +102,7 @@ class KafkaBus(Bus):
         while True:
             try:
                 return connect()
-            except (NoBrokersAvailable, KafkaTimeoutError):
+            except KafkaTimeoutError:  # kafka-python 3: "Unable to bootstrap"
                 if time.monotonic() + delay > deadline:
                     raise BrokerUnavailable(
                         f"no Kafka broker reachable at {self.settings.bootstrap} after "
@@ -96,14 +124,14 @@ class KafkaBus(Bus):
         try:
             existing = probe.topics()
             partitions = {spec.name: probe.partitions_for_topic(spec.name) for spec in specs if spec.name in existing}
-            brokers = {broker.nodeId for broker in probe._client.cluster.brokers()}
+            brokers = {broker.node_id for broker in probe._client.cluster.brokers()}
         finally:
             probe.close()
         missing = [spec for spec in specs if spec.name not in existing]
         kept = [spec for spec in specs if spec.name in existing and spec.verify]
         if not missing and not kept:
             return
-        admin = self._retrying("admin", lambda: KafkaAdminClient(client_id="streamppo-admin", **self._admin_options()))
+        admin = self._retrying("admin", self._admin)
         try:
             wrong = self._wrong_topics(admin, kept, partitions)
             if wrong and not replace_wrong:
@@ -145,19 +173,18 @@ class KafkaBus(Bus):
         broker's loss losing partitions), and never more than the brokers."""
         said = 1
         try:
-            resources = [ConfigResource(ConfigResourceType.BROKER, str(min(brokers)))]
-            for response in admin.describe_configs(resources):
-                for resource in response.resources:
-                    value = str({entry[0]: entry[1] for entry in resource[4]}.get("default.replication.factor", ""))
-                    said = int(value) if value.isdigit() else said
-        except (KafkaError, ValueError, IndexError) as exc:  # a broker that does not describe its configs
+            broker = str(min(brokers))
+            described = admin.describe_configs([ConfigResource(ConfigResourceType.BROKER, broker)], config_filter="all")
+            value = str(described.get("broker", {}).get(broker, {}).get("default.replication.factor", {}).get("value"))
+            said = int(value) if value.isdigit() else said
+        except (KafkaError, ValueError) as exc:  # a broker that does not describe its configs
             log.debug("default.replication.factor not read (%s): taking min(3, brokers)", exc)
         return min(len(brokers), max(said, min(3, len(brokers))))
 
     def replication(self, topics: list[str]) -> tuple[int, dict[str, int]]:
         brokers, partitions = self._cluster_metadata(topics)
         return len(brokers), {
-            topic: min(len(p.replicas) for p in found.values()) for topic, found in partitions.items() if found
+            topic: min(len(p.replica_nodes) for p in found.values()) for topic, found in partitions.items() if found
         }
 
     def _cluster_metadata(self, topics: list[str]) -> tuple[set[int], dict[str, dict]]:
@@ -167,7 +194,7 @@ class KafkaBus(Bus):
         try:
             existing = self._topics(probe)
             cluster = probe._client.cluster
-            return {broker.nodeId for broker in cluster.brokers()}, {
+            return {broker.node_id for broker in cluster.brokers()}, {
                 topic: dict(cluster._partitions.get(topic, {})) for topic in topics if topic in existing
             }
         finally:
@@ -183,11 +210,10 @@ class KafkaBus(Bus):
         if not specs:
             return {}
         resources = [ConfigResource(ConfigResourceType.TOPIC, spec.name) for spec in specs]
-        policies = {}
-        for response in admin.describe_configs(resources):
-            for resource in response.resources:
-                _, _, _, name, entries = resource
-                policies[name] = {entry[0]: entry[1] for entry in entries}.get("cleanup.policy", "")
+        described = admin.describe_configs(resources, config_filter="all").get("topic", {})
+        policies = {
+            name: str(entries.get("cleanup.policy", {}).get("value", "")) for name, entries in described.items()
+        }
         wrong = {}
         for spec in specs:
             count, policy = len(partitions.get(spec.name) or ()), policies.get(spec.name, "?")
@@ -203,15 +229,20 @@ class KafkaBus(Bus):
             self._identity_probe.close()
             self._identity_probe = None
 
-    def _admin_options(self) -> dict:
-        """The admin client makes topics on purpose; it takes no auto-creation switch."""
-        return {k: v for k, v in self._common.items() if k != "allow_auto_create_topics"}
+    def _admin(self, bootstrap_timeout_s: float | None = None) -> KafkaAdminClient:
+        """An admin client: it makes topics on purpose, and takes no auto-creation switch."""
+        options = {k: v for k, v in self._common.items() if k != "allow_auto_create_topics"}
+        if bootstrap_timeout_s is not None:
+            options["bootstrap_timeout_ms"] = int(bootstrap_timeout_s * 1000)
+        return KafkaAdminClient(client_id="streamppo-admin", **options)
 
     def _metadata_probe(self, group_id: str | None = None) -> KafkaConsumer:
         """A client for metadata requests only (the admin client's list_topics() also parses ACL fields that not
         every broker fills in the way kafka-python expects), or with ``group_id`` for a group's committed offsets: it
         never joins the group."""
-        return KafkaConsumer(client_id="streamppo-admin", group_id=group_id, enable_auto_commit=False, **self._common)
+        return making_no_topics(
+            KafkaConsumer(client_id="streamppo-admin", group_id=group_id, enable_auto_commit=False, **self._common)
+        )
 
     def _wait_until_gone(self, names: list[str], timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -239,7 +270,7 @@ class KafkaBus(Bus):
         probe.seek_to_beginning(tp)
         first = self._first_record(probe, tp)
         if first is None and create:
-            producer = KafkaProducer(acks="all", **self._common)
+            producer = making_no_topics(KafkaProducer(acks="all", **self._common))
             try:
                 identity = uuid.uuid4().hex.encode()  # its own key: compaction keeps every writer's record
                 written = producer.send(topic, identity, key=identity, partition=0).get(timeout=30)
@@ -268,18 +299,15 @@ class KafkaBus(Bus):
     @staticmethod
     def _topics(consumer: KafkaConsumer, timeout_s: float = ANSWER_TIMEOUT_S) -> set[str]:
         """Every topic's name, from a fresh metadata request. ``KafkaConsumer.topics()`` waits for the answer without
-        a limit (kafka-python 2.3), for as long as the broker is away; this raises after ``timeout_s``."""
-        client, cluster = consumer._client, consumer._client.cluster
+        a limit, for as long as the broker is away; this raises :class:`KafkaTimeoutError` after ``timeout_s``. (The
+        request runs on the consumer's IO thread, kafka-python 3's only driver of its connections.)"""
+        cluster = consumer._client.cluster
         stash, cluster.need_all_topic_metadata = cluster.need_all_topic_metadata, True
         try:
             future = cluster.request_update()
-            client.poll(timeout_ms=timeout_s * 1000, future=future)
+            consumer._net.run(consumer._manager.wait_for, future, int(timeout_s * 1000))
         finally:
             cluster.need_all_topic_metadata = stash
-        if not future.is_done:
-            raise KafkaTimeoutError(f"no answer to a metadata request within {timeout_s:.0f} s")
-        if future.failed():
-            raise future.exception
         return set(cluster.topics())
 
     @staticmethod
@@ -306,37 +334,43 @@ class KafkaBus(Bus):
         return KafkaBusProducer(
             self._retrying(
                 "producer",
-                lambda: KafkaProducer(
-                    client_id=client_id,
-                    acks="all",
-                    enable_idempotence=self.settings.idempotent_producer,
-                    max_request_size=self.settings.max_message_bytes,
-                    # A send to a topic the broker does not have (it lost its data) fails in seconds, not a minute.
-                    max_block_ms=10_000,
-                    **self._common,
+                lambda: making_no_topics(
+                    KafkaProducer(
+                        client_id=client_id,
+                        acks="all",
+                        enable_idempotence=self.settings.idempotent_producer,
+                        max_request_size=self.settings.max_message_bytes,
+                        # A send to a topic the broker does not have (it lost its data) fails in seconds, not a minute.
+                        max_block_ms=10_000,
+                        **self._common,
+                    )
                 ),
             )
         )
 
-    def consumer(self, topic: str, group: str | None, client_id: str) -> Consumer:
+    def consumer(self, topic: str, group: str | None, client_id: str, member: str | None = None) -> Consumer:
         s = self.settings
+        instance = instance_id(member) if member is not None and group is not None and s.static_members else None
 
         def connect(group_id: str | None) -> KafkaConsumer:
             return self._retrying(
                 "consumer",
-                lambda: KafkaConsumer(
-                    client_id=client_id,
-                    group_id=group_id,
-                    enable_auto_commit=False,
-                    auto_offset_reset="earliest",
-                    session_timeout_ms=s.session_timeout_ms,
-                    heartbeat_interval_ms=s.heartbeat_interval_ms,
-                    max_poll_interval_ms=s.max_poll_interval_ms,
-                    fetch_max_bytes=s.max_message_bytes,
-                    fetch_max_wait_ms=s.fetch_max_wait_ms,
-                    max_partition_fetch_bytes=s.max_message_bytes,
-                    partition_assignment_strategy=s.partition_assignment,
-                    **self._common,
+                lambda: making_no_topics(
+                    KafkaConsumer(
+                        client_id=client_id,
+                        group_id=group_id,
+                        group_instance_id=instance,
+                        enable_auto_commit=False,
+                        auto_offset_reset="earliest",
+                        session_timeout_ms=s.session_timeout_ms,
+                        heartbeat_interval_ms=s.heartbeat_interval_ms,
+                        max_poll_interval_ms=s.max_poll_interval_ms,
+                        fetch_max_bytes=s.max_message_bytes,
+                        fetch_max_wait_ms=s.fetch_max_wait_ms,
+                        max_partition_fetch_bytes=s.max_message_bytes,
+                        partition_assignment_strategy=s.partition_assignment,
+                        **self._common,
+                    )
                 ),
             )
 
@@ -354,7 +388,43 @@ class KafkaBus(Bus):
             groups.name,
             WedgeWatch(groups, connect, wedged_after_s),
             fetch_wait_s=s.fetch_max_wait_ms / 1000,
+            # A static member never leaves its group by closing (KIP-345): it is removed, as a dead one would be.
+            leave=(lambda group: self._remove(instance, [group], LEAVE_TIMEOUT_S)) if instance is not None else None,
         )
+
+    def remove_member(self, member: str, within: str = "") -> list[str]:
+        admin = self._retrying("admin", self._admin)
+        try:
+            groups = [g["group_id"] for g in admin.list_groups() if g["group_id"].startswith(within)]
+            instance = instance_id(member)
+            holding = [
+                name
+                for name, described in (admin.describe_groups(groups) if groups else {}).items()
+                if any(m.get("group_instance_id") == instance for m in described.get("members") or ())
+            ]
+        finally:
+            admin.close()
+        return self._remove(instance, holding)
+
+    def _remove(self, instance: str, groups: list[str], timeout_s: float | None = None) -> list[str]:
+        """Remove the static member ``instance`` from ``groups``; those it was in. With ``timeout_s``, one attempt to
+        reach the brokers for that long (a replica that leaves as the broker stops does not wait for it)."""
+        if not groups:
+            return []
+        removed = []
+        admin = self._admin(timeout_s) if timeout_s is not None else self._retrying("admin", self._admin)
+        try:
+            for group in groups:
+                try:
+                    answers = admin.remove_group_members(group, [MemberToRemove(group_instance_id=instance)])
+                except KafkaError as exc:  # the group is gone, or its coordinator moved meanwhile
+                    log.warning("could not remove member %s from group %s: %s", instance, group, exc)
+                    continue
+                if all(answer is KafkaErrors.NoError for answer in answers.values()):
+                    removed.append(group)
+        finally:
+            admin.close()
+        return removed
 
     def _partitions(self, consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:
         """Every partition of ``topic``, once the broker's metadata names them (it may lag a topic's creation)."""

@@ -785,8 +785,8 @@ def test_a_generator_started_again_answers_no_call_before_it_has_the_newest_weig
     class SlowToAnswer(MemoryBus):
         """The broker's first answers to a fetch of the weights topic come back empty."""
 
-        def consumer(self, topic, group, client_id):
-            consumer = super().consumer(topic, group, client_id)
+        def consumer(self, topic, group, client_id, member=None):
+            consumer = super().consumer(topic, group, client_id, member)
             if topic == "weights":
                 empty, poll = iter(range(3)), consumer.poll
                 consumer.poll = lambda timeout_s=0.0, max_records=1: (

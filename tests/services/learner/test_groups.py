@@ -245,7 +245,7 @@ def test_dynamic_sampling_that_uses_up_the_prompt_batches_ends_the_run_and_says_
 
 def test_streamppo_run_that_ends_short_exits_5_and_says_so(tmp_path, model_cache):
     from conftest import EXAMPLE
-    from test_config import streamppo
+    from helpers import streamppo
 
     from services.runtime import exit_codes
 

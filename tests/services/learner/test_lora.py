@@ -174,7 +174,7 @@ def test_runs_of_one_process_share_the_base_model_and_each_samples_with_its_own_
 def test_a_lora_runs_adapter_merges_into_a_plain_folder_that_computes_what_base_and_adapter_do(tiny_model, tmp_path):
     """`streamppo models merge <run dir>/final/actor --out DIR`: a folder any transformers loader reads (no peft),
     whose logits are the adapted model's, not the base's."""
-    from test_config import streamppo
+    from helpers import streamppo
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     adapted = add_lora(load_actor(tiny_model), LoraOptions(rank=4))

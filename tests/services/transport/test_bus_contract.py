@@ -17,8 +17,8 @@ from services.transport import MemoryBus, TopicSpec
 class Contract:
     """One bus under test, with topics of its own."""
 
-    def __init__(self, bus, settle_s: float):
-        self.bus, self.settle_s = bus, settle_s
+    def __init__(self, bus, settle_s: float, names_members: bool = True):
+        self.bus, self.settle_s, self.names_members = bus, settle_s, names_members
 
     def topic(self, partitions: int) -> str:
         name = f"t-{uuid.uuid4().hex[:8]}"
@@ -47,7 +47,7 @@ def contract(request):
 
     broker = request.getfixturevalue("kafka_broker" if request.param == "kafka" else "memory_broker")
     bus = kafka_bus(request.getfixturevalue("make_config")(*broker))
-    yield Contract(bus, settle_s=2.0)
+    yield Contract(bus, settle_s=2.0, names_members=request.param == "kafka")
     bus.close()
 
 
@@ -152,6 +152,60 @@ def test_a_members_partitions_move_to_the_survivor_when_it_leaves(contract):
     while set(got_staying) != set(values(10)) and time.monotonic() < deadline:
         got_staying += [r.value for r in staying.poll(0.2, max_records=100)]
     assert set(got_staying) == set(values(10))
+
+
+SESSION_S = 6.0  # the consumers' session timeout on the suite's broker (kafka.session_timeout_ms, the default)
+
+
+def taken_over(survivor, partitions: int, timeout_s: float = 30.0) -> tuple[float, list[bytes]]:
+    """Seconds until ``survivor`` holds all ``partitions`` (polling it, as a replica does), and what it read
+    meanwhile (committed)."""
+    started, read = time.monotonic(), []
+    while len(survivor.assigned()) < partitions:
+        assert time.monotonic() - started < timeout_s, f"the survivor holds {sorted(survivor.assigned())} only"
+        for record in survivor.poll(0.05, max_records=100):
+            read.append(record.value)
+            survivor.commit(record)
+    return time.monotonic() - started, read
+
+
+def test_a_member_removed_by_name_gives_its_partitions_to_the_others_at_once(contract):
+    """A replica's process died (never polled nor closed again): its supervisor removes it by name, and the
+    survivor holds its partitions long before the session timeout would have freed them; what the dead one read
+    and did not commit comes again, to the survivor. Started again under its name, it joins as that member."""
+    if not contract.names_members:
+        pytest.skip("the local broker (tansu) has no static membership: kafka.static_members=false there")
+    topic, group = contract.topic(4), contract.group()
+    survivor, dead = joined(
+        contract.bus.consumer(topic, group, "survivor", member="replica-0"),
+        contract.bus.consumer(topic, group, "dead", member="replica-1"),
+    )
+    contract.fill(topic, 20)
+    read_by_dead, deadline = [], time.monotonic() + 30
+    while not read_by_dead and time.monotonic() < deadline:
+        read_by_dead += dead.poll(0.2, max_records=100)
+    assert read_by_dead, "the member that dies had partitions and read from them"
+    assert contract.bus.remove_member("replica-1", within=group) == [group]
+    seconds, read = taken_over(survivor, 4)
+    assert seconds < SESSION_S / 2, "the removal, not the session timeout, freed its partitions"
+    (rest,) = drain([survivor], 20 - len(read))
+    assert sorted(read + rest) == sorted(values(20)), "each record to the survivor, what the dead one read included"
+    assert contract.bus.remove_member("replica-1", within=group) == [], "removed once; no group holds it now"
+    again = contract.bus.consumer(topic, group, "again", member="replica-1")
+    joined(survivor, again)
+    assert survivor.assigned() | again.assigned() == {0, 1, 2, 3} and not survivor.assigned() & again.assigned()
+
+
+def test_a_named_member_that_closes_leaves_its_group_at_once(contract):
+    """A member's lasting name does not keep its partitions once it closes (a replica that stops or finishes):
+    Kafka's static members never leave by closing, so the bus removes it."""
+    topic, group = contract.topic(2), contract.group()
+    staying, leaving = joined(
+        contract.bus.consumer(topic, group, "staying", member="replica-0"),
+        contract.bus.consumer(topic, group, "leaving", member="replica-1"),
+    )
+    leaving.close()
+    assert taken_over(staying, 2)[0] < SESSION_S, "the member left: its session did not run out first"
 
 
 def test_readers_without_a_group_read_everything_from_the_beginning_and_what_comes_after(contract):
