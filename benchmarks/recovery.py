@@ -34,7 +34,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SESSION = ("kafka.session_timeout_ms=6000", "kafka.heartbeat_interval_ms=1000")
 SETTINGS = {
-    "before": ("kafka.static_members=false", "kafka.request_timeout_ms=30000", "kafka.reconnect_backoff_max_ms=30000"),
+    "before": (
+        "kafka.static_members=false",
+        "kafka.request_timeout_ms=30000",
+        "kafka.reconnect_backoff_max_ms=30000",
+        "kafka.metadata_max_age_ms=300000",
+    ),
     "now": (),
 }
 # (role, its replicas, the fault): kill -9, or SIGSTOP for 20 s then SIGCONT
@@ -47,15 +52,25 @@ FAULTS = (
     ("scorer", 2, "stop"),
 )
 STOPPED_S = 20.0
+# The brokers' fencing before deploy/contract.yaml set it (Kafka's defaults), for the broker faults' "before".
+BROKER_BEFORE = {
+    "broker.heartbeat.interval.ms": "2000",
+    "broker.session.timeout.ms": "9000",
+    "replica.lag.time.max.ms": "30000",
+}
+# On a cluster of three brokers (replication 3, min.insync 2): the experience partitions' leader killed, the active
+# controller killed, the leader stopped (SIGSTOP, then SIGCONT: silent, its connections open, as a host cut off is)
+BROKER_FAULTS = ("leader", "controller", "silent leader")
 
 
 class _Up:
     """`streamppo -v up` in a session of its own, its output in a file read as it grows (each line's arrival timed)."""
 
-    def __init__(self, folder: Path, overrides: list[str], replicas: list[str]):
+    def __init__(self, folder: Path, overrides: list[str], replicas: list[str], bootstrap: str | None = None):
         self.output = folder / "up.log"
         args = [sys.executable, "-m", "services.cli", "-v", "up", "--config", str(REPO / "examples/vowels/config.yaml")]
         args += ["--replicas", *replicas] if replicas else []
+        args += ["--bootstrap", bootstrap] if bootstrap else []
         args += [a for o in overrides for a in ("--set", o)]
         with open(self.output, "w") as out:
             self.process = subprocess.Popen(
@@ -128,23 +143,83 @@ def trial(setting: str, role: str, replicas: int, fault: str, steps: int = 24, f
     name = f"{role}-0"
     restarted = up.first(rf"{name} exited with code", fault_at) if fault_at is not None else None
     serving = up.first(rf"{name} \|.*{name}: serving", restarted) if restarted is not None else None
-    before = [b - a for a, b in zip(seen[: fault_after - 1], seen[1:fault_after])]
-    after = [b - a for a, b in zip(seen[fault_after - 1 :], seen[fault_after:])]
-    groups = [key for record in records for key in record.get("groups", [])]
     return {
         "setting": setting,
         "role": role,
         "replicas": replicas,
         "fault": "kill -9" if fault == "kill" else f"SIGSTOP {STOPPED_S:.0f} s",
         "exit_code": code,
+        **_outcome(seen, fault_at, fault_after, records, steps),
+        "start_s": serving - restarted if serving is not None else None,
+    }
+
+
+def _outcome(seen: list[float], fault_at: float | None, fault_after: int, records: list[dict], steps: int) -> dict:
+    """What a fault cost, from the times the updates came (``seen``) and the learner's metrics lines."""
+    before = [b - a for a, b in zip(seen[: fault_after - 1], seen[1:fault_after])]
+    after = [b - a for a, b in zip(seen[fault_after - 1 :], seen[fault_after:])]
+    groups = [key for record in records for key in record.get("groups", [])]
+    return {
         "updates": len(records),
         "median_gap_s": statistics.median(before) if before else None,
         "to_next_update_s": next((at - fault_at for at in seen if fault_at is not None and at > fault_at), None),
         "pause_s": max(after) - statistics.median(before) if after and before else None,
-        "start_s": serving - restarted if serving is not None else None,
         "dropped_stale": records[-1].get("dropped_stale", 0) if records else None,
         "every_version_once": [r["step"] for r in records] == list(range(1, steps + 1)),
         "every_group_once": len(groups) == len(set(groups)),
+    }
+
+
+def broker_trial(setting: str, fault: str, steps: int = 24, fault_after: int = 8) -> dict:
+    """One of :data:`BROKER_FAULTS` on a cluster of three brokers of their own, the run under ``up --bootstrap``."""
+    from services.transport.brokers.apache_kafka import KafkaCluster
+
+    run_id = f"brk{uuid.uuid4().hex[:6]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        metrics = folder / "run" / "metrics.jsonl"
+        cluster = KafkaCluster(folder / "cluster", 3, settings=BROKER_BEFORE if setting == "before" else None).start()
+        overrides = [
+            f"run.steps={steps}",
+            f"run.dir={folder}/run",
+            f"run.run_id={run_id}",
+            "generation.backend=transformers",
+            *SESSION,
+            *SETTINGS[setting],
+        ]
+        up = _Up(folder, overrides, [], bootstrap=cluster.bootstrap)
+        seen, fault_at, victim, back, deadline = [], None, None, False, time.monotonic() + 900
+        try:
+            while up.process.poll() is None and time.monotonic() < deadline:
+                lines = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+                seen += [time.monotonic()] * (lines - len(seen))
+                if fault_at is None and lines >= fault_after:
+                    victim = cluster.node(
+                        cluster.controller() if fault == "controller" else min(cluster.leaders(f"{run_id}.experience"))
+                    )
+                    if fault == "silent leader":
+                        os.killpg(victim.process.pid, signal.SIGSTOP)
+                    else:
+                        victim.kill()
+                    fault_at = time.monotonic()
+                if fault_at is not None and not back and time.monotonic() > fault_at + STOPPED_S:
+                    if fault == "silent leader":
+                        os.killpg(victim.process.pid, signal.SIGCONT)
+                    else:
+                        victim.start()
+                    back = True
+                time.sleep(0.02)
+        finally:
+            up.stop()
+            if victim is not None and victim.running:
+                os.killpg(victim.process.pid, signal.SIGCONT)
+            cluster.stop()
+        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return {
+        "setting": setting,
+        "fault": fault,
+        "exit_code": up.process.returncode,
+        **_outcome(seen, fault_at, fault_after, records, steps),
     }
 
 
@@ -154,8 +229,14 @@ def bench_recovery() -> dict:
         for setting in SETTINGS:  # side by side: each fault under both settings, one after the other
             print(f"[recovery] {setting}: {fault} {role}-0 of {replicas}", file=sys.stderr, flush=True)
             rows.append(trial(setting, role, replicas, fault))
+    brokers = []
+    for fault in BROKER_FAULTS:
+        for setting in SETTINGS:
+            print(f"[recovery] {setting}: three brokers, {fault}", file=sys.stderr, flush=True)
+            brokers.append(broker_trial(setting, fault))
     print("[recovery] broker loss (local broker), then up --resume on a new one", file=sys.stderr, flush=True)
     return {
+        "brokers": brokers,
         "broker_loss": resume_after_broker_loss(),
         "setup": "streamppo up on Apache Kafka (one broker, started by up), tiny model, transformers generator, 6 s "
         "consumer sessions, checkpoint_every 1; the fault to replica 0 of the role after 8 of 24 updates; `up` "
@@ -217,8 +298,10 @@ def resume_after_broker_loss(steps: int = 30, lost_after: int = 10) -> dict:
 
 
 if __name__ == "__main__":
-    only = sys.argv[1:]  # e.g. "scorer:2:kill" to run one fault under both settings
-    chosen = [f for f in FAULTS if not only or ":".join(map(str, f)) in only]
-    for role, replicas, fault in chosen:
+    only = sys.argv[1:]  # e.g. "scorer:2:kill" or "leader" to run one fault under both settings
+    for role, replicas, fault in [f for f in FAULTS if not only or ":".join(map(str, f)) in only]:
         for setting in SETTINGS:
             print(json.dumps(trial(setting, role, replicas, fault)), flush=True)
+    for fault in [f for f in BROKER_FAULTS if not only or f in only]:
+        for setting in SETTINGS:
+            print(json.dumps(broker_trial(setting, fault)), flush=True)

@@ -233,6 +233,13 @@ class KafkaSection(Section):
         description="The longest wait between attempts to reconnect to a broker (kafka-python's own: 30 s), so "
         "that a broker back after a cut is used again within a second.",
     )
+    metadata_max_age_ms: int = Field(
+        3000,
+        gt=0,
+        description="How often each client asks the cluster for the partitions' leaders. kafka-python looks them up "
+        "again after a request to a broker that stopped answering timed out only on this cadence (its own: 5 "
+        "minutes): a silent broker's partitions were stuck 15 s at 5 minutes, 5 s at 3 s (benchmarks/RESULTS.md, 7).",
+    )
     fetch_max_wait_ms: int = Field(
         100,
         ge=0,

@@ -5,7 +5,8 @@ A process that fails soon after its start (within ``quick_failure_s``) counts to
 starts the count again, since its failure says nothing about the next start. After ``give_up_after`` quick failures
 in a row the failure is not transient (a model that cannot load): restarting stops. A process killed by a signal (an
 operator, the OOM killer) is restarted however often: only its own errors can show that restarting is pointless.
-The pause before a restart grows with the count, as Kubernetes' back-off does.
+The pause before a restart grows with the count, as Kubernetes' back-off does; the first restart is at once: a
+replica of a role that has one costs the pipeline its start time and nothing more (benchmarks/RESULTS.md, 7).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ __all__ = ["RestartPolicy", "Restarts"]
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    delays_s: tuple[float, ...] = (1, 2, 4, 8, 16, 30)
+    delays_s: tuple[float, ...] = (0, 1, 2, 4, 8, 16, 30)
     quick_failure_s: float = 60.0
     give_up_after: int = 5
 

@@ -42,20 +42,6 @@ def test_kill_9_of_the_broker_mid_run_loses_nothing_and_the_log_is_the_same(tmp_
     run.assert_every_version_and_group_once(records)
 
 
-def quorum_leader(cluster: KafkaCluster) -> int:
-    """The node id of the active controller: the leader of the newest epoch the live nodes' quorum-state files name
-    (one node's file may be a term behind)."""
-    known = []
-    for node in cluster.nodes:
-        state = node.directory / "data" / "__cluster_metadata-0" / "quorum-state"
-        if node.running and state.exists():
-            data = json.loads(state.read_text())
-            if data.get("leaderId", -1) > 0:
-                known.append((data.get("leaderEpoch", 0), data["leaderId"]))
-    assert known, "no node knows the quorum's leader"
-    return max(known)[1]
-
-
 def wait_in_sync(bootstrap: str, timeout_s: float = 180.0) -> None:
     """Until every partition of every topic has all its replicas in sync again: a broker started again catches up
     before it counts, and a broker killed before that would take the only copy of some partitions with it (Kafka
@@ -80,17 +66,6 @@ def wait_in_sync(bootstrap: str, timeout_s: float = 180.0) -> None:
         time.sleep(1)
 
 
-def partition_leaders(bootstrap: str, topic: str) -> set[int]:
-    from kafka import KafkaAdminClient
-
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), client_id="test-leaders")
-    try:
-        (described,) = admin.describe_topics([topic])
-        return {partition["leader_id"] for partition in described["partitions"]}
-    finally:
-        admin.close()
-
-
 @pytest.mark.soak
 def test_a_three_broker_cluster_loses_a_broker_then_its_controller_then_two_and_nothing_else(tmp_path, model_cache):
     """Replication 3, min.insync.replicas 2, acks=all. The leader of the experience partitions is killed mid-run,
@@ -104,11 +79,7 @@ def test_a_three_broker_cluster_loses_a_broker_then_its_controller_then_two_and_
         run.wait_updates(3)
         topic = f"{run.run_id}.experience"
         for what in ("leader of the experience partitions", "active controller"):
-            victim = (
-                min(partition_leaders(cluster.bootstrap, topic))
-                if what.startswith("leader")
-                else quorum_leader(cluster)
-            )
+            victim = min(cluster.leaders(topic)) if what.startswith("leader") else cluster.controller()
             at = run.updates()
             killed = time.monotonic()
             cluster.node(victim).kill()
@@ -116,7 +87,7 @@ def test_a_three_broker_cluster_loses_a_broker_then_its_controller_then_two_and_
             cluster.node(victim).start()
             wait_in_sync(cluster.bootstrap)
         at = run.updates()
-        controller = quorum_leader(cluster)
+        controller = cluster.controller()
         away = [next(node for node in cluster.nodes if node.node_id != controller), cluster.node(controller)]
         before = len(run.log())
         for node in away:

@@ -24,6 +24,7 @@ its folder, never to the terminal. Without Java, or when the fetch fails, :class
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -366,6 +367,31 @@ class KafkaCluster:
 
     def node(self, node_id: int) -> KafkaBroker:
         return self.nodes[node_id - 1]
+
+    def controller(self) -> int:
+        """The node id of the active controller: the leader of the newest epoch the live nodes' quorum-state files
+        name (one node's file may be a term behind)."""
+        known = []
+        for node in self.nodes:
+            state = node.directory / "data" / "__cluster_metadata-0" / "quorum-state"
+            if node.running and state.exists():
+                data = json.loads(state.read_text())
+                if data.get("leaderId", -1) > 0:
+                    known.append((data.get("leaderEpoch", 0), data["leaderId"]))
+        if not known:
+            raise KafkaUnavailable("no node of the cluster knows the quorum's leader")
+        return max(known)[1]
+
+    def leaders(self, topic: str) -> set[int]:
+        """The node ids that lead ``topic``'s partitions."""
+        from kafka import KafkaAdminClient
+
+        admin = KafkaAdminClient(bootstrap_servers=self.bootstrap.split(","), client_id="streamppo-leaders")
+        try:
+            (described,) = admin.describe_topics([topic])
+            return {partition["leader_id"] for partition in described["partitions"]}
+        finally:
+            admin.close()
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -62,6 +62,7 @@ class KafkaSettings:
     connect_timeout_s: float = 30.0
     request_timeout_ms: int = 5000  # a broker that answers nothing for this long is left for another (see KafkaSection)
     reconnect_backoff_max_ms: int = 1000  # a broker back (a cut healed) is reconnected to within this
+    metadata_max_age_ms: int = 3000  # how stale a client's idea of the partitions' leaders may grow (see KafkaSection)
     idempotent_producer: bool = True
     fetch_max_wait_ms: int = 100  # how long the broker may hold an empty fetch (see KafkaSection)
     # Preferred first; range second, so a group with members of an older build still agrees on one. Not
@@ -86,6 +87,9 @@ class KafkaBus(Bus):
             # comes back would wait for it.
             "request_timeout_ms": settings.request_timeout_ms,
             "reconnect_backoff_max_ms": settings.reconnect_backoff_max_ms,
+            # kafka-python 3 looks the leaders up again after a timed-out request only on this cadence (a timeout
+            # is no metadata error to it): 5 minutes by default, for which a silent leader's partitions stay stuck.
+            "metadata_max_age_ms": settings.metadata_max_age_ms,
             # kafka-python refuses network frames over 1 MB by default; a fetch carries up to max_message_bytes.
             "receive_message_max_bytes": settings.max_message_bytes + (1 << 20),
             # A broker that lost its data must not make topics with its defaults because a client named one: the

@@ -48,3 +48,11 @@ def test_up_starts_again_in_resume_mode_only_the_services_that_could_not_go_on_o
     assert "gateway-0 found the run's log gone" in capsys.readouterr().out
     cluster._resume_on_the_new_log(children, ["gateway-0"])
     assert spawned[-1][1].count(cluster.RESUME[1]) == 1, "resume mode is asked for once"
+
+
+def test_by_default_the_first_failure_is_restarted_at_once_and_the_pause_grows_from_the_second():
+    """A single replica of a role costs the pipeline its start time, not a back-off too; one that fails again
+    soon after waits, and longer each time."""
+    restarts = Restarts()
+    assert restarts.after_exit(-9, ran_s=20) == 0
+    assert 0 < restarts.after_exit(-9, ran_s=2) < restarts.after_exit(-9, ran_s=2)
