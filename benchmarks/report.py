@@ -8,6 +8,8 @@ BY_HAND = Path(__file__).resolve().parent / "RESULTS-by-hand.md"
 
 
 def _f(x, digits=2) -> str:
+    if isinstance(x, bool):
+        return "yes" if x else "no"
     if isinstance(x, int):
         return f"{x:,}"
     if isinstance(x, float):
@@ -23,6 +25,63 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_f(c) for c in row) + " |" for row in rows]
     return lines + [""]
+
+
+def _recovery_notes(rc: dict) -> list[str]:
+    """What section 7's figures are spent on, from the trials themselves."""
+
+    def pick(setting, role, replicas, fault="kill -9"):
+        wanted = (setting, role, replicas, fault)
+        return next((t for t in rc["trials"] if (t["setting"], t["role"], t["replicas"], t["fault"]) == wanted), None)
+
+    def broker(setting, fault):
+        return next((t for t in rc.get("brokers", ()) if (t["setting"], t["fault"]) == (setting, fault)), None)
+
+    notes = []
+    two, two_before = pick("now", "scorer", 2), pick("before", "scorer", 2)
+    if two and two_before:
+        notes.append(
+            f"One scorer of two killed: {_f(two_before['to_next_update_s'])} s to the next update when the group "
+            f"learned of the death from the session timeout (6 s), {_f(two['to_next_update_s'])} s now that `up` "
+            "removes the dead member from its group the moment it exits and the other scorer takes its partitions in "
+            "one rebalance. One generator of two: the survivor takes the partitions as fast, and must then sample "
+            "again the prompt batch the dead one held uncommitted; the pause is not broken down further yet."
+        )
+    singles = [t for t in (pick("now", r, 1) for r in ("scorer", "generator", "learner")) if t]
+    if singles:
+        notes.append(
+            "A role with one replica: `up` restarts it at once (it waited 1 s before), and the pause is its start "
+            "time and what it then does before its first output: "
+            + "; ".join(
+                f"{t['role']} {_f(t['pause_s'])} s of pause, {_f(t['start_s'])} s from restart to serving"
+                for t in singles
+            )
+            + ". Of a start, importing torch and transformers takes 4.1–5.0 s on this machine (`python -X importtime "
+            "-c 'import services.scorer'`); a restarted generator then loads the newest weights and samples its "
+            "batch again. A process started ahead of need, with the imports done (a fork server), would take most "
+            "of the start off: not built yet."
+        )
+    stopped = pick("now", "scorer", 2, "SIGSTOP 20 s")
+    if stopped:
+        notes.append(
+            f"A scorer stopped (SIGSTOP) is seen by no supervisor: its session (6 s) bounds the pause, "
+            f"{_f(stopped['pause_s'])} s, under both settings."
+        )
+    pairs = [(broker("before", f), broker("now", f)) for f in ("leader", "controller", "silent leader")]
+    if all(b and n for b, n in pairs):
+        (lb, ln), (cb, cn), (sb, sn) = pairs
+        notes.append(
+            f"Three brokers: the leader's kill -9 cost {_f(lb['to_next_update_s'])} s before and "
+            f"{_f(ln['to_next_update_s'])} s now, the controller's {_f(cb['to_next_update_s'])} s and "
+            f"{_f(cn['to_next_update_s'])} s, a leader that stopped answering (SIGSTOP 20 s, its connections open) "
+            f"{_f(sb['to_next_update_s'])} s (the whole stop) and {_f(sn['to_next_update_s'])} s. What a silent "
+            "leader costs now: when it is also the active controller, the quorum elects another after 2 s without "
+            "its fetches (controller.quorum.fetch.timeout.ms) and that one fences it after 3 s without heartbeats "
+            "(broker.session.timeout.ms); until then acks=all writes wait for it as a follower, the clients give "
+            "up on it after 5 s (kafka.request_timeout_ms) and find the new leaders within 3 s "
+            "(kafka.metadata_max_age_ms). One trial of it alone measured 7.6 s; 3 s requests gave 6.6 s."
+        )
+    return [line for note in notes for line in (note, "")]
 
 
 def write_markdown(results: dict, path: Path) -> None:
@@ -244,7 +303,10 @@ def write_markdown(results: dict, path: Path) -> None:
         rc = s["recovery"]
         out += ["## 7. Recovery from a killed or stopped replica", "", rc["setup"] + ".", ""]
         if "settings" in rc:
-            out += [f"- {name}: `{' '.join(values)}`" for name, values in rc["settings"].items()] + [""]
+            out += [
+                f"- {name}: " + (f"`{' '.join(values)}`" if values else "the defaults (`kafka.*` of the config)")
+                for name, values in rc["settings"].items()
+            ] + [""]
             out += _table(
                 [
                     "fault",
@@ -277,8 +339,17 @@ def write_markdown(results: dict, path: Path) -> None:
                 "updates after the fault less the median gap before it. Restart to serving: from `up`'s line that the "
                 "replica exited to the restarted replica's `serving` line (interpreter, imports, models, the bus).",
                 "",
-                *rc.get("notes", []),
             ]
+            if rc.get("brokers"):
+                out += _table(
+                    ["three brokers", "settings", "to next update (s)", "pause (s)", "versions once", "groups once"],
+                    [
+                        [t["fault"], t["setting"], t["to_next_update_s"], t["pause_s"], t["every_version_once"],
+                         t["every_group_once"]]
+                        for t in rc["brokers"]
+                    ],
+                )  # fmt: skip
+            out += _recovery_notes(rc)
         else:  # results of the benchmark before kafka-python 3 (local broker, consumer sessions compared)
             out += _table(
                 ["consumer sessions", "killed", "median gap (s)", "longest gap after (s)", "pause (s)"],

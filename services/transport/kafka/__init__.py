@@ -7,6 +7,11 @@ Settings are chosen to be valid on Apache Kafka and on the small test broker ali
   reset for groups, so a new group starts at the beginning of the log; partitions dealt round-robin among a
   group's members, so that consecutive steps (on consecutive partitions, ``common.schema.message_partition``)
   go to different replicas and can be worked on at once (kafka-python's default deals each member a block);
+- a group's member named by its replica (``member``) is a static member (KIP-345): it never leaves by closing, so
+  closing removes it, and ``remove_member`` takes a dead one's partitions from it at once (``streamppo up`` calls
+  it when it sees a replica exit);
+- clients give up on a broker that does not answer within ``request_timeout_ms`` and look the partitions' leaders
+  up every ``metadata_max_age_ms`` (kafka-python 3 does not after a timeout);
 - broadcast readers (``group=None``) join no group: they are assigned every partition of the topic and read it
   from the beginning at each start, so a restart leaves no orphan group on the broker, and they never commit;
 - lag is the fetch high-watermark minus the position (``ListOffsets`` is not trusted).

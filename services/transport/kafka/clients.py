@@ -39,7 +39,7 @@ class KafkaBusProducer(Producer):
 
     def discard(self) -> None:
         self.futures = []
-        sender = self.producer._sender  # kafka-python 2.3: close() flushes first, sending what is queued
+        sender = self.producer._sender  # kafka-python's close() flushes first, sending what is queued
         if sender is not None:
             sender.force_close()  # what is queued is failed, not sent
         try:

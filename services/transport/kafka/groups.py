@@ -94,7 +94,7 @@ class WedgeWatch:
             self.unassigned_since = None
             return consumer
         now = time.monotonic()
-        # kafka-python 2.3 counts no joins; its coordinator makes a new generation object on every completed join.
+        # kafka-python counts no joins; its coordinator makes a new generation object on every completed join.
         generation = consumer._coordinator._generation
         if self.unassigned_since is None:
             self.unassigned_since, self.joins, self.last_generation = now, 0, generation
