@@ -397,6 +397,8 @@ class KafkaBus(Bus):
         )
 
     def remove_member(self, member: str, within: str = "") -> list[str]:
+        if not self.settings.static_members:
+            return []  # no member has a lasting name to remove it by (nor may the broker describe groups well)
         admin = self._retrying("admin", self._admin)
         try:
             groups = [g["group_id"] for g in admin.list_groups() if g["group_id"].startswith(within)]
