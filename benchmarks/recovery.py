@@ -83,26 +83,37 @@ class _Up:
             self.process = subprocess.Popen(
                 args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
-        self.read, self.lines = 0, []  # (time.monotonic(), line)
+        self.reader, self.partial, self.lines = open(self.output, errors="replace"), "", []  # (time.monotonic(), line)
 
     def tail(self) -> None:
-        text = self.output.read_text(errors="replace")
-        complete = text[self.read :].rpartition("\n")[0]
-        if complete:
-            now = time.monotonic()
-            self.lines += [(now, line) for line in complete.split("\n")]
-            self.read += len(complete) + 1
+        """The lines written since the last call, timed now (only what is new is read: the loop calls it often)."""
+        text = self.partial + self.reader.read()
+        *complete, self.partial = text.split("\n")
+        now = time.monotonic()
+        self.lines += [(now, line) for line in complete]
 
     def first(self, pattern: str, after: float) -> float | None:
         return next((at for at, line in self.lines if at >= after and re.search(pattern, line)), None)
 
     def stop(self) -> None:
+        self.reader.close()
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def _overrides(folder: Path, run_id: str, steps: int, setting: str) -> list[str]:
+    return [
+        f"run.steps={steps}",
+        f"run.dir={folder}/run",
+        f"run.run_id={run_id}",
+        "generation.backend=transformers",
+        *SESSION,
+        *SETTINGS[setting],
+    ]
 
 
 def _pids(role: str, run_id: str) -> list[int]:
@@ -117,14 +128,7 @@ def trial(setting: str, role: str, replicas: int, fault: str, steps: int = 24, f
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         metrics = folder / "run" / "metrics.jsonl"
-        overrides = [
-            f"run.steps={steps}",
-            f"run.dir={folder}/run",
-            f"run.run_id={run_id}",
-            "generation.backend=transformers",
-            *SESSION,
-            *SETTINGS[setting],
-        ]
+        overrides = _overrides(folder, run_id, steps, setting)
         up = _Up(folder, overrides, [f"{role}={replicas}"] if replicas > 1 else [])
         seen, fault_at, resumed, deadline = [], None, False, time.monotonic() + 900
         try:
@@ -186,14 +190,7 @@ def broker_trial(setting: str, fault: str, steps: int = 24, fault_after: int = 8
         folder = Path(tmp)
         metrics = folder / "run" / "metrics.jsonl"
         cluster = KafkaCluster(folder / "cluster", 3, settings=BROKER_BEFORE if setting == "before" else None).start()
-        overrides = [
-            f"run.steps={steps}",
-            f"run.dir={folder}/run",
-            f"run.run_id={run_id}",
-            "generation.backend=transformers",
-            *SESSION,
-            *SETTINGS[setting],
-        ]
+        overrides = _overrides(folder, run_id, steps, setting)
         up = _Up(folder, overrides, [], bootstrap=cluster.bootstrap)
         seen, fault_at, victim, back, deadline = [], None, None, False, time.monotonic() + 900
         try:

@@ -393,43 +393,46 @@ class KafkaBus(Bus):
             WedgeWatch(groups, connect, wedged_after_s),
             fetch_wait_s=s.fetch_max_wait_ms / 1000,
             # A static member never leaves its group by closing (KIP-345): it is removed, as a dead one would be.
-            leave=(lambda group: self._remove(instance, [group], LEAVE_TIMEOUT_S)) if instance is not None else None,
+            leave=(lambda group: self._leave(instance, group)) if instance is not None else None,
         )
 
     def remove_member(self, member: str, within: str = "") -> list[str]:
         if not self.settings.static_members:
             return []  # no member has a lasting name to remove it by (nor may the broker describe groups well)
+        instance = instance_id(member)
         admin = self._retrying("admin", self._admin)
         try:
             groups = [g["group_id"] for g in admin.list_groups() if g["group_id"].startswith(within)]
-            instance = instance_id(member)
             holding = [
                 name
                 for name, described in (admin.describe_groups(groups) if groups else {}).items()
                 if any(m.get("group_instance_id") == instance for m in described.get("members") or ())
             ]
+            return self._remove(admin, instance, holding)
         finally:
             admin.close()
-        return self._remove(instance, holding)
 
-    def _remove(self, instance: str, groups: list[str], timeout_s: float | None = None) -> list[str]:
-        """Remove the static member ``instance`` from ``groups``; those it was in. With ``timeout_s``, one attempt to
-        reach the brokers for that long (a replica that leaves as the broker stops does not wait for it)."""
-        if not groups:
-            return []
-        removed = []
-        admin = self._admin(timeout_s) if timeout_s is not None else self._retrying("admin", self._admin)
+    def _leave(self, instance: str, group: str) -> None:
+        """A closing static member removes itself: one attempt to reach the brokers for ``LEAVE_TIMEOUT_S`` (a
+        replica that stops with the broker does not wait for it)."""
+        admin = self._admin(LEAVE_TIMEOUT_S)
         try:
-            for group in groups:
-                try:
-                    answers = admin.remove_group_members(group, [MemberToRemove(group_instance_id=instance)])
-                except KafkaError as exc:  # the group is gone, or its coordinator moved meanwhile
-                    log.warning("could not remove member %s from group %s: %s", instance, group, exc)
-                    continue
-                if all(answer is KafkaErrors.NoError for answer in answers.values()):
-                    removed.append(group)
+            self._remove(admin, instance, [group])
         finally:
             admin.close()
+
+    @staticmethod
+    def _remove(admin: KafkaAdminClient, instance: str, groups: list[str]) -> list[str]:
+        """Remove the static member ``instance`` from ``groups``; those it was in."""
+        removed = []
+        for group in groups:
+            try:
+                answers = admin.remove_group_members(group, [MemberToRemove(group_instance_id=instance)])
+            except KafkaError as exc:  # the group is gone, or its coordinator moved meanwhile
+                log.warning("could not remove member %s from group %s: %s", instance, group, exc)
+                continue
+            if all(answer is KafkaErrors.NoError for answer in answers.values()):
+                removed.append(group)
         return removed
 
     def _partitions(self, consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:
